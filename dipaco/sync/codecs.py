@@ -1,0 +1,213 @@
+"""Codecs for pseudo-gradients on the wire (``diloco.codec``).
+
+A codec turns a flat fp32 tensor into a *payload* (a tuple of tensors) and back. Payload
+shapes and dtypes depend only on ``numel`` (never on the values), so every rank of a
+module subgroup can all-gather payloads into pre-sized buffers, and the planner can
+count bytes with :meth:`Codec.nbytes_for` without data.
+
+Error bounds (per element, x the input, d = decode(encode(x))):
+
+* ``none``: exact.
+* ``fp16``: |d - x| ≤ 2^-11·|x| for |x| in fp16's normal range; |x| > 65504 is clamped.
+* ``bf16``: |d - x| ≤ 2^-8·|x|.
+* ``int8``: per block of ``block_size`` entries, |d - x| ≤ absmax(block) / 254.
+* ``topk``: the kept ``ceil(fraction·numel)`` largest-magnitude entries are exact (fp32
+  values) or fp16-rounded (``value_dtype="fp16"``); the rest decode to 0.
+
+Error feedback (the residual x - d carried to the next round) lives in ``ModuleSync``.
+New codecs register with :func:`register_codec`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["Codec", "CODECS", "Payload", "make_codec", "register_codec", "payload_nbytes"]
+
+Payload = tuple[torch.Tensor, ...]
+
+CODECS: dict[str, type["Codec"]] = {}
+
+
+def register_codec(name: str) -> Callable[[type["Codec"]], type["Codec"]]:
+    """Class decorator adding a codec to the registry under ``name``."""
+
+    def deco(cls: type["Codec"]) -> type["Codec"]:
+        cls.name = name
+        CODECS[name] = cls
+        return cls
+
+    return deco
+
+
+def payload_nbytes(payload: Sequence[torch.Tensor]) -> int:
+    """Bytes of a payload on the wire."""
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+class Codec:
+    """Base class. Subclasses implement ``encode``, ``decode`` and ``nbytes_for``."""
+
+    name = "base"
+    lossy = True
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        """Encode a 1-D fp32 tensor."""
+        raise NotImplementedError
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        """Decode a payload back to a 1-D fp32 tensor of ``numel`` elements."""
+        raise NotImplementedError
+
+    def nbytes_for(self, numel: int) -> int:
+        """Payload bytes for ``numel`` elements (exactly ``payload_nbytes(encode(x))``)."""
+        raise NotImplementedError
+
+    def payload_nbytes(self, payload: Payload) -> int:
+        """Bytes of ``payload`` on the wire."""
+        return payload_nbytes(payload)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+@register_codec("none")
+class NoneCodec(Codec):
+    """fp32, exact."""
+
+    lossy = False
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        return (flat.detach().to(torch.float32).contiguous().clone(),)
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        return payload[0].to(torch.float32)[:numel]
+
+    def nbytes_for(self, numel: int) -> int:
+        return 4 * int(numel)
+
+
+class _CastCodec(Codec):
+    dtype: torch.dtype = torch.float16
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        x = flat.detach().to(torch.float32)
+        fmax = torch.finfo(self.dtype).max
+        return (x.clamp(-fmax, fmax).to(self.dtype).contiguous(),)
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        return payload[0].to(torch.float32)[:numel]
+
+    def nbytes_for(self, numel: int) -> int:
+        return 2 * int(numel)
+
+
+@register_codec("fp16")
+class FP16Codec(_CastCodec):
+    """IEEE half precision (values beyond ±65504 are clamped, never inf)."""
+
+    dtype = torch.float16
+
+
+@register_codec("bf16")
+class BF16Codec(_CastCodec):
+    """bfloat16: fp32's range, 8 bits of mantissa."""
+
+    dtype = torch.bfloat16
+
+
+@register_codec("int8")
+class Int8Codec(Codec):
+    """Symmetric int8 with one fp32 absmax scale per block of ``block_size`` entries."""
+
+    def __init__(self, block_size: int = 256) -> None:
+        if int(block_size) < 1:
+            raise ValueError(f"diloco.codec_kw.block_size={block_size} must be ≥ 1")
+        self.block_size = int(block_size)
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        x = flat.detach().to(torch.float32).reshape(-1)
+        n, b = x.numel(), self.block_size
+        nb = -(-n // b)
+        padded = torch.zeros(nb * b, dtype=torch.float32)
+        padded[:n] = x
+        blocks = padded.view(nb, b)
+        scale = blocks.abs().amax(dim=1) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
+        return (q.contiguous(), scale.contiguous())
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        q, scale = payload
+        n, b = int(numel), self.block_size
+        nb = scale.numel()
+        padded = torch.zeros(nb * b, dtype=torch.float32)
+        padded[:n] = q.to(torch.float32)
+        return (padded.view(nb, b) * scale[:, None]).reshape(-1)[:n]
+
+    def nbytes_for(self, numel: int) -> int:
+        return int(numel) + 4 * (-(-int(numel) // self.block_size))
+
+    def __repr__(self) -> str:
+        return f"Int8Codec(block_size={self.block_size})"
+
+
+@register_codec("topk")
+class TopKCodec(Codec):
+    """Keep the ``ceil(fraction·numel)`` largest-magnitude entries: values + int32 indices."""
+
+    _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+    def __init__(self, fraction: float = 0.01, value_dtype: str = "fp32") -> None:
+        if not 0.0 < float(fraction) <= 1.0:
+            raise ValueError(f"diloco.codec_kw.fraction={fraction} must be in (0, 1]")
+        if value_dtype not in self._VALUE_DTYPES:
+            raise ValueError(
+                f"diloco.codec_kw.value_dtype={value_dtype!r} must be one of {sorted(self._VALUE_DTYPES)}"
+            )
+        self.fraction = float(fraction)
+        self.value_dtype = value_dtype
+
+    def k_for(self, numel: int) -> int:
+        """Entries kept for a ``numel``-element tensor."""
+        return min(int(numel), max(1, math.ceil(self.fraction * int(numel))))
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        x = flat.detach().to(torch.float32).reshape(-1)
+        k = self.k_for(x.numel())
+        idx = torch.topk(x.abs(), k, sorted=False).indices
+        idx, _ = torch.sort(idx)
+        vals = x[idx]
+        if self.value_dtype == "fp16":
+            vals = vals.clamp(-65504.0, 65504.0)
+        return (vals.to(self._VALUE_DTYPES[self.value_dtype]).contiguous(), idx.to(torch.int32).contiguous())
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        vals, idx = payload
+        out = torch.zeros(int(numel), dtype=torch.float32)
+        out[idx.long()] = vals.to(torch.float32)
+        return out
+
+    def nbytes_for(self, numel: int) -> int:
+        vbytes = 4 if self.value_dtype == "fp32" else 2
+        return self.k_for(numel) * (vbytes + 4)
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(fraction={self.fraction}, value_dtype={self.value_dtype!r})"
+
+
+def make_codec(name: str, **kw: Any) -> Codec:
+    """Build a codec by name (``diloco.codec``) with options (``diloco.codec_kw``).
+
+    Raises:
+        ValueError: unknown name (lists the valid choices) or bad options.
+    """
+    key = str(name).lower()
+    if key not in CODECS:
+        raise ValueError(f"diloco.codec={name!r} is not a known codec; valid choices: {sorted(CODECS)}")
+    try:
+        return CODECS[key](**kw)
+    except TypeError as e:
+        raise ValueError(f"diloco.codec_kw {sorted(kw)} not accepted by codec {key!r}: {e}") from None

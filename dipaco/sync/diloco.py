@@ -1,0 +1,259 @@
+"""DiLoCoSync: the per-round driver over the ModuleSyncs of the modules a process holds.
+
+How the trainer drives a round (the same code in both backends)::
+
+    sync = DiLoCoSync(topology, modules, rank=None or rank, codec=..., outer=...)
+    sync.check_identical_start()                 # once, before round 0 (collective in torch)
+    for round in range(R):
+        for p in sync.paths_to_train():          # local: every path; torch: my group's paths
+            sync.begin_path(p)                   # live modules of p ← θ_global
+            ...H inner AdamW steps of path p (torch, G > 1: allreduce_gradients after
+               each backward over sync.worker_group)...
+            sync.end_path(p, tokens)             # contribute α·Δ, α = tokens of p this round
+        stats = sync.finish_round()              # collectives in torch: every rank calls it
+
+In the ``local`` backend (``rank=None``) this process plays every worker group: it holds
+every module and trains every path in turn. In the ``torch`` backend it is one rank of
+worker group ``g`` and holds ``topology.modules_of_group(g)``.
+
+Cosine similarity between contributions is computed from the pseudo-gradients this
+process saw (all paths of the module in ``local``; only its own group's paths in
+``torch``, None when fewer than 2): exchanging them would cost extra traffic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dipaco.sync.codecs import make_codec
+from dipaco.sync.comm import LocalComm, TorchComm
+from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
+from dipaco.topology import CommPlan, Topology
+
+__all__ = ["DiLoCoSync", "RoundStats"]
+
+
+@dataclass
+class RoundStats:
+    """Per-round sync statistics (``modules`` in the global module order)."""
+
+    round: int
+    modules: dict[str, ModuleRoundStats] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent by the ranks this process plays (local: all ranks; torch: this rank)."""
+        return sum(s.bytes_sent for s in self.modules.values())
+
+    @property
+    def dropped(self) -> int:
+        """Non-finite contributions dropped this round (module-group totals, summed)."""
+        return sum(s.dropped for s in self.modules.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view."""
+        return {
+            "round": self.round,
+            "bytes_sent": self.bytes_sent,
+            "dropped": self.dropped,
+            "modules": {m: s.to_dict() for m, s in self.modules.items()},
+        }
+
+
+class DiLoCoSync:
+    """DiLoCo per module over the modules this process holds.
+
+    Args:
+        topology: the run's topology.
+        modules: live module objects held by this process, by module id (extra ids are
+            ignored; ones the process must hold are required).
+        rank: None for the local backend; this process's global rank for torch.
+        codec, codec_kw: ``diloco.codec`` and its options.
+        error_feedback: carry codec errors to the next round (per module, per worker group).
+        outer: keyword arguments of :func:`dipaco.sync.outer.make_outer_optimizer`
+            (default: SGD Nesterov lr 0.7 momentum 0.9).
+        sharing_rescale: see :class:`ModuleSync`.
+        process_groups: a :class:`dipaco.sync.groups.ProcessGroups`; created here if None
+            (torch backend only; a collective: every rank must construct DiLoCoSync).
+        backend: process-group backend when creating them (``auto``|``gloo``|``nccl``).
+        track_cosine: report the cosine similarity between contributions.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        modules: dict[str, nn.Module],
+        *,
+        rank: int | None = None,
+        codec: str = "none",
+        codec_kw: dict[str, Any] | None = None,
+        error_feedback: bool = False,
+        outer: dict[str, Any] | None = None,
+        sharing_rescale: bool = False,
+        process_groups: Any = None,
+        backend: str = "auto",
+        track_cosine: bool = True,
+    ) -> None:
+        self.topology = topology
+        self.rank = rank
+        self.codec = make_codec(codec, **(codec_kw or {}))
+        if rank is None:
+            self.comm: LocalComm | TorchComm = LocalComm(topology)
+            self.group: int | None = None
+            held = list(topology.module_ids)
+            self.process_groups = None
+        else:
+            if process_groups is None:
+                from dipaco.sync.groups import ProcessGroups
+
+                process_groups = ProcessGroups(topology, rank, backend)
+            self.process_groups = process_groups
+            self.comm = TorchComm(topology, rank, process_groups)
+            self.group = topology.group_of_rank(rank)
+            held = topology.modules_of_group(self.group)
+        missing = [m for m in held if m not in modules]
+        if missing:
+            where = "the local backend" if rank is None else f"rank {rank} (worker group {self.group})"
+            raise ValueError(f"{where} must hold modules {missing} but they were not passed to DiLoCoSync")
+        self.modules = {m: modules[m] for m in held}
+        self.syncs: dict[str, ModuleSync] = {
+            m: ModuleSync(
+                m,
+                list(modules[m].parameters()),
+                self.comm,
+                codec=self.codec,
+                error_feedback=error_feedback,
+                outer=outer,
+                sharing_rescale=sharing_rescale,
+                track_cosine=track_cosine,
+            )
+            for m in held
+        }
+        self.round = 0
+        self._active: int | None = None
+        self._ended: set[int] = set()
+
+    # ----------------------------------------------------------------- who trains what
+    def paths_to_train(self) -> list[int]:
+        """Paths this process trains each round, in order (local: all; torch: my group's)."""
+        if self.group is None:
+            return list(range(self.topology.num_paths))
+        return self.topology.paths_of_group(self.group)
+
+    @property
+    def worker_group(self) -> Any:
+        """This rank's worker-group process group for ``allreduce_gradients`` (None: G = 1 or local)."""
+        if self.process_groups is None:
+            return None
+        return self.process_groups.worker_group(self.group)
+
+    def _check_path(self, path_id: int) -> None:
+        if not 0 <= path_id < self.topology.num_paths:
+            raise ValueError(f"path_id {path_id} outside [0, {self.topology.num_paths})")
+        if self.group is not None and self.topology.group_of_path(path_id) != self.group:
+            raise ValueError(
+                f"rank {self.rank} (worker group {self.group}) does not train path {path_id}; "
+                f"its paths are {self.paths_to_train()}"
+            )
+
+    # ----------------------------------------------------------------- the round
+    def begin_path(self, path_id: int) -> None:
+        """Reset path ``path_id``'s modules to the global weights before its inner steps."""
+        self._check_path(path_id)
+        if path_id in self._ended:
+            raise ValueError(f"path {path_id} already contributed this round")
+        for m in self.topology.path_modules[path_id]:
+            self.syncs[m].restore()
+        self._active = path_id
+
+    def end_path(self, path_id: int, tokens: float) -> dict[str, bool]:
+        """Contribute path ``path_id``'s pseudo-gradients with α = ``tokens``.
+
+        Returns ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted).
+        """
+        self._check_path(path_id)
+        if self._active != path_id:
+            raise ValueError(f"end_path({path_id}) without begin_path({path_id}) (active: {self._active})")
+        contributor = self.topology.group_of_path(path_id)
+        out = {m: self.syncs[m].contribute(path_id, tokens, contributor) for m in self.topology.path_modules[path_id]}
+        self._active = None
+        self._ended.add(path_id)
+        return out
+
+    def finish_round(self) -> RoundStats:
+        """Reduce every held module over its module group and step its outer optimiser.
+
+        Torch backend: a collective. Every rank calls it once per round; modules are
+        visited in the global module order on every rank (see ``TorchComm``).
+        """
+        if self._active is not None:
+            raise ValueError(f"finish_round() while path {self._active} has begun but not ended")
+        stats = RoundStats(round=self.round)
+        for m, s in self.syncs.items():  # global order
+            stats.modules[m] = s.reduce_and_step()
+        self.round += 1
+        self._ended.clear()
+        return stats
+
+    def total_bytes(self, stats: RoundStats) -> int:
+        """Bytes sent by ALL ranks this round (torch: a world all-reduce, every rank calls it)."""
+        if self.rank is None:
+            return stats.bytes_sent
+        t = torch.tensor([stats.bytes_sent], dtype=torch.int64)
+        dist.all_reduce(t)
+        return int(t)
+
+    def plan(self, inner_steps: int) -> CommPlan:
+        """The communication plan of this run's modules with this codec."""
+        counts = {m: s.numel for m, s in self.syncs.items()}
+        missing = [m for m in self.topology.module_ids if m not in counts]
+        if missing:
+            raise ValueError(f"this rank does not hold {missing}; call Topology.plan with every module's size")
+        kw = {k: v for k, v in vars(self.codec).items()}
+        return self.topology.plan(counts, self.codec.name, inner_steps, **kw)
+
+    # ----------------------------------------------------------------- checks and state
+    def weights_hash(self) -> dict[str, str]:
+        """sha256 of each held module's global weights."""
+        return {m: s.weights_hash() for m, s in self.syncs.items()}
+
+    def check_identical_start(self) -> dict[str, str]:
+        """Contract 4: every copy of each module holds the same weights.
+
+        Local: the live modules equal the global copies. Torch: digests are all-gathered
+        over each module group (a collective: every rank calls it). Raises RuntimeError
+        naming the module and ranks on mismatch.
+        """
+        if self.rank is None:
+            bad = [m for m, s in self.syncs.items() if s.live_hash() != s.weights_hash()]
+            if bad:
+                raise RuntimeError(f"modules {bad} changed since DiLoCoSync was built; rebuild it after loading weights")
+            return self.weights_hash()
+        from dipaco.sync.checks import check_identical_modules
+
+        return check_identical_modules(self.modules, self.topology, self.rank, self.process_groups)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat ``{"<module>/<key>": tensor}`` plus ``"diloco/round"``: safetensors-ready."""
+        out: dict[str, torch.Tensor] = {"diloco/round": torch.tensor(self.round, dtype=torch.int64)}
+        for m, s in self.syncs.items():
+            for k, v in s.state_dict().items():
+                out[f"{m}/{k}"] = v
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`state_dict` (restores the live modules too)."""
+        missing = [m for m in self.syncs if f"{m}/global" not in state]
+        if missing:
+            raise ValueError(f"sync state lacks modules {missing}")
+        for m, s in self.syncs.items():
+            prefix = f"{m}/"
+            s.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        if "diloco/round" in state:
+            self.round = int(state["diloco/round"])
+        self._active = None
+        self._ended.clear()

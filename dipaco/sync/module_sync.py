@@ -1,0 +1,303 @@
+"""DiLoCo for ONE module: global weights, outer optimiser, error-feedback residuals.
+
+Per round (see :class:`dipaco.sync.diloco.DiLoCoSync` for the driver):
+
+1. before each path's turn, :meth:`ModuleSync.restore` copies the global weights into
+   the live module, so every path starts the round from the same θ_global;
+2. after the path's H inner steps, :meth:`ModuleSync.contribute` records its
+   pseudo-gradient ``Δ = θ_global − θ_path`` weighted by α (the path's tokens);
+3. :meth:`ModuleSync.reduce_and_step` sums Σα·Δ and Σα over the module group, sets the
+   outer gradient to ``Σα·Δ / Σα`` and steps the outer optimiser; the live module gets
+   the new global weights.
+
+A *contributor* is a worker group index: contributions of one group's paths are summed
+into one buffer (in the order the paths were trained), which is encoded once per slice
+with that group's error-feedback residual.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dipaco.sync.codecs import Codec, make_codec
+from dipaco.sync.comm import CommBytes, Communicator
+from dipaco.sync.outer import make_outer_optimizer
+
+__all__ = ["ModuleRoundStats", "ModuleSync", "pseudo_gradient", "params_hash"]
+
+log = logging.getLogger(__name__)
+
+
+def pseudo_gradient(global_flat: torch.Tensor, path_flat: torch.Tensor) -> torch.Tensor:
+    """THE sign convention (DESIGN glossary): ``Δ = θ_global_before_round − θ_path_after_round``.
+
+    With this sign, an outer SGD step ``θ ← θ − lr·Δ`` moves θ_global towards the paths.
+    """
+    return global_flat - path_flat
+
+
+def flatten_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate parameters into one flat fp32 CPU tensor (a copy)."""
+    if not params:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+
+
+def params_hash(params: Sequence[torch.Tensor]) -> str:
+    """sha256 hex digest of parameters (dtype, shape and bytes, in order)."""
+    h = hashlib.sha256()
+    for p in params:
+        t = p.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class ModuleRoundStats:
+    """What happened to one module in one round."""
+
+    module_id: str
+    bytes_sent: int  # by the ranks this process plays (local: all ranks; torch: this rank)
+    bytes_cross: int
+    bytes_meta: int
+    bytes_intra: int
+    pseudo_grad_norm: float  # ‖Σα·Δ/Σα‖ (before any sharing rescale); 0 when no step
+    contributions: int  # paths that contributed, over the whole module group
+    dropped: int  # non-finite contributions dropped, over the whole module group
+    alpha_sum: float
+    stepped: bool
+    cosine: float | None  # mean pairwise cosine of the Δs seen by this process (≥ 2 needed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view."""
+        return dict(self.__dict__)
+
+
+class ModuleSync:
+    """Global weights, outer optimiser, EF residuals and communicator of one module.
+
+    Args:
+        module_id: the module's id.
+        params: the live parameters of the module in this process (in a fixed order).
+        comm: communicator; its ``contributors(module_id)`` are the worker groups whose
+            contributions this object accepts.
+        codec: codec object or name; ignored (exact) for a module held by one worker group.
+        error_feedback: keep per-contributor residuals ``value − decode(encode(value))``
+            and add them to the next round's contribution.
+        outer: keyword arguments of :func:`make_outer_optimizer`.
+        sharing_rescale: multiply the averaged pseudo-gradient by √(contributions): the
+            average of s roughly independent pseudo-gradients has ~1/√s of their norm, so
+            without it modules shared by many paths move slower than private ones.
+        track_cosine: keep this round's Δs (one copy per contribution) to report their
+            mean pairwise cosine similarity.
+    """
+
+    def __init__(
+        self,
+        module_id: str,
+        params: Sequence[nn.Parameter],
+        comm: Communicator,
+        *,
+        codec: Codec | str = "none",
+        error_feedback: bool = False,
+        outer: dict[str, Any] | None = None,
+        sharing_rescale: bool = False,
+        track_cosine: bool = True,
+    ) -> None:
+        self.module_id = module_id
+        self.params = list(params)
+        self.comm = comm
+        topo = comm.topology
+        self.shared = len(topo.groups_of_module(module_id)) > 1
+        self.codec = make_codec(codec) if isinstance(codec, str) else codec
+        # a module held by one worker group sends nothing: keep it exact
+        self._wire_codec = self.codec if self.shared else make_codec("none")
+        self.error_feedback = bool(error_feedback) and self.shared and self.codec.lossy
+        self.sharing_rescale = bool(sharing_rescale)
+        self.track_cosine = bool(track_cosine)
+        self.numel = sum(p.numel() for p in self.params)
+        self.group_size = topo.group_size
+        self.slice_numel = topo.slice_numel(self.numel)
+        self.padded_numel = self.slice_numel * self.group_size
+        self.contributors = list(comm.contributors(module_id))
+        self.global_weights = nn.Parameter(flatten_params(self.params), requires_grad=True)
+        self.outer_optimizer = make_outer_optimizer([self.global_weights], **(outer or {}))
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.dropped_total = 0
+        self._reset_round()
+
+    # ----------------------------------------------------------------- round state
+    def _reset_round(self) -> None:
+        self._acc: dict[int, torch.Tensor] = {}
+        self._alpha: dict[int, float] = {c: 0.0 for c in self.contributors}
+        self._count: dict[int, int] = {c: 0 for c in self.contributors}
+        self._dropped: dict[int, int] = {c: 0 for c in self.contributors}
+        self._deltas: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Copy the global weights into the live parameters (before each path's turn)."""
+        off = 0
+        flat = self.global_weights.detach()
+        for p in self.params:
+            n = p.numel()
+            p.copy_(flat[off : off + n].view_as(p).to(p.dtype))
+            off += n
+
+    @torch.no_grad()
+    def contribute(self, path_id: int, tokens: float, contributor: int) -> bool:
+        """Record the path's pseudo-gradient with weight α = ``tokens``.
+
+        Returns False (and counts it) when Δ has a NaN/inf: it is dropped for this
+        module and round, never applied.
+        """
+        if contributor not in self._alpha:
+            raise ValueError(
+                f"module {self.module_id!r}: contributor (worker group) {contributor} is not one of {self.contributors}"
+            )
+        alpha = float(tokens)
+        if not alpha >= 0 or math.isinf(alpha):
+            raise ValueError(f"path {path_id}: tokens={tokens} must be a finite number ≥ 0")
+        delta = pseudo_gradient(self.global_weights.detach(), flatten_params(self.params))
+        if not bool(torch.isfinite(delta).all()):
+            self._dropped[contributor] += 1
+            self.dropped_total += 1
+            log.warning(
+                "module %s: dropped the non-finite pseudo-gradient of path %d this round", self.module_id, path_id
+            )
+            return False
+        acc = self._acc.get(contributor)
+        if acc is None:
+            acc = self._acc[contributor] = torch.zeros(self.padded_numel, dtype=torch.float32)
+        acc[: self.numel].add_(delta, alpha=alpha)
+        self._alpha[contributor] += alpha
+        self._count[contributor] += 1
+        if self.track_cosine:
+            self._deltas.append(delta)
+        return True
+
+    def _cosine(self) -> float | None:
+        ds = self._deltas
+        if len(ds) < 2:
+            return None
+        sims = []
+        for i in range(len(ds)):
+            for j in range(i + 1, len(ds)):
+                sims.append(float(torch.nn.functional.cosine_similarity(ds[i], ds[j], dim=0, eps=1e-12)))
+        return sum(sims) / len(sims)
+
+    def _encode(self, contributor: int) -> list[tuple[torch.Tensor, ...]]:
+        """Encode a contributor's Σα·Δ slice by slice (plus/minus its EF residual)."""
+        value = self._acc.get(contributor)
+        if value is None:
+            value = torch.zeros(self.padded_numel, dtype=torch.float32)
+        if self.error_feedback:
+            res = self.residuals.get(contributor)
+            if res is not None:
+                value = value + res
+        s, codec = self.slice_numel, self._wire_codec
+        # every rank of a worker group encodes ALL slices (it sends only its own): the
+        # residual then stays identical on the G ranks, so any of them can checkpoint it
+        payloads = [codec.encode(value[r * s : (r + 1) * s]) for r in range(self.group_size)]
+        if self.error_feedback:
+            decoded = torch.cat([codec.decode(pl, s) for pl in payloads])
+            self.residuals[contributor] = value - decoded
+        return payloads
+
+    @torch.no_grad()
+    def reduce_and_step(self) -> ModuleRoundStats:
+        """Exchange, average with weights α, outer step, copy into the live params.
+
+        Every rank of the module group must call this in the same round (collectives).
+        If nobody contributed (or Σα = 0), θ_global is left unchanged and no outer step
+        (so no momentum) is applied; the live params are reset to θ_global either way.
+        """
+        payloads = {c: self._encode(c) for c in self.contributors}
+        metas = {
+            c: torch.tensor([self._alpha[c], self._count[c], self._dropped[c]], dtype=torch.float64)
+            for c in self.contributors
+        }
+        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.slice_numel)
+        meta, meta_bytes = self.comm.reduce_meta(self.module_id, metas)
+        nbytes = CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
+        alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
+        stepped = count > 0 and alpha_sum > 0
+        norm = 0.0
+        if stepped:
+            avg = total[: self.numel] / alpha_sum
+            norm = float(avg.norm())
+            if self.sharing_rescale:
+                avg = avg * math.sqrt(count)
+            self.global_weights.grad = avg.to(self.global_weights.dtype)
+            self.outer_optimizer.step()
+            self.global_weights.grad = None
+        cosine = self._cosine()
+        self.restore()
+        self._reset_round()
+        return ModuleRoundStats(
+            module_id=self.module_id,
+            bytes_sent=nbytes.total,
+            bytes_cross=nbytes.cross,
+            bytes_meta=nbytes.meta,
+            bytes_intra=nbytes.intra,
+            pseudo_grad_norm=norm,
+            contributions=count,
+            dropped=dropped,
+            alpha_sum=alpha_sum,
+            stepped=stepped,
+            cosine=cosine,
+        )
+
+    # ----------------------------------------------------------------- state
+    def weights_hash(self) -> str:
+        """sha256 of the global weights (fp32 flat)."""
+        return params_hash([self.global_weights])
+
+    def live_hash(self) -> str:
+        """sha256 of the live parameters."""
+        return params_hash(self.params)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only: ``global``, ``outer.<key>`` (per-parameter optimiser state),
+        ``residual.<group>``. Optimiser hyper-parameters come from the config."""
+        out: dict[str, torch.Tensor] = {"global": self.global_weights.detach().clone()}
+        st = self.outer_optimizer.state.get(self.global_weights, {})
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                out[f"outer.{key}"] = val.detach().clone()
+            elif isinstance(val, (int, float)):
+                out[f"outer.{key}"] = torch.tensor(val, dtype=torch.float64)
+        for c, res in self.residuals.items():
+            out[f"residual.{c}"] = res.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of :meth:`state_dict`; also restores the live parameters."""
+        g = state["global"].to(torch.float32).reshape(-1)
+        if g.numel() != self.numel:
+            raise ValueError(
+                f"module {self.module_id!r}: checkpoint has {g.numel()} parameters, the model has {self.numel}"
+            )
+        self.global_weights.copy_(g)
+        opt_state: dict[str, Any] = {}
+        for key, val in state.items():
+            if key.startswith("outer."):
+                opt_state[key[len("outer.") :]] = val.clone()
+        self.outer_optimizer.state.clear()
+        if opt_state:
+            self.outer_optimizer.state[self.global_weights] = opt_state
+        self.residuals = {
+            int(k[len("residual.") :]): v.to(torch.float32).clone()
+            for k, v in state.items()
+            if k.startswith("residual.") and int(k[len("residual.") :]) in self._alpha
+        }
+        self.restore()
+        self._reset_round()
