@@ -1,0 +1,308 @@
+"""Per-module DiLoCo with the local backend: signs, weights, outer steps, codecs, EF, state."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dipaco.sync.codecs import make_codec
+from dipaco.sync.diloco import DiLoCoSync
+from dipaco.sync.module_sync import pseudo_gradient
+from dipaco.sync.outer import make_outer_optimizer
+from dipaco.topology import Topology
+
+IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
+PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]
+AVG = dict(name="sgd", lr=1.0, momentum=0.0, nesterov=False)
+
+
+def const_modules(value: float = 0.0, n: int = 3) -> dict[str, nn.Module]:
+    mods = {}
+    for m in IDS:
+        lin = nn.Linear(n, 1, bias=False)
+        with torch.no_grad():
+            lin.weight.fill_(value)
+        mods[m] = lin
+    return mods
+
+
+def set_path(mods: dict[str, nn.Module], path: list[str], value: float) -> None:
+    """Pretend the path trained: its modules' weights become ``value``."""
+    with torch.no_grad():
+        for m in path:
+            mods[m].weight.fill_(value)
+
+
+def w(mods: dict[str, nn.Module], m: str) -> float:
+    return float(mods[m].weight.detach().mean())
+
+
+def test_pseudo_gradient_sign() -> None:
+    g, p = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 3.0])
+    assert torch.equal(pseudo_gradient(g, p), torch.tensor([0.5, -1.0]))
+    # with that sign an outer SGD step (lr 0.5) moves θ_global half-way TOWARDS the path
+    topo = Topology(IDS, PATHS, world_size=1)
+    mods = const_modules(1.0)
+    sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=0.5, momentum=0.0, nesterov=False))
+    sync.begin_path(0)
+    set_path(mods, PATHS[0], 3.0)  # moved by +2
+    sync.end_path(0, tokens=10)
+    stats = sync.finish_round()
+    assert w(mods, "L0.0") == pytest.approx(2.0)
+    assert stats.modules["L0.0"].pseudo_grad_norm == pytest.approx(2.0 * math.sqrt(3))
+
+
+def test_alpha_weighting_and_plain_average() -> None:
+    topo = Topology(IDS, PATHS, world_size=4)
+    mods = const_modules(0.0)
+    sync = DiLoCoSync(topo, mods, outer=AVG)
+    vals, toks = [1.0, -1.0, 2.0, 5.0], [3, 1, 2, 2]
+    for p in sync.paths_to_train():
+        sync.begin_path(p)
+        assert w(mods, "embed") == 0.0  # every path starts the round from θ_global
+        set_path(mods, PATHS[p], vals[p])
+        sync.end_path(p, toks[p])
+    stats = sync.finish_round()
+    # embed: shared by all 4 paths → token-weighted mean of their weights (exact)
+    want = sum(v * t for v, t in zip(vals, toks)) / sum(toks)
+    assert w(mods, "embed") == pytest.approx(want, abs=1e-7)
+    # L0.0: paths 0 (3 tokens, +1) and 1 (1 token, -1): 3x the tokens pulls 3x harder
+    assert w(mods, "L0.0") == pytest.approx((3 * 1.0 + 1 * -1.0) / 4, abs=1e-7)
+    assert w(mods, "L1.1") == pytest.approx((1 * -1.0 + 2 * 5.0) / 3, abs=1e-7)
+    assert stats.modules["embed"].contributions == 4 and stats.modules["L0.0"].contributions == 2
+    assert stats.modules["embed"].alpha_sum == 8.0
+    assert stats.modules["embed"].cosine is not None
+
+
+def test_module_not_in_path_untouched() -> None:
+    topo = Topology(IDS, PATHS, world_size=4)
+    mods = const_modules(1.0)
+    sync = DiLoCoSync(topo, mods, outer=AVG)
+    sync.begin_path(0)
+    with torch.no_grad():  # even if a stray write hits a module outside path 0 ...
+        for m in IDS:
+            mods[m].weight.fill_(7.0)
+    sync.end_path(0, 5)
+    stats = sync.finish_round()
+    for m in ["L0.1", "L1.1"]:  # ... it is neither contributed nor kept
+        assert w(mods, m) == 1.0 and not stats.modules[m].stepped
+        assert stats.modules[m].contributions == 0
+    for m in PATHS[0]:
+        assert w(mods, m) == 7.0
+
+
+def test_nesterov_matches_hand_computed_reference() -> None:
+    topo = Topology(IDS, PATHS, world_size=1)
+    mods = const_modules(0.0, n=1)
+    lr, mu = 0.7, 0.9
+    sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=lr, momentum=mu, nesterov=True))
+    theta, buf = 0.0, None
+    for target in [1.0, 2.0, -0.5]:
+        for p in range(4):
+            sync.begin_path(p)
+            set_path(mods, PATHS[p], target)
+            sync.end_path(p, 1)
+        sync.finish_round()
+        g = theta - target  # Δ = θ_global − θ_path
+        buf = g if buf is None else mu * buf + g
+        theta = theta - lr * (g + mu * buf)
+        assert w(mods, "embed") == pytest.approx(theta, abs=1e-6)
+
+
+def test_sharing_rescale() -> None:
+    topo = Topology(IDS, PATHS, world_size=4)
+    mods = const_modules(0.0)
+    sync = DiLoCoSync(topo, mods, outer=AVG, sharing_rescale=True)
+    for p in range(4):
+        sync.begin_path(p)
+        set_path(mods, PATHS[p], 1.0)
+        sync.end_path(p, 1)
+    sync.finish_round()
+    assert w(mods, "embed") == pytest.approx(2.0)  # avg Δ = -1, × √4
+    assert w(mods, "L0.0") == pytest.approx(math.sqrt(2))
+
+
+def test_non_finite_dropped_counted_others_step(caplog: pytest.LogCaptureFixture) -> None:
+    topo = Topology(IDS, PATHS, world_size=4)
+    mods = const_modules(0.0)
+    sync = DiLoCoSync(topo, mods, outer=AVG)
+    for p in range(4):
+        sync.begin_path(p)
+        set_path(mods, PATHS[p], 1.0)
+        if p == 1:
+            with torch.no_grad():
+                mods["L0.0"].weight[0, 0] = float("nan")
+        accepted = sync.end_path(p, 1)
+        if p == 1:
+            assert accepted["L0.0"] is False and accepted["embed"] is True
+    assert "path 1" in caplog.text and "L0.0" in caplog.text
+    stats = sync.finish_round()
+    assert stats.modules["L0.0"].dropped == 1 and stats.dropped == 1
+    assert stats.modules["L0.0"].contributions == 1
+    assert torch.isfinite(mods["L0.0"].weight).all() and w(mods, "L0.0") == pytest.approx(1.0)
+    assert w(mods, "embed") == pytest.approx(1.0)
+
+
+def test_nobody_contributed_leaves_theta() -> None:
+    topo = Topology(IDS, PATHS, world_size=1)
+    mods = const_modules(0.5)
+    sync = DiLoCoSync(topo, mods)
+    stats = sync.finish_round()
+    assert all(not s.stepped for s in stats.modules.values())
+    assert w(mods, "head") == 0.5
+
+
+def test_driver_misuse_is_reported() -> None:
+    topo = Topology(IDS, PATHS, world_size=1)
+    sync = DiLoCoSync(topo, const_modules())
+    with pytest.raises(ValueError, match="without begin_path"):
+        sync.end_path(0, 1)
+    sync.begin_path(0)
+    sync.end_path(0, 1)
+    with pytest.raises(ValueError, match="already contributed"):
+        sync.begin_path(0)
+    with pytest.raises(ValueError, match="must hold modules"):
+        DiLoCoSync(topo, {"embed": nn.Linear(1, 1)})
+
+
+# ----------------------------------------------------------------------------- codecs
+def test_codec_registry_errors() -> None:
+    with pytest.raises(ValueError, match=r"diloco.codec='zip'.*\['bf16', 'fp16', 'int8', 'none', 'topk'\]"):
+        make_codec("zip")
+    with pytest.raises(ValueError, match="diloco.codec_kw"):
+        make_codec("int8", fraction=0.1)
+
+
+@pytest.mark.parametrize("numel", [1, 255, 1000])
+def test_codec_round_trips(numel: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(numel) * 1e-2
+    for name, kw in [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {"block_size": 64}), ("topk", {"fraction": 0.1})]:
+        c = make_codec(name, **kw)
+        pl = c.encode(x)
+        assert c.payload_nbytes(pl) == c.nbytes_for(numel), name
+        d = c.decode(pl, numel)
+        assert d.shape == x.shape and d.dtype == torch.float32
+        if name == "none":
+            assert torch.equal(d, x)
+        elif name == "fp16":
+            assert ((d - x).abs() <= 2**-11 * x.abs() + 2**-24).all()
+        elif name == "bf16":
+            assert ((d - x).abs() <= 2**-8 * x.abs()).all()
+        elif name == "int8":
+            b = 64
+            for s in range(0, numel, b):
+                blk = x[s : s + b]
+                assert ((d[s : s + b] - blk).abs() <= blk.abs().max() / 254 + 1e-9).all()
+        else:
+            k = c.k_for(numel)
+            kept = torch.topk(x.abs(), k).indices
+            assert torch.equal(d[kept], x[kept])  # exact on kept entries
+            assert int((d != 0).sum()) <= k
+
+
+def test_fp16_clamps_instead_of_inf() -> None:
+    c = make_codec("fp16")
+    d = c.decode(c.encode(torch.tensor([1e6, -1e6])), 2)
+    assert torch.isfinite(d).all()
+
+
+def test_error_feedback_drives_accumulated_error_to_zero() -> None:
+    topo = Topology(["a"], [["a"], ["a"]], world_size=2)
+    torch.manual_seed(0)
+    target = torch.randn(2, 50) * 0.01  # each path moves the weights by a fixed step
+
+    def run(ef: bool) -> float:
+        lin = nn.Linear(50, 1, bias=False)
+        with torch.no_grad():
+            lin.weight.zero_()
+        sync = DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=ef, outer=AVG)
+        rounds = 200
+        for _ in range(rounds):
+            for p in range(2):
+                sync.begin_path(p)
+                with torch.no_grad():
+                    lin.weight.add_(target[p])
+                sync.end_path(p, 1)
+            sync.finish_round()
+        exact = rounds * target.mean(0)
+        return float((lin.weight.detach()[0] - exact).norm() / exact.norm())
+
+    with_ef, without = run(True), run(False)
+    assert with_ef < 0.05, with_ef
+    assert without > 0.5, without
+
+
+# ----------------------------------------------------------------------------- bytes and state
+@pytest.mark.parametrize("group_size", [1, 2])
+@pytest.mark.parametrize("codec, kw", [("none", {}), ("int8", {"block_size": 16}), ("topk", {"fraction": 0.2})])
+def test_plan_matches_measured_bytes(group_size: int, codec: str, kw: dict) -> None:
+    topo = Topology(IDS, PATHS, world_size=4, group_size=group_size)
+    torch.manual_seed(0)
+    mods = {m: nn.Linear(7, 5) for m in IDS}  # 40 params: not a multiple of G or blocks
+    sync = DiLoCoSync(topo, mods, codec=codec, codec_kw=kw)
+    for p in range(4):
+        sync.begin_path(p)
+        with torch.no_grad():
+            for m in PATHS[p]:
+                mods[m].weight.add_(0.1)
+        sync.end_path(p, 1)
+    stats = sync.finish_round()
+    plan = sync.plan(inner_steps=5)
+    for row in plan.modules:
+        assert stats.modules[row.module_id].bytes_sent == row.bytes_total, row.module_id
+    assert stats.bytes_sent == plan.bytes_per_round
+
+
+def test_state_dict_resume_equals_uninterrupted() -> None:
+    topo = Topology(IDS, PATHS, world_size=2)
+
+    def round_(sync: DiLoCoSync, mods: dict, r: int) -> None:
+        for p in sync.paths_to_train():
+            sync.begin_path(p)
+            with torch.no_grad():
+                for m in PATHS[p]:
+                    mods[m].weight.add_(0.01 * (p + 1) * (r + 1))
+            sync.end_path(p, p + 1)
+        sync.finish_round()
+
+    def fresh() -> tuple[DiLoCoSync, dict]:
+        torch.manual_seed(1)
+        mods = {m: nn.Linear(6, 6) for m in IDS}
+        return DiLoCoSync(topo, mods, codec="int8", codec_kw={"block_size": 8}, error_feedback=True), mods
+
+    a, ma = fresh()
+    for r in range(4):
+        round_(a, ma, r)
+    b, mb = fresh()
+    for r in range(2):
+        round_(b, mb, r)
+    state = {k: v.clone() for k, v in b.state_dict().items()}
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+    assert "embed/outer.momentum_buffer" in state and "embed/residual.1" in state
+    c, mc = fresh()
+    c.load_state_dict(state)
+    assert c.round == 2 and c.weights_hash() == b.weights_hash()
+    for r in range(2, 4):
+        round_(c, mc, r)
+    for m in IDS:
+        assert torch.equal(ma[m].weight, mc[m].weight), m
+    assert a.weights_hash() == c.weights_hash()
+
+
+# ----------------------------------------------------------------------------- outer optimiser
+def test_outer_factory() -> None:
+    p = [nn.Parameter(torch.zeros(2))]
+    opt = make_outer_optimizer(p)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["nesterov"] and opt.defaults["lr"] == 0.7
+    assert isinstance(make_outer_optimizer(p, name="AdamW", lr=1e-3, betas=(0.9, 0.95)), torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"diloco.outer.name='sdg'.*sgd"):
+        make_outer_optimizer(p, name="sdg")
+    with pytest.raises(ValueError, match="nesterov=true needs diloco.outer.momentum > 0"):
+        make_outer_optimizer(p, momentum=0.0, nesterov=True)
+    with pytest.raises(ValueError, match="not accepted"):
+        make_outer_optimizer(p, name="sgd", betas=(0.9, 0.9))
+    with pytest.raises(ValueError, match="lr"):
+        make_outer_optimizer(p, lr=0)
