@@ -1,0 +1,40 @@
+"""router: documents (token ids) → paths of a DiPaCo grid, and training shards on disk.
+
+Leaf package: imports numpy, faiss (in ``router.kmeans`` only), scikit-learn and
+datasets — never torch, ``dipaco`` or ``modules``. LM features arrive as a callable
+(:class:`CallableFeaturizer`).
+
+Typical use::
+
+    r = Router.fit(token_docs, grid=[4, 4], prefix_tokens=32)
+    shards = r.assign(token_docs)            # balanced, top-k, for training
+    write_shards(ds, shards, r.num_paths, "out/shards")
+    r.route(prompt_ids)                      # evaluation / inference: best path
+    r.save("out/router"); Router.load("out/router", expected_grid=[4, 4])
+"""
+from .assign import balanced_assign, capacity_per_path
+from .discriminative import DiscriminativeHead, fit_discriminative
+from .features import CallableFeaturizer, TokenTfidfFeaturizer
+from .kmeans import fit_kmeans, search, squared_distances
+from .report import routing_report
+from .router import METHODS, ROUTER_FORMAT_VERSION, Router
+from .shards import load_shard, read_shards_manifest, write_shards
+
+__all__ = [
+    "Router",
+    "METHODS",
+    "ROUTER_FORMAT_VERSION",
+    "TokenTfidfFeaturizer",
+    "CallableFeaturizer",
+    "fit_kmeans",
+    "squared_distances",
+    "search",
+    "balanced_assign",
+    "capacity_per_path",
+    "fit_discriminative",
+    "DiscriminativeHead",
+    "write_shards",
+    "load_shard",
+    "read_shards_manifest",
+    "routing_report",
+]

@@ -1,0 +1,67 @@
+"""Routing report: shard sizes, balance and (with labels) agreement with known domains."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def routing_report(
+    path_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+    *,
+    num_paths: int,
+    labels: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """Summarise a routing as a JSON-able dict.
+
+    Args:
+        path_ids: the path of each document (``route_batch`` output), or the per-document
+            path lists of ``Router.assign``; with lists, shard sizes count every
+            membership and NMI/purity use each document's first (best) path.
+        num_paths: P, so paths that received nothing still appear (as size 0).
+        labels: optional known domain of each document (any hashable values).
+
+    Returns keys ``num_documents``, ``shard_sizes`` (one per path), ``imbalance``
+    (max/mean shard size; None without documents), ``empty_shards`` (path ids), and with
+    labels ``nmi`` (sklearn normalized_mutual_info_score) and ``purity`` (share of
+    documents whose path's majority label is their own label).
+    """
+    num_paths = int(num_paths)
+    if num_paths < 1:
+        raise ValueError(f"num_paths must be >= 1, got {num_paths}")
+    if len(path_ids) and not np.isscalar(path_ids[0]) and np.ndim(path_ids[0]) == 1:
+        lists = [list(map(int, p)) for p in path_ids]
+        best = np.array([p[0] if p else -1 for p in lists], np.int64)
+        members = np.array([q for p in lists for q in p], np.int64)
+    else:
+        best = np.asarray(path_ids, np.int64).reshape(-1)
+        members = best
+    if members.size and (members.min() < 0 or members.max() >= num_paths):
+        raise ValueError(f"path ids must lie in [0, {num_paths}), got range [{members.min()}, {members.max()}]")
+    sizes = np.bincount(members, minlength=num_paths)
+    mean = sizes.mean()
+    report: dict[str, Any] = {
+        "num_documents": int(best.size),
+        "num_paths": num_paths,
+        "shard_sizes": sizes.tolist(),
+        "imbalance": float(sizes.max() / mean) if mean > 0 else None,
+        "empty_shards": np.flatnonzero(sizes == 0).tolist(),
+    }
+    if labels is not None:
+        from sklearn.metrics import normalized_mutual_info_score
+
+        labels = list(labels)
+        if len(labels) != best.size:
+            raise ValueError(f"labels has {len(labels)} entries for {best.size} documents")
+        report["nmi"] = float(normalized_mutual_info_score(labels, best)) if best.size else None
+        _, lab = np.unique(np.asarray([str(x) for x in labels]), return_inverse=True)
+        if best.size:
+            table = np.zeros((num_paths + 1, lab.max() + 1), np.int64)
+            np.add.at(table, (best, lab), 1)  # row -1 (a document with no path) never counts as correct
+            report["purity"] = float(table[:num_paths].max(axis=1).sum() / best.size)
+        else:
+            report["purity"] = None
+    return report
+
+
+__all__ = ["routing_report"]

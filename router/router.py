@@ -1,0 +1,464 @@
+"""The Router: documents (token ids) → paths of a grid, by their first ``prefix_tokens`` tokens.
+
+Path ids follow the grid's mixed radix with level 0 most significant
+(``np.ravel_multi_index(path, grid)``; for grid [4, 4], path (2, 1) is id 9).
+
+Two ways to turn features into paths (``method``):
+
+* ``"product"``: the feature vector is rotated by a seeded random orthogonal matrix (so no
+  level gets only the leading, high-variance SVD components) and split into contiguous
+  blocks, one per level with K > 1. Level l clusters its block into K_l centroids. The
+  cost of path (k_0, k_1, ...) is the sum over levels of the squared distance from the
+  level's block to centroid k_l. Levels with K = 1 contribute nothing (and get no block,
+  so no feature dimension is wasted on them).
+* ``"flat"``: one k-means with P centroids on the whole feature vector; cluster c is laid
+  onto grid cell ``np.unravel_index(c, grid)`` (identity layout: cluster id = path id).
+  faiss cluster ids carry no meaning, so which clusters share a module is arbitrary in
+  this layout. NOTES.md reports flat routes better by NMI at small scale.
+
+After :meth:`Router.fit_discriminative` the costs come from a logistic-regression head
+(−log p(path | prefix)); the k-means state stays and is the fallback.
+
+Empty prefix: a document with no tokens has no features; it routes to the fallback
+order — the paths sorted by how many training documents k-means sent them (largest
+shard first, ties by lower id). Its cost row is that rank (0.0, 1.0, ...).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .assign import balanced_assign
+from .discriminative import DiscriminativeHead, fit_discriminative
+from .features import CallableFeaturizer, TokenTfidfFeaturizer, as_token_array, featurizer_from_state
+from .kmeans import fit_kmeans, squared_distances
+from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
+
+ROUTER_FORMAT_VERSION = 1
+METHODS = ("product", "flat")
+_MANIFEST = "manifest.json"
+_FILES = {"kmeans": "kmeans.npz", "featurizer": "featurizer.npz", "discriminative": "discriminative.npz"}
+
+Doc = Sequence[int]
+Docs = Sequence[Sequence[int]]
+
+
+def _check_grid(grid: Sequence[int]) -> tuple[int, ...]:
+    try:
+        g = tuple(int(k) for k in grid)
+    except TypeError:
+        raise ValueError(f"grid must be a list of modules per level, e.g. [4, 4]; got {grid!r}") from None
+    if not g or any(k < 1 for k in g):
+        raise ValueError(f"grid must be a non-empty list of positive ints (modules per level), got {list(grid)}")
+    return g
+
+
+def _random_rotation(d: int, seed: int) -> np.ndarray:
+    """A seeded uniformly random orthogonal ``[d, d]`` matrix (QR of a Gaussian, sign-fixed)."""
+    rng = np.random.default_rng(seed)
+    q, r = np.linalg.qr(rng.standard_normal((d, d)))
+    return (q * np.sign(np.diag(r))[None, :]).astype(np.float32)
+
+
+def _level_blocks(d: int, grid: tuple[int, ...]) -> list[tuple[int, int] | None]:
+    """Feature columns [start, end) for each level; None for levels with K = 1."""
+    active = [l for l, k in enumerate(grid) if k > 1]
+    if d < len(active):
+        raise ValueError(
+            f"feature dim {d} is smaller than the number of levels with K > 1 ({len(active)}): "
+            "raise the featurizer dim or use method='flat'"
+        )
+    bounds = np.array_split(np.arange(d), max(len(active), 1))
+    blocks: list[tuple[int, int] | None] = [None] * len(grid)
+    for l, cols in zip(active, bounds):
+        blocks[l] = (int(cols[0]), int(cols[-1]) + 1)
+    return blocks
+
+
+class Router:
+    """Routes token-id documents to paths of a grid. Build with :meth:`Router.fit` or :meth:`Router.load`."""
+
+    def __init__(
+        self,
+        *,
+        grid: Sequence[int],
+        method: str,
+        prefix_tokens: int,
+        top_k: int,
+        capacity_factor: float,
+        seed: int,
+        niter: int,
+        featurizer: TokenTfidfFeaturizer | CallableFeaturizer,
+        centroids: list[np.ndarray],
+        rotation: np.ndarray | None,
+        fallback_order: np.ndarray,
+        head: DiscriminativeHead | None = None,
+    ) -> None:
+        self.grid = _check_grid(grid)
+        self.num_paths = int(np.prod(self.grid))
+        self.method = method
+        self.prefix_tokens = int(prefix_tokens)
+        self.top_k = int(top_k)
+        self.capacity_factor = float(capacity_factor)
+        self.seed = int(seed)
+        self.niter = int(niter)
+        self.featurizer = featurizer
+        self.centroids = [np.asarray(c, np.float32) for c in centroids]
+        self.rotation = rotation
+        self.fallback_order = np.asarray(fallback_order, np.int64)
+        self.head = head
+        self._blocks = _level_blocks(featurizer.dim, self.grid) if method == "product" else None
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def fit(
+        cls,
+        docs: Docs,
+        grid: Sequence[int],
+        *,
+        prefix_tokens: int = 32,
+        method: str = "product",
+        top_k: int = 1,
+        capacity_factor: float = 1.25,
+        seed: int = 0,
+        featurizer: TokenTfidfFeaturizer | CallableFeaturizer | None = None,
+        niter: int = 20,
+    ) -> "Router":
+        """Fit featurizer and k-means on the prefixes of ``docs`` for ``grid``.
+
+        Args:
+            docs: token-id documents (lists or int arrays); only the first
+                ``prefix_tokens`` tokens of each are used.
+            grid: modules per level, e.g. ``[4, 4]`` → 16 paths.
+            method: ``"product"`` (per-level k-means) or ``"flat"`` (one k-means, P clusters).
+            top_k, capacity_factor: defaults for :meth:`assign` (training shards).
+            featurizer: default ``TokenTfidfFeaturizer(dim=64, seed=seed)``; an unfitted
+                token featurizer is fitted here; a :class:`CallableFeaturizer` is used as is.
+            niter: k-means iterations.
+        """
+        g = _check_grid(grid)
+        p = int(np.prod(g))
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if int(prefix_tokens) < 1:
+            raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
+        if not 1 <= int(top_k) <= p:
+            raise ValueError(f"top_k must be in [1, {p}] (paths of grid {list(g)}), got {top_k}")
+        if not capacity_factor >= 1.0:
+            raise ValueError(f"capacity_factor must be >= 1.0, got {capacity_factor}")
+        prefixes = [as_token_array(d)[: int(prefix_tokens)] for d in docs]
+        nonempty = [x for x in prefixes if x.size]
+        need = p if method == "flat" else max(g)
+        if len(nonempty) < need:
+            raise ValueError(
+                f"docs: {len(nonempty)} non-empty documents cannot be clustered into "
+                f"{need} clusters (grid {list(g)}, method {method!r}); give at least {need} "
+                "documents or use a smaller grid"
+            )
+        if featurizer is None:
+            featurizer = TokenTfidfFeaturizer(dim=64, seed=seed)
+        if not featurizer.is_fitted:
+            featurizer.fit(nonempty)
+        feats = featurizer.transform(nonempty)
+        rotation = None
+        if method == "flat":
+            centroids = [fit_kmeans(feats, p, niter=niter, seed=seed)]
+        else:
+            rotation = _random_rotation(featurizer.dim, seed)
+            rotated = feats @ rotation
+            blocks = _level_blocks(featurizer.dim, g)
+            centroids = []
+            for level, (k, block) in enumerate(zip(g, blocks)):
+                if block is None:  # K = 1: the level is shared, it contributes no cost
+                    centroids.append(np.zeros((1, 0), np.float32))
+                    continue
+                x = np.ascontiguousarray(rotated[:, block[0] : block[1]])
+                # A distinct seed per level so levels do not start from mirrored centroids.
+                centroids.append(fit_kmeans(x, k, niter=niter, seed=seed + 1000 * level))
+        router = cls(
+            grid=g,
+            method=method,
+            prefix_tokens=prefix_tokens,
+            top_k=top_k,
+            capacity_factor=capacity_factor,
+            seed=seed,
+            niter=niter,
+            featurizer=featurizer,
+            centroids=centroids,
+            rotation=rotation,
+            fallback_order=np.arange(p),
+        )
+        counts = np.bincount(router._kmeans_costs(feats).argmin(axis=1), minlength=p)
+        router.fallback_order = np.lexsort((np.arange(p), -counts))
+        return router
+
+    # ------------------------------------------------------------------ ids
+    def path_tuple(self, path_id: int) -> tuple[int, ...]:
+        """Grid cell (one module index per level) of ``path_id``."""
+        return tuple(int(i) for i in np.unravel_index(int(path_id), self.grid))
+
+    def path_id(self, path: Sequence[int]) -> int:
+        """Path id of the grid cell ``path`` (level 0 most significant)."""
+        return int(np.ravel_multi_index(tuple(int(i) for i in path), self.grid))
+
+    @property
+    def fallback_path(self) -> int:
+        """Path of an empty prefix: the largest k-means shard of the training documents."""
+        return int(self.fallback_order[0])
+
+    @property
+    def uses_discriminative(self) -> bool:
+        return self.head is not None
+
+    # ------------------------------------------------------------------ features & costs
+    def prefixes(self, docs: Docs) -> list[np.ndarray]:
+        """The routing prefix (first ``prefix_tokens`` token ids) of each document."""
+        if isinstance(docs, np.ndarray) and docs.ndim == 1 and docs.dtype.kind in "iu":
+            raise ValueError("docs must be a batch of documents; for one document use route(token_ids)")
+        return [as_token_array(d)[: self.prefix_tokens] for d in docs]
+
+    def features(self, docs: Docs) -> np.ndarray:
+        """Routing features ``[N, dim]`` of the prefixes of ``docs``."""
+        return self.featurizer.transform(self.prefixes(docs))
+
+    def level_costs(self, features: np.ndarray) -> list[np.ndarray]:
+        """Per-level squared distances ``[N, K_l]`` (product method; zeros for K = 1 levels)."""
+        if self.method != "product":
+            raise ValueError("level_costs exists for method='product' only")
+        rotated = features.astype(np.float32) @ self.rotation
+        out = []
+        for k, block, c in zip(self.grid, self._blocks, self.centroids):
+            if block is None:
+                out.append(np.zeros((features.shape[0], k), np.float32))
+            else:
+                out.append(squared_distances(rotated[:, block[0] : block[1]], c))
+        return out
+
+    def _kmeans_costs(self, features: np.ndarray) -> np.ndarray:
+        if self.method == "flat":
+            return squared_distances(features, self.centroids[0])
+        n = features.shape[0]
+        total = np.zeros((n,) + self.grid, np.float32)
+        for level, d in enumerate(self.level_costs(features)):
+            shape = [n] + [1] * len(self.grid)
+            shape[level + 1] = self.grid[level]
+            total += d.reshape(shape)  # broadcast: C order == level 0 most significant
+        return total.reshape(n, self.num_paths)
+
+    def kmeans_costs(self, docs: Docs) -> np.ndarray:
+        """k-means path costs ``[N, P]`` even when a discriminative head is fitted."""
+        return self._costs(docs, use_head=False)
+
+    def costs(self, docs: Docs) -> np.ndarray:
+        """Path costs float32 ``[N, P]``, lower is better (classifier −log p if fitted, else k-means)."""
+        return self._costs(docs, use_head=True)
+
+    def _costs(self, docs: Docs, *, use_head: bool) -> np.ndarray:
+        prefixes = self.prefixes(docs)
+        feats = self.featurizer.transform(prefixes)
+        out = self._kmeans_costs(feats)
+        if use_head and self.head is not None:
+            out = self.head.costs(feats, tie_break=out)
+        empty = np.fromiter((x.size == 0 for x in prefixes), bool, count=len(prefixes))
+        if empty.any():
+            rank = np.empty(self.num_paths, np.float32)
+            rank[self.fallback_order] = np.arange(self.num_paths, dtype=np.float32)
+            out[empty] = rank
+        return out
+
+    # ------------------------------------------------------------------ routing
+    def route(self, token_ids: Doc) -> int:
+        """Best path of one document (by its first ``prefix_tokens`` tokens)."""
+        return int(self.route_batch([token_ids])[0])
+
+    def route_batch(self, docs: Docs) -> np.ndarray:
+        """Best path of each document, int64 ``[N]`` (evaluation routing: unbalanced)."""
+        if len(docs) == 0:
+            return np.zeros(0, np.int64)
+        return self.costs(docs).argmin(axis=1).astype(np.int64)
+
+    def route_topk(self, docs: Docs, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` best distinct paths per document, best first: (paths int64 [N,k], costs float32 [N,k])."""
+        if not 1 <= int(k) <= self.num_paths:
+            raise ValueError(f"k must be in [1, {self.num_paths}] (number of paths), got {k}")
+        c = self.costs(docs)
+        order = np.argsort(c, axis=1, kind="stable")[:, : int(k)]
+        return order.astype(np.int64), np.take_along_axis(c, order, axis=1)
+
+    def assign(
+        self, docs: Docs, *, top_k: int | None = None, capacity_factor: float | None = None
+    ) -> list[list[int]]:
+        """Training shards: each document's ``top_k`` distinct paths, balanced (see router.assign)."""
+        return balanced_assign(
+            self.costs(docs),
+            top_k=self.top_k if top_k is None else top_k,
+            capacity_factor=self.capacity_factor if capacity_factor is None else capacity_factor,
+        )
+
+    def reroute_windows(self, token_ids: Doc, W: int) -> list[int]:
+        """Path of each consecutive window of ``W`` tokens of one document.
+
+        Window j covers tokens ``[j*W, (j+1)*W)``. Window 0 is routed by tokens
+        ``[0, prefix_tokens)`` (the usual routing prefix, which may reach past the window
+        when ``prefix_tokens > W``). Window j ≥ 1 is routed by the tokens right before it,
+        ``[max(0, j*W - prefix_tokens), j*W)`` — all already seen when generation reaches
+        the window. An empty document has no windows and returns ``[]``.
+        """
+        if int(W) < 1:
+            raise ValueError(f"W (re-routing window) must be >= 1 token, got {W}")
+        toks = as_token_array(token_ids, name="token_ids")
+        n_windows = -(-toks.size // int(W))
+        ctx = [toks[: self.prefix_tokens]]
+        ctx += [toks[max(0, j * W - self.prefix_tokens) : j * W] for j in range(1, n_windows)]
+        return self.route_batch(ctx).tolist() if n_windows else []
+
+    # ------------------------------------------------------------------ discriminative
+    def fit_discriminative(
+        self,
+        losses: np.ndarray,
+        docs: Docs | None = None,
+        *,
+        features: np.ndarray | None = None,
+        C: float = 1.0,
+        max_iter: int = 500,
+        min_docs: int = 8,
+    ) -> bool:
+        """Re-route by measured losses ``[N, P]`` of ``docs`` (or precomputed ``features``).
+
+        Returns True when a classifier now drives :meth:`costs`; False when the documented
+        fallback applied (too few documents or a single preferred path) and k-means routes.
+        """
+        if (docs is None) == (features is None):
+            raise ValueError("pass exactly one of docs= or features= to fit_discriminative")
+        feats = self.features(docs) if features is None else np.asarray(features, np.float32)
+        losses = np.asarray(losses)
+        if losses.ndim != 2 or losses.shape[1] != self.num_paths:
+            raise ValueError(
+                f"losses must be [N, {self.num_paths}] (one column per path of grid {list(self.grid)}), "
+                f"got shape {losses.shape}"
+            )
+        self.head = fit_discriminative(feats, losses, C=C, max_iter=max_iter, min_docs=min_docs, seed=self.seed)
+        return self.head is not None
+
+    # ------------------------------------------------------------------ persistence
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "version": ROUTER_FORMAT_VERSION,
+            "grid": list(self.grid),
+            "num_paths": self.num_paths,
+            "method": self.method,
+            "prefix_tokens": self.prefix_tokens,
+            "top_k": self.top_k,
+            "capacity_factor": self.capacity_factor,
+            "seed": self.seed,
+            "niter": self.niter,
+            "featurizer": {"kind": self.featurizer.kind, "params": self.featurizer.params()},
+            "discriminative": self.head is not None,
+        }
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write arrays (.npz, no pickle) and ``manifest.json`` with their sha256, atomically.
+
+        Array files are written first, the manifest last, so a directory with a manifest
+        always has the arrays it names.
+        """
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        km = {f"centroids_{l}": c for l, c in enumerate(self.centroids)}
+        km["fallback_order"] = self.fallback_order
+        if self.rotation is not None:
+            km["rotation"] = self.rotation
+        files = {"kmeans": km, "featurizer": self.featurizer.state_arrays()}
+        if self.head is not None:
+            files["discriminative"] = self.head.state_arrays()
+        hashes = {}
+        for key, arrays in files.items():
+            hashes[_FILES[key]] = atomic_write_npz(d / _FILES[key], arrays)
+        stale = d / _FILES["discriminative"]
+        if self.head is None and stale.exists():
+            stale.unlink()
+        manifest = self.manifest()
+        manifest["files"] = hashes
+        atomic_write_json(d / _MANIFEST, manifest)
+        return d
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike,
+        featurizer_fn: Callable[[list[np.ndarray]], Any] | None = None,
+        *,
+        expected_grid: Sequence[int] | None = None,
+    ) -> "Router":
+        """Load a saved Router; refuses (ValueError naming the file) anything inconsistent.
+
+        Args:
+            featurizer_fn: required when the router was fitted with a CallableFeaturizer.
+            expected_grid: if given, a manifest for a different grid is refused.
+        """
+        d = Path(directory)
+        mpath = d / _MANIFEST
+        if not mpath.is_file():
+            raise ValueError(f"missing {mpath}: not a saved router directory (Router.save writes it)")
+        try:
+            m = json.loads(mpath.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{mpath} is not valid JSON ({e}); save the router again") from e
+        if m.get("version") != ROUTER_FORMAT_VERSION:
+            raise ValueError(
+                f"{mpath}: router format version {m.get('version')!r} is not supported "
+                f"(this code reads version {ROUTER_FORMAT_VERSION})"
+            )
+        grid = _check_grid(m["grid"])
+        if expected_grid is not None and tuple(int(k) for k in expected_grid) != grid:
+            raise ValueError(
+                f"{mpath}: router was fitted for grid {list(grid)} but grid {list(expected_grid)} "
+                "was expected; re-run routing for this grid"
+            )
+        files = m.get("files", {})
+        for required in (_FILES["kmeans"], _FILES["featurizer"]):
+            if required not in files:
+                raise ValueError(f"{mpath} lists no {required}; the directory is incomplete")
+        loaded = {name: load_npz_checked(d / name, sha) for name, sha in files.items()}
+        km = loaded[_FILES["kmeans"]]
+        feat = featurizer_from_state(
+            m["featurizer"]["kind"], m["featurizer"]["params"], loaded[_FILES["featurizer"]], featurizer_fn
+        )
+        head = None
+        if m.get("discriminative"):
+            h = loaded.get(_FILES["discriminative"])
+            if h is None:
+                raise ValueError(f"{mpath} says discriminative but lists no {_FILES['discriminative']}")
+            head = DiscriminativeHead(h["coef"], h["intercept"], h["classes"], int(np.prod(grid)))
+        n_cent = 1 if m["method"] == "flat" else len(grid)
+        try:
+            centroids = [km[f"centroids_{l}"] for l in range(n_cent)]
+        except KeyError as e:
+            raise ValueError(f"{d / _FILES['kmeans']} lacks array {e}") from None
+        return cls(
+            grid=grid,
+            method=m["method"],
+            prefix_tokens=m["prefix_tokens"],
+            top_k=m["top_k"],
+            capacity_factor=m["capacity_factor"],
+            seed=m["seed"],
+            niter=m.get("niter", 20),
+            featurizer=feat,
+            centroids=centroids,
+            rotation=km.get("rotation"),
+            fallback_order=km["fallback_order"],
+            head=head,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Router(grid={list(self.grid)}, method={self.method!r}, prefix_tokens={self.prefix_tokens}, "
+            f"featurizer={self.featurizer.kind}, discriminative={self.head is not None})"
+        )
+
+
+__all__ = ["Router", "ROUTER_FORMAT_VERSION", "METHODS"]

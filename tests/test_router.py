@@ -1,0 +1,259 @@
+"""Router: fitting, path ids, routing, balanced/top-k assignment, re-routing, save/load."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from router import CallableFeaturizer, Router, balanced_assign, routing_report
+from router.synthetic import topic_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return topic_corpus(8, docs_per_topic=40, seed=0)
+
+
+@pytest.fixture(scope="module")
+def flat8(corpus):
+    docs, _ = corpus
+    return Router.fit(docs, [8], method="flat", seed=0)
+
+
+@pytest.fixture(scope="module")
+def product44(corpus):
+    docs, _ = corpus
+    return Router.fit(docs, [4, 4], method="product", seed=0, top_k=2)
+
+
+# ----------------------------------------------------------------------------- boundaries
+def test_router_never_imports_torch_dipaco_or_modules():
+    code = (
+        "import sys, router, router.shards, router.discriminative, router.synthetic\n"
+        "bad = [m for m in ('torch', 'dipaco', 'modules') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_faiss_is_imported_by_kmeans_only():
+    importers = sorted(p.name for p in (REPO / "router").glob("*.py") if "import faiss" in p.read_text())
+    assert importers == ["kmeans.py"]
+
+
+# ----------------------------------------------------------------------------- path ids
+def test_path_ids_are_mixed_radix_level0_most_significant(corpus, product44):
+    docs, _ = corpus
+    assert product44.path_id((2, 1)) == 9
+    assert product44.path_tuple(9) == (2, 1)
+    feats = product44.features(docs[:20])
+    d0, d1 = product44.level_costs(feats)
+    costs = product44.costs(docs[:20])
+    for a in range(4):
+        for b in range(4):
+            np.testing.assert_allclose(costs[:, 4 * a + b], d0[:, a] + d1[:, b], rtol=1e-5, atol=1e-6)
+
+
+def test_level_with_one_module_contributes_nothing(corpus):
+    docs, _ = corpus
+    r = Router.fit(docs, [1, 4], method="product", seed=0)
+    d0, d1 = r.level_costs(r.features(docs[:10]))
+    assert d0.shape == (10, 1) and np.all(d0 == 0)
+    np.testing.assert_allclose(r.costs(docs[:10]), d1, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- fitting
+@pytest.mark.parametrize("method", ["flat", "product"])
+def test_fit_is_deterministic_for_a_fixed_seed(corpus, method):
+    docs, _ = corpus
+    a = Router.fit(docs, [2, 4], method=method, seed=3)
+    b = Router.fit(docs, [2, 4], method=method, seed=3)
+    for ca, cb in zip(a.centroids, b.centroids):
+        np.testing.assert_array_equal(ca, cb)
+    np.testing.assert_array_equal(a.costs(docs), b.costs(docs))
+    assert a.assign(docs, top_k=2) == b.assign(docs, top_k=2)
+
+
+@pytest.mark.parametrize("method", ["flat", "product"])
+def test_eight_planted_topics_are_recovered(corpus, method):
+    docs, labels = corpus
+    r = Router.fit(docs, [8], method=method, seed=0)
+    rep = routing_report(r.route_batch(docs), num_paths=8, labels=labels)
+    assert rep["nmi"] >= 0.9, rep
+    assert rep["purity"] >= 0.9, rep
+
+
+def test_fit_rejects_bad_arguments(corpus):
+    docs, _ = corpus
+    with pytest.raises(ValueError, match="docs"):
+        Router.fit(docs[:5], [8], method="flat")
+    with pytest.raises(ValueError, match="grid"):
+        Router.fit(docs, [4, 0])
+    with pytest.raises(ValueError, match="method"):
+        Router.fit(docs, [4], method="hierarchical")
+    with pytest.raises(ValueError, match="capacity_factor"):
+        Router.fit(docs, [4], capacity_factor=0.5)
+    with pytest.raises(ValueError, match="token ids"):
+        Router.fit([["a", "b"]] * 10, [2])
+
+
+# ----------------------------------------------------------------------------- routing
+def test_route_topk_gives_k_distinct_paths_best_first(corpus, product44):
+    docs, _ = corpus
+    paths, costs = product44.route_topk(docs, 5)
+    assert paths.shape == costs.shape == (len(docs), 5)
+    assert paths.dtype == np.int64 and costs.dtype == np.float32
+    assert all(len(set(row)) == 5 for row in paths.tolist())
+    assert np.all(np.diff(costs, axis=1) >= 0)
+    np.testing.assert_array_equal(paths[:, 0], product44.route_batch(docs))
+    full = product44.costs(docs)
+    np.testing.assert_allclose(costs, np.sort(full, axis=1)[:, :5])
+
+
+def test_routing_uses_only_the_prefix(corpus, flat8):
+    docs, labels = corpus
+    a, b = docs[0][:32], docs[labels.tolist().index(5)]
+    assert len(a) == 32
+    # Tokens after the prefix (here: another topic) do not change the path.
+    assert flat8.route(np.concatenate([a, b])) == flat8.route(a)
+
+
+def test_short_and_empty_prefixes_still_route(corpus, flat8):
+    docs, labels = corpus
+    full = flat8.route_batch(docs)
+    short = flat8.route_batch([d[:6] for d in docs])
+    assert (short == full).mean() >= 0.8  # 6 tokens already say which topic
+    assert flat8.route([]) == flat8.fallback_path
+    assert flat8.route(np.zeros(0, np.int64)) == flat8.fallback_path
+    sizes = np.bincount(full, minlength=8)
+    assert sizes[flat8.fallback_path] == sizes.max()  # fallback = largest shard
+    paths, _ = flat8.route_topk([[], docs[0]], 3)
+    assert len(set(paths[0].tolist())) == 3
+
+
+def test_reroute_windows_follows_a_topic_change(corpus, flat8):
+    docs, labels = corpus
+    li = labels.tolist()
+    a = np.concatenate([d for d, t in zip(docs, li) if t == 1])[:64]
+    b = np.concatenate([d for d, t in zip(docs, li) if t == 6])[:64]
+    doc = np.concatenate([a, b])
+    pa, pb = flat8.route(a), flat8.route(b)
+    assert pa != pb
+    # W=32, prefix 32: window 2 (tokens 64..95) is routed by tokens 32..63 (still topic 1).
+    assert flat8.reroute_windows(doc, 32) == [pa, pa, pa, pb]
+    # The documented rule, token for token.
+    W, P = 24, flat8.prefix_tokens
+    expected = [flat8.route(doc[:P])] + [
+        flat8.route(doc[max(0, j * W - P) : j * W]) for j in range(1, math.ceil(len(doc) / W))
+    ]
+    assert flat8.reroute_windows(doc, W) == expected
+    assert flat8.reroute_windows([], 32) == []
+    with pytest.raises(ValueError, match="W"):
+        flat8.reroute_windows(doc, 0)
+
+
+# ----------------------------------------------------------------------------- assignment
+def test_balanced_assignment_caps_skewed_shards():
+    sizes = [320, 80, 40, 40, 40, 40, 40, 40]  # N = 640, P = 8 → capacity 100 at 1.25
+    docs, labels = topic_corpus(sizes, seed=1)
+    r = Router.fit(docs, [8], method="flat", seed=0)
+    unbalanced = routing_report(r.route_batch(docs), num_paths=8)
+    assert unbalanced["imbalance"] > 1.25  # the skew is real, so the cap has work to do
+    shards = r.assign(docs, top_k=1, capacity_factor=1.25)
+    rep = routing_report(shards, num_paths=8, labels=labels)
+    assert all(len(s) == 1 for s in shards)
+    assert rep["imbalance"] <= 1.25 + 1e-9, rep
+    assert rep["empty_shards"] == []
+    # top-2 overlap: two distinct paths per document, still within the cap.
+    shards2 = r.assign(docs, top_k=2, capacity_factor=1.25)
+    assert all(len(set(s)) == 2 for s in shards2)
+    assert routing_report(shards2, num_paths=8)["imbalance"] <= 1.25 + 1e-9
+
+
+def test_balanced_assignment_keeps_confident_documents_and_orders_paths():
+    # 6 documents all prefer path 0; capacity 2 per path (factor 1, P = 3).
+    costs = np.array(
+        [[0.0, 5.0, 6.0], [0.0, 1.0, 2.0], [0.0, 9.0, 9.5], [0.0, 0.1, 3.0], [0.0, 4.0, 4.0], [0.0, 0.2, 0.3]]
+    )
+    out = balanced_assign(costs, top_k=1, capacity_factor=1.0)
+    assert sorted(i for i, s in enumerate(out) if s == [0]) == [0, 2]  # largest margins keep path 0
+    assert np.bincount([s[0] for s in out], minlength=3).max() == 2
+    out2 = balanced_assign(costs, top_k=2, capacity_factor=1.0)
+    for row, s in zip(costs, out2):
+        assert len(set(s)) == 2 and row[s[0]] <= row[s[1]]
+    with pytest.raises(ValueError, match="top_k"):
+        balanced_assign(costs, top_k=4)
+
+
+def test_no_shard_left_empty_when_enough_documents():
+    rng = np.random.default_rng(0)
+    costs = rng.random((40, 8))
+    costs[:, 0] -= 10.0  # everyone prefers path 0 ...
+    costs[:, 7] += 10.0  # ... and nobody wants path 7
+    out = balanced_assign(costs, top_k=1, capacity_factor=8.0)  # cap 40: no balancing pressure
+    sizes = np.bincount([s[0] for s in out], minlength=8)
+    assert sizes.min() >= 1, sizes
+    moved = [i for i, s in enumerate(out) if s == [7]]
+    assert moved == [int(np.argmin(costs[:, 7]))]  # filled from the nearest document
+
+
+# ----------------------------------------------------------------------------- persistence
+def test_save_load_round_trip_gives_identical_assignments(tmp_path, corpus, product44):
+    docs, _ = corpus
+    product44.save(tmp_path / "r")
+    loaded = Router.load(tmp_path / "r", expected_grid=[4, 4])
+    np.testing.assert_array_equal(loaded.costs(docs), product44.costs(docs))
+    assert loaded.assign(docs) == product44.assign(docs)
+    assert loaded.fallback_path == product44.fallback_path
+    m = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert m["grid"] == [4, 4] and m["method"] == "product" and m["prefix_tokens"] == 32
+    assert m["top_k"] == 2 and m["featurizer"]["kind"] == "token_tfidf"
+    assert set(m["files"]) == {"kmeans.npz", "featurizer.npz"}
+    assert not list((tmp_path / "r").glob("*.tmp"))  # atomic writes leave no temp files
+    for f in m["files"]:
+        np.load(tmp_path / "r" / f, allow_pickle=False)
+
+
+def test_load_refuses_corrupt_missing_or_foreign(tmp_path, flat8):
+    d = tmp_path / "r"
+    flat8.save(d)
+    with pytest.raises(ValueError, match="grid"):
+        Router.load(d, expected_grid=[4, 4])
+    blob = bytearray((d / "kmeans.npz").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (d / "kmeans.npz").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="kmeans.npz"):
+        Router.load(d)
+    flat8.save(d)
+    (d / "featurizer.npz").unlink()
+    with pytest.raises(ValueError, match="featurizer.npz"):
+        Router.load(d)
+    with pytest.raises(ValueError, match="manifest.json"):
+        Router.load(tmp_path / "nothing-here")
+
+
+def test_callable_featurizer_is_passed_again_on_load(tmp_path, corpus):
+    docs, labels = corpus
+
+    def lm_features(prefixes):  # stand-in for the trainer's mean hidden state
+        out = np.zeros((len(prefixes), 8), np.float32)
+        for i, p in enumerate(prefixes):
+            np.add.at(out[i], p // 50 % 8, 1.0)
+        return out
+
+    r = Router.fit(docs, [8], method="flat", featurizer=CallableFeaturizer(lm_features, 8), seed=0)
+    assert routing_report(r.route_batch(docs), num_paths=8, labels=labels)["nmi"] >= 0.9
+    r.save(tmp_path / "r")
+    with pytest.raises(ValueError, match="featurizer_fn"):
+        Router.load(tmp_path / "r")
+    loaded = Router.load(tmp_path / "r", featurizer_fn=lm_features)
+    np.testing.assert_array_equal(loaded.route_batch(docs), r.route_batch(docs))
+    with pytest.raises(ValueError, match="expected"):
+        CallableFeaturizer(lambda ps: np.zeros((len(ps), 3)), 8).transform(docs[:2])
