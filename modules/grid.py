@@ -305,7 +305,7 @@ class ModuleGrid:
         for name, tensor in self.module_state_dict(module_id).items():
             t = tensor.detach().to("cpu").contiguous()
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return h.hexdigest()
 
     # ------------------------------------------------------------------ warm start
