@@ -1,0 +1,88 @@
+"""Shards on disk (HF datasets) and the routing report."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import datasets
+import numpy as np
+import pytest
+
+from router import Router, load_shard, routing_report, write_shards
+from router.synthetic import topic_corpus
+
+
+@pytest.fixture(scope="module")
+def routed():
+    docs, labels = topic_corpus(4, docs_per_topic=15, seed=0)
+    ds = datasets.Dataset.from_dict({"input_ids": [d.tolist() for d in docs], "label": labels.tolist()})
+    router = Router.fit(docs, [2, 2], method="flat", seed=0)
+    return ds, router, docs
+
+
+def test_shards_round_trip_with_top2_overlap(tmp_path, routed):
+    ds, router, docs = routed
+    shards = router.assign(docs, top_k=2)
+    manifest = write_shards(ds, shards, router.num_paths, tmp_path / "s")
+    on_disk = json.loads((tmp_path / "s" / "shards.json").read_text())
+    assert on_disk == manifest
+    total = 0
+    for p in range(router.num_paths):
+        shard = load_shard(tmp_path / "s", p)
+        expect = [i for i, s in enumerate(shards) if p in s]
+        assert shard["input_ids"] == [ds[i]["input_ids"] for i in expect]
+        assert shard["label"] == [ds[i]["label"] for i in expect]
+        assert manifest["documents_per_path"][p] == len(expect)
+        assert manifest["tokens_per_path"][p] == sum(len(docs[i]) for i in expect)
+        total += len(shard)
+    assert total == 2 * len(ds)  # overlap: every row in two shards, stored once
+    assert manifest["num_rows"] == len(ds) and manifest["empty_shards"] == []
+    assert manifest["imbalance"] == pytest.approx(max(manifest["documents_per_path"]) / (total / 4))
+    with pytest.raises(ValueError, match="path_id"):
+        load_shard(tmp_path / "s", 4)
+
+
+def test_empty_shard_is_reported_not_fatal(tmp_path, routed):
+    ds, _, _ = routed
+    shards = [[0] if i % 2 else [2] for i in range(len(ds))]
+    shards[0] = []  # a row with no path is left out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manifest = write_shards(ds, shards, 4, tmp_path / "s")
+    assert [str(w.message).split(":")[0] for w in caught] == ["shard 1 is empty", "shard 3 is empty"]
+    assert manifest["empty_shards"] == [1, 3]
+    assert len(manifest["warnings"]) == 2 and "path 3" in manifest["warnings"][1]
+    assert len(load_shard(tmp_path / "s", 1)) == 0
+    assert manifest["num_rows"] == len(ds) - 1
+    with pytest.raises(ValueError, match="assignments"):
+        write_shards(ds, shards[:-1], 4, tmp_path / "t")
+    with pytest.raises(ValueError, match="outside"):
+        write_shards(ds, [[9]] * len(ds), 4, tmp_path / "t")
+
+
+def test_corrupt_shard_index_is_refused(tmp_path, routed):
+    ds, router, docs = routed
+    write_shards(ds, router.assign(docs), 4, tmp_path / "s")
+    blob = bytearray((tmp_path / "s" / "shard_index.npz").read_bytes())
+    blob[-30] ^= 0xFF
+    (tmp_path / "s" / "shard_index.npz").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="shard_index.npz"):
+        load_shard(tmp_path / "s", 0)
+
+
+def test_routing_report_fields():
+    rep = routing_report([0, 0, 1, 1, 1, 3], num_paths=4, labels=["a", "a", "b", "b", "a", "c"])
+    assert rep["num_documents"] == 6
+    assert rep["shard_sizes"] == [2, 3, 0, 1]
+    assert rep["imbalance"] == pytest.approx(3 / 1.5)
+    assert rep["empty_shards"] == [2]
+    assert rep["purity"] == pytest.approx(5 / 6)
+    assert 0 < rep["nmi"] < 1
+    perfect = routing_report([2, 2, 0, 0], num_paths=3, labels=[1, 1, 0, 0])
+    assert perfect["nmi"] == pytest.approx(1.0) and perfect["purity"] == 1.0
+    # top-k lists: sizes count memberships, NMI uses the best path
+    lists = routing_report([[0, 1], [1, 0]], num_paths=2, labels=[0, 1])
+    assert lists["shard_sizes"] == [2, 2] and lists["nmi"] == pytest.approx(1.0)
+    json.dumps(rep)
+    with pytest.raises(ValueError, match="path ids"):
+        routing_report([5], num_paths=4)
