@@ -17,6 +17,7 @@ import datetime
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -50,6 +51,12 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, init_method: str,
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    # Success: skip interpreter teardown, which takes ~3 s for 4 torch processes on 2
+    # cores. Results must already be on disk (torch.save closes its file). On failure
+    # we never get here: torch's spawn wrapper reports the traceback and exits non-zero.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(

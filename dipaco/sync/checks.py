@@ -42,6 +42,8 @@ def check_identical_modules(
             variant (raised on every rank).
     """
     group = topology.group_of_rank(rank)
+    nccl = getattr(process_groups, "backend", "gloo") == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     held = topology.modules_of_group(group)
     digests: dict[str, str] = {}
     problems: list[str] = []
@@ -54,16 +56,17 @@ def check_identical_modules(
         pg = process_groups.module_group(m)
         if pg is None or len(ranks) <= 1:
             continue
-        mine = torch.frombuffer(bytearray(d), dtype=torch.uint8)
+        mine = torch.frombuffer(bytearray(d), dtype=torch.uint8).to(device)
         out = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(out, mine, group=pg)
+        out = [t.cpu() for t in out]
         by_digest: dict[str, list[int]] = {}
         for r, t in zip(ranks, out):
             by_digest.setdefault(bytes(t.tolist()).hex()[:12], []).append(r)
         if len(by_digest) > 1:
             variants = "; ".join(f"ranks {rs} have {h}…" for h, rs in by_digest.items())
             problems.append(f"module {m!r} differs across its module group: {variants}")
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int64)
+    flag = torch.tensor([1 if problems else 0], dtype=torch.int64, device=device)
     dist.all_reduce(flag)  # world: every rank learns whether any rank found a mismatch
     if problems:
         raise RuntimeError(

@@ -122,7 +122,7 @@ def _unpack(buf: torch.Tensor, template: Payload) -> Payload:
     out, off = [], 0
     for t in template:
         nb = t.numel() * t.element_size()
-        out.append(buf[off : off + nb].view(t.dtype).reshape(t.shape))
+        out.append(buf[off : off + nb].clone().view(t.dtype).reshape(t.shape))  # clone: aligned storage
         off += nb
     return tuple(out)
 
@@ -144,6 +144,9 @@ class TorchComm(Communicator):
         self.group = topology.group_of_rank(rank)
         self.local_rank = topology.local_rank(rank)
         self.pg = process_groups
+        # nccl only moves CUDA tensors: stage buffers on the current device, keep results on CPU
+        use_cuda = getattr(process_groups, "backend", "gloo") == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.trace: list[tuple[str, str, tuple[int, ...], int]] = []
 
     def contributors(self, module_id: str) -> list[int]:
@@ -166,22 +169,25 @@ class TorchComm(Communicator):
             return torch.cat([codec.decode(payloads[self.group][q], s) for q in range(G)]), nbytes
         sub = self.pg.module_subgroup(module_id, r)
         if codec.name == "none":
-            reduced = mine[0].to(torch.float32).clone()
+            reduced = mine[0].to(self.device, torch.float32, copy=True)
             dist.all_reduce(reduced, group=sub)
+            reduced = reduced.cpu()
             nbytes.cross = ring_allreduce_bytes(k, 4 * s)
             self.trace.append((module_id, "all_reduce", sub_ranks, nbytes.cross))
         else:
-            buf = _pack(mine)
+            buf = _pack(mine).to(self.device)
             gathered = [torch.empty_like(buf) for _ in range(k)]
             dist.all_gather(gathered, buf, group=sub)  # list index = ascending rank = ascending group
+            gathered = [b.cpu() for b in gathered]
             reduced = _ordered_sum([codec.decode(_unpack(b, mine), s) for b in gathered], s)
             nbytes.cross = allgather_bytes(k, buf.numel())
             self.trace.append((module_id, "all_gather", sub_ranks, nbytes.cross))
         if G == 1:
             return reduced, nbytes
         wg_ranks = tuple(topo.ranks_of_group(self.group))
-        parts = [torch.empty(s, dtype=torch.float32) for _ in range(G)]
-        dist.all_gather(parts, reduced.contiguous(), group=self.pg.worker_group(self.group))
+        parts = [torch.empty(s, dtype=torch.float32, device=self.device) for _ in range(G)]
+        dist.all_gather(parts, reduced.to(self.device).contiguous(), group=self.pg.worker_group(self.group))
+        parts = [t.cpu() for t in parts]
         nbytes.intra = allgather_bytes(G, 4 * s)
         self.trace.append((module_id, "all_gather_slices", wg_ranks, nbytes.intra))
         return torch.cat(parts), nbytes
@@ -191,7 +197,9 @@ class TorchComm(Communicator):
         meta = metas[self.group].to(torch.float64).clone()
         if len(sub_ranks) <= 1:
             return meta, 0
+        meta = meta.to(self.device)
         dist.all_reduce(meta, group=self.pg.module_subgroup(module_id, self.local_rank))
+        meta = meta.cpu()
         nb = ring_allreduce_bytes(len(sub_ranks), META_BYTES)
         self.trace.append((module_id, "all_reduce_meta", sub_ranks, nb))
         return meta, nb

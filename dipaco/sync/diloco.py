@@ -203,7 +203,7 @@ class DiLoCoSync:
         """Bytes sent by ALL ranks this round (torch: a world all-reduce, every rank calls it)."""
         if self.rank is None:
             return stats.bytes_sent
-        t = torch.tensor([stats.bytes_sent], dtype=torch.int64)
+        t = torch.tensor([stats.bytes_sent], dtype=torch.int64, device=self.comm.device)
         dist.all_reduce(t)
         return int(t)
 

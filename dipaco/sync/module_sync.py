@@ -261,8 +261,9 @@ class ModuleSync:
         return params_hash([self.global_weights])
 
     def live_hash(self) -> str:
-        """sha256 of the live parameters."""
-        return params_hash(self.params)
+        """sha256 of the live parameters, flattened to fp32 like the global weights
+        (equal to :meth:`weights_hash` right after ``restore``)."""
+        return params_hash([flatten_params(self.params)])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only: ``global``, ``outer.<key>`` (per-parameter optimiser state),
