@@ -306,3 +306,31 @@ def test_outer_factory() -> None:
         make_outer_optimizer(p, name="sgd", betas=(0.9, 0.9))
     with pytest.raises(ValueError, match="lr"):
         make_outer_optimizer(p, lr=0)
+
+
+def test_with_the_real_module_grid() -> None:
+    """Topology.from_grid and DiLoCoSync accept modules.ModuleGrid (tied embeddings too)."""
+    grid_mod = pytest.importorskip("modules.grid")
+    cfg_mod = pytest.importorskip("modules.config")
+    cfg = cfg_mod.ModelConfig(vocab_size=64, d_model=16, n_heads=2, max_seq_len=16, tie_embeddings=True)
+    grid = grid_mod.ModuleGrid(cfg, [2, 2], seed=0)
+    topo = Topology.from_grid(grid, world_size=2, group_size=1)
+    assert topo.num_paths == 4 and topo.paths_of_group(1) == [1, 3]
+    mods = {m: grid.module(m) for m in topo.module_ids}
+    sync = DiLoCoSync(topo, mods, outer=AVG)
+    sync.check_identical_start()
+    for p in sync.paths_to_train():
+        sync.begin_path(p)
+        sync.end_path(p, 10)
+    stats = sync.finish_round()
+    assert stats.modules["embed"].contributions == 4
+    plan = topo.plan({m: grid.param_count(m) for m in topo.module_ids}, "none", inner_steps=50)
+    assert plan.bytes_per_round == stats.bytes_sent
+
+
+def test_shared_parameter_between_modules_rejected() -> None:
+    topo = Topology(IDS, PATHS, world_size=1)
+    mods = const_modules()
+    mods["head"].weight = mods["embed"].weight
+    with pytest.raises(ValueError, match="share a parameter"):
+        DiLoCoSync(topo, mods)

@@ -120,6 +120,15 @@ class DiLoCoSync:
             where = "the local backend" if rank is None else f"rank {rank} (worker group {self.group})"
             raise ValueError(f"{where} must hold modules {missing} but they were not passed to DiLoCoSync")
         self.modules = {m: modules[m] for m in held}
+        owner: dict[int, str] = {}
+        for m in held:  # a parameter synchronised by two ModuleSyncs would be stepped twice
+            for q in modules[m].parameters():
+                if id(q) in owner:
+                    raise ValueError(
+                        f"modules {owner[id(q)]!r} and {m!r} share a parameter; each parameter must belong to "
+                        "exactly one module (e.g. a tied embedding belongs to 'embed' only)"
+                    )
+                owner[id(q)] = m
         self.syncs: dict[str, ModuleSync] = {
             m: ModuleSync(
                 m,
