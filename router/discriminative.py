@@ -36,7 +36,8 @@ class DiscriminativeHead:
         self.intercept = np.asarray(intercept, np.float32)
         self.classes = np.asarray(classes, np.int64)
         self.num_paths = int(num_paths)
-        if self.coef.ndim != 2 or self.coef.shape[0] != self.classes.shape[0] or self.intercept.shape != self.classes.shape:
+        consistent = self.coef.ndim == 2 and self.coef.shape[0] == self.classes.shape[0]
+        if not consistent or self.intercept.shape != self.classes.shape:
             raise ValueError(
                 f"inconsistent classifier arrays: coef {self.coef.shape}, intercept "
                 f"{self.intercept.shape}, classes {self.classes.shape}"

@@ -408,11 +408,17 @@ class Router:
             m = json.loads(mpath.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{mpath} is not valid JSON ({e}); save the router again") from e
+        if not isinstance(m, dict):
+            raise ValueError(f"{mpath} is not a router manifest (expected a JSON object)")
         if m.get("version") != ROUTER_FORMAT_VERSION:
             raise ValueError(
                 f"{mpath}: router format version {m.get('version')!r} is not supported "
                 f"(this code reads version {ROUTER_FORMAT_VERSION})"
             )
+        required_keys = ("grid", "method", "prefix_tokens", "top_k", "capacity_factor", "seed", "featurizer")
+        missing = [k for k in required_keys if k not in m]
+        if missing:
+            raise ValueError(f"{mpath} lacks keys {missing}; save the router again")
         grid = _check_grid(m["grid"])
         if expected_grid is not None and tuple(int(k) for k in expected_grid) != grid:
             raise ValueError(
