@@ -78,7 +78,9 @@ def write_shards(
     tmp = out / f".{_DATA}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
-    subset.save_to_disk(str(tmp), num_proc=1)  # num_proc>1 crashes on these machines
+    # num_proc=None: in datasets 5.x even num_proc=1 starts a spawn pool that re-imports
+    # __main__ (a script without a main guard would run again); None writes in-process.
+    subset.save_to_disk(str(tmp), num_proc=None)
     final = out / _DATA
     if final.exists():
         shutil.rmtree(final)

@@ -1,0 +1,37 @@
+"""``dipaco-train``: route → train paths with per-module DiLoCo → evaluate → summary.
+
+A thin ``@hydra.main`` over :func:`dipaco.train.train`, which tests call directly.
+"""
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from dipaco.cli.errors import report_user_errors
+from dipaco.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
+@report_user_errors
+def _app(cfg: DictConfig) -> float:
+    from dipaco.config import to_config
+    from dipaco.train import train
+
+    conf = to_config(cfg)
+    if conf.run_dir is None:
+        conf.run_dir = HydraConfig.get().runtime.output_dir
+    summary = train(conf)
+    # Returned for Hydra sweepers that optimise an objective.
+    return float(summary.get("routed_ppl", float("nan")))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    _app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""The configuration schema: dataclasses registered in Hydra's ConfigStore.
+
+The YAML files in ``conf/<group>/`` are choices *within* this schema; a key that is not
+declared here is rejected by Hydra before any work starts. ``validate_config`` checks
+the combinations a schema cannot express (DESIGN contract 6) and raises
+:class:`ConfigError`, which the CLIs print as one line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from modules.config import ModelConfig
+
+DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
+LAUNCHERS = ("local", "spawn", "torchrun")
+ROUTER_METHODS = ("product", "flat")
+FEATURIZERS = ("tfidf", "lm")
+MODES = ("sync", "decoupled")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the key and the fix."""
+
+    def __init__(self, key: str, problem: str, fix: str) -> None:
+        self.key = key
+        super().__init__(f"config error: {key}: {problem}. Fix: {fix}")
+
+
+@dataclass
+class DataConfig:
+    """Where documents come from (DESIGN: data flow, first box)."""
+
+    # python_sources | jsonl | json | parquet | text | hub
+    source: str = "python_sources"
+    # local file, glob or directory (jsonl/json/parquet/text) or a hub dataset name
+    path: Optional[str] = None
+    # hub sources only: the dataset's config name and split
+    hub_config: Optional[str] = None
+    hub_split: str = "train"
+    text_field: str = "text"
+    # a label used only to *evaluate* routing (NMI), never to route
+    label_field: Optional[str] = None
+    id_field: Optional[str] = None
+    max_documents: Optional[int] = None
+    # python_sources: top-level stdlib packages left out. `test` alone is ~55% of the
+    # stdlib bytes and would swamp every other domain (NOTES.md).
+    exclude_packages: List[str] = field(
+        default_factory=lambda: ["test", "tests", "idlelib", "lib2to3", "turtledemo"]
+    )
+    # documents are cut along top-level definitions into chunks of about this size
+    target_doc_chars: int = 3000
+    # documents longer than this are truncated (huge inputs must not blow up memory)
+    max_doc_chars: int = 20000
+    min_doc_chars: int = 64
+    val_fraction: float = 0.05
+    test_fraction: float = 0.05
+    # where tokenized datasets are cached; None: <run_dir>/cache
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class GridConfig:
+    """The grid of modules: K alternative modules per level."""
+
+    levels: List[int] = field(default_factory=lambda: [2, 2])
+    private_embed: bool = False
+    private_head: bool = False
+
+
+@dataclass
+class RouterConfig:
+    """How documents are assigned to paths (router/ package)."""
+
+    prefix_tokens: int = 32
+    method: str = "product"  # product (k-means per level) | flat (one k-means of P)
+    featurizer: str = "tfidf"  # tfidf (sklearn) | lm (mean hidden state of the warm-up model)
+    feature_dim: int = 64
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    niter: int = 20
+    # discriminative re-shard (sklearn classifier on per-path losses) at this round; None: off
+    reshard_at_round: Optional[int] = None
+    # evaluation: re-route every W tokens (None: route once by the prefix)
+    reroute_every: Optional[int] = None
+
+
+@dataclass
+class OuterOptimizerConfig:
+    """The outer optimiser each module applies to its averaged pseudo-gradient."""
+
+    name: str = "sgd"  # any torch.optim class, case-insensitive
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass
+class DiLoCoConfig:
+    """Per-module DiLoCo synchronisation."""
+
+    inner_steps: int = 50  # H
+    mode: str = "sync"  # sync | decoupled
+    outer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
+    codec: str = "none"  # none | fp16 | bf16 | int8 | topk
+    codec_block: int = 256  # int8: elements per scale
+    codec_topk_fraction: float = 0.01  # topk: share of entries kept
+    error_feedback: bool = False
+    # scale each module's averaged pseudo-gradient by sqrt(#sharing paths) (option)
+    sharing_rescale: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    """The inner loop, evaluation and checkpoints."""
+
+    rounds: int = 16
+    batch_size: int = 16  # sequences per inner step per path (split over the worker group)
+    seq_len: int = 128
+    lr: float = 3e-3  # inner AdamW peak learning rate
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # dense warm-up before the paths fork, as a fraction of one path's inner steps
+    # (the DiPaCo paper pretrains a dense model for ~27% of the steps)
+    warmup_fraction: float = 0.0
+    dense_baseline: bool = True  # same-size dense model, same inner steps, all data
+    eval_max_documents: Optional[int] = 400
+    eval_batch_size: int = 16
+    checkpoint_every: int = 1  # rounds
+    keep_last: int = 2
+    early_stopping: bool = False  # keep each path's best validation weights
+    threads: Optional[int] = None  # torch threads per process (None: torch default)
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class LauncherConfig:
+    """How ranks are started."""
+
+    name: str = "local"  # local | spawn | torchrun
+    nproc: int = 1  # ranks started on this host (spawn)
+    group_size: int = 1  # G: ranks per worker group (data parallel inside a path)
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0  # collective timeout: a dead rank fails the run, never hangs it
+
+
+@dataclass
+class Config:
+    """The root config of ``dipaco-train`` and ``dipaco-route``."""
+
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    resume: bool = False
+    # the run directory; the CLIs fill it from Hydra's output dir, tests pass a tmp dir
+    run_dir: Optional[str] = None
+    # free-form tag stored in summary.json (sweeps use it to label rows)
+    tag: Optional[str] = None
+    extra: Any = None
+
+
+def register_configs() -> None:
+    """Register the schema so ``conf/config.yaml`` and its groups are type-checked."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="dipaco_schema", node=Config)
+    cs.store(group="data", name="dipaco_data_schema", node=DataConfig)
+    cs.store(group="model", name="dipaco_model_schema", node=ModelConfig)
+    cs.store(group="grid", name="dipaco_grid_schema", node=GridConfig)
+    cs.store(group="router", name="dipaco_router_schema", node=RouterConfig)
+    cs.store(group="diloco", name="dipaco_diloco_schema", node=DiLoCoConfig)
+    cs.store(group="trainer", name="dipaco_trainer_schema", node=TrainerConfig)
+    cs.store(group="launcher", name="dipaco_launcher_schema", node=LauncherConfig)
+
+
+def to_config(cfg: DictConfig | Config | dict) -> Config:
+    """Turn a Hydra DictConfig (or a dict) into a typed :class:`Config` object."""
+    if isinstance(cfg, Config):
+        return cfg
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    obj = OmegaConf.to_object(merged)
+    assert isinstance(obj, Config)
+    return obj
+
+
+def _require(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(key, problem, fix)
+
+
+def validate_config(cfg: Config) -> None:
+    """Check combinations the schema cannot express; raise :class:`ConfigError`.
+
+    Called before any work (tokenizer, routing, ranks), so a bad sweep point fails in
+    milliseconds with the key to change.
+    """
+    from dipaco.sync.codecs import CODECS
+
+    d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
+    _require(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}",
+             f"use one of {', '.join(DATA_SOURCES)}")
+    _require(d.source == "python_sources" or bool(d.path), "data.path",
+             f"data.source={d.source} needs a path", "pass data.path=FILE (or a hub dataset name)")
+    _require(d.max_documents is None or d.max_documents > 0, "data.max_documents",
+             f"must be positive, got {d.max_documents}", "pass a positive number or null")
+    _require(0 <= d.val_fraction < 1 and 0 <= d.test_fraction < 1
+             and d.val_fraction + d.test_fraction < 1, "data.val_fraction",
+             "validation + test fractions must lie in [0, 1)", "use e.g. 0.05 each")
+    _require(len(g.levels) > 0 and all(int(k) >= 1 for k in g.levels), "grid.levels",
+             f"a grid needs at least one level and K >= 1 per level, got {list(g.levels)}",
+             "pass e.g. grid.levels=[2,2]")
+    num_paths = math.prod(int(k) for k in g.levels)
+    _require(dl.inner_steps > 0, "diloco.inner_steps", f"H must be > 0, got {dl.inner_steps}",
+             "pass diloco.inner_steps=50 (or any positive number)")
+    _require(dl.mode in MODES, "diloco.mode", f"unknown mode {dl.mode!r}", f"use one of {MODES}")
+    _require(dl.codec in CODECS, "diloco.codec", f"unknown codec {dl.codec!r}",
+             f"use one of {', '.join(CODECS)}")
+    _require(dl.outer.lr > 0, "diloco.outer.lr", f"must be > 0, got {dl.outer.lr}", "e.g. 0.7")
+    _require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
+             "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
+    _require(r.prefix_tokens > 0, "router.prefix_tokens", "must be > 0", "e.g. 32")
+    _require(r.prefix_tokens < t.seq_len, "router.prefix_tokens",
+             f"the routing prefix ({r.prefix_tokens}) must be shorter than trainer.seq_len ({t.seq_len})",
+             "lower router.prefix_tokens or raise trainer.seq_len")
+    _require(r.method in ROUTER_METHODS, "router.method", f"unknown method {r.method!r}",
+             f"use one of {ROUTER_METHODS}")
+    _require(r.featurizer in FEATURIZERS, "router.featurizer", f"unknown featurizer {r.featurizer!r}",
+             f"use one of {FEATURIZERS}")
+    _require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
+             "LM features need the dense warm-up model", "set trainer.warmup_fraction>0 or router.featurizer=tfidf")
+    _require(1 <= r.top_k <= num_paths, "router.top_k", f"must be in [1, {num_paths}], got {r.top_k}",
+             "use router.top_k=1 (or up to the number of paths)")
+    _require(r.capacity_factor >= 1.0, "router.capacity_factor", "must be >= 1", "e.g. 1.25")
+    _require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",
+             "must be positive or null", "e.g. router.reroute_every=64")
+    _require(t.rounds > 0, "trainer.rounds", f"must be > 0, got {t.rounds}", "e.g. trainer.rounds=8")
+    _require(t.batch_size > 0 and t.seq_len > 1, "trainer.batch_size", "batch and sequence must be positive",
+             "e.g. trainer.batch_size=16 trainer.seq_len=128")
+    _require(t.seq_len <= m.max_seq_len, "trainer.seq_len",
+             f"longer than model.max_seq_len ({m.max_seq_len})", "raise model.max_seq_len")
+    _require(0 <= t.warmup_fraction < 1, "trainer.warmup_fraction", "must lie in [0, 1)", "e.g. 0.25")
+    _require(t.keep_last >= 1, "trainer.keep_last", "must keep at least one checkpoint", "e.g. 2")
+    _require(la.name in LAUNCHERS, "launcher", f"unknown launcher {la.name!r}", f"use one of {LAUNCHERS}")
+    _require(la.nproc >= 1 and la.group_size >= 1, "launcher.nproc", "must be >= 1", "e.g. launcher.nproc=4")
+    if la.name == "spawn":
+        _require(la.nproc % la.group_size == 0, "launcher.nproc",
+                 f"world size {la.nproc} is not a multiple of launcher.group_size={la.group_size}",
+                 f"use launcher.nproc={la.group_size * max(1, la.nproc // la.group_size)}")
+        _require(la.nproc // la.group_size <= num_paths, "launcher.nproc",
+                 f"{la.nproc // la.group_size} worker groups for {num_paths} paths would leave ranks idle",
+                 f"use at most launcher.nproc={num_paths * la.group_size}")
+    _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
+             f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
+             "use a batch size that is a multiple of the group size")
+    try:
+        m.validate()
+    except ValueError as e:
+        raise ConfigError("model", str(e), "see the model group in conf/model/") from None
+
+
+def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:
+    """The keyword arguments of ``make_codec(d.codec, ...)`` for this config."""
+    if d.codec == "int8":
+        return {"block_size": d.codec_block}
+    if d.codec == "topk":
+        return {"fraction": d.codec_topk_fraction}
+    return {}

@@ -1,0 +1,96 @@
+"""The dense model: the warm-up every path starts from, and the same-size baseline.
+
+Both are one path of a ``[1] * levels`` grid, i.e. exactly the size of one DiPaCo path,
+trained on all training documents with the paths' inner loop (same batch, schedule and
+optimiser). The warm-up runs for ``warmup_fraction`` of a path's steps before routing;
+the baseline continues from the warm-up (or from the same seed) for the same number of
+inner steps a path takes, so the two are compared at equal steps per model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from dipaco.checkpoint import load_state, save_state, write_json
+from dipaco.config import Config
+from dipaco.data import TokenStream
+from dipaco.learner import InnerStats, PathLearner
+from modules import ModuleGrid, PathModel
+
+# Streams of different models must not see the same batches: the dense streams use
+# path ids past every real path.
+WARMUP_STREAM_ID = 1_000_001
+BASELINE_STREAM_ID = 1_000_002
+
+
+def total_inner_steps(cfg: Config) -> int:
+    """Steps of one path over the whole run, warm-up included (sets the LR schedule)."""
+    return warmup_steps(cfg) + cfg.trainer.rounds * cfg.diloco.inner_steps
+
+
+def warmup_steps(cfg: Config) -> int:
+    """Dense warm-up steps: ``warmup_fraction`` of a path's total inner steps."""
+    f = cfg.trainer.warmup_fraction
+    if f <= 0:
+        return 0
+    main = cfg.trainer.rounds * cfg.diloco.inner_steps
+    # f of the total: W = f·(W + main)  ⇒  W = f·main / (1 − f)
+    return max(1, int(round(f * main / (1.0 - f))))
+
+
+def dense_grid(cfg: Config) -> ModuleGrid:
+    """A freshly seeded dense grid of the size of one path."""
+    return ModuleGrid(cfg.model, [1] * len(cfg.grid.levels), seed=cfg.seed)
+
+
+def train_dense(
+    cfg: Config,
+    docs: Sequence[np.ndarray],
+    eos_id: int,
+    *,
+    steps: int,
+    stream_id: int,
+    step_offset: int = 0,
+    init: Optional[dict[str, dict[str, torch.Tensor]]] = None,
+    progress_desc: str = "dense",
+) -> tuple[ModuleGrid, InnerStats]:
+    """Train a dense path for ``steps`` inner steps; return the grid and stats."""
+    grid = dense_grid(cfg)
+    if init:
+        for mid, sd in init.items():
+            grid.load_module_state_dict(mid, sd)
+    model = PathModel(grid, 0)
+    stream = TokenStream(list(docs), seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
+                         seed=cfg.seed, path_id=stream_id, eos_id=eos_id)
+    learner = PathLearner(0, model, stream, cfg.trainer, total_inner_steps(cfg), step_offset=step_offset)
+    bar = None
+    if cfg.trainer.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc=progress_desc, unit="step", leave=False)
+
+    def tick(loss: float) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+    stats = learner.train_steps(steps, on_step=tick)
+    if bar is not None:
+        bar.close()
+    return grid, stats
+
+
+def save_dense(directory: Path, grid: ModuleGrid, info: dict) -> None:
+    """Save a dense grid's module weights (safetensors) and an info JSON."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_state(directory / "modules.safetensors",
+               {mid: grid.module_state_dict(mid) for mid in grid.module_ids})
+    write_json(directory / "info.json", info)
+
+
+def load_dense_state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Module state dicts saved by :func:`save_dense`."""
+    return load_state(directory / "modules.safetensors")

@@ -1,0 +1,169 @@
+"""Routed evaluation: perplexity of held-out documents, one path per document (or window).
+
+The rule, shared by the trainer's evaluation and ``dipaco-infer score`` so that the two
+give the same numbers:
+
+* a document is cut to its first ``seq_len + 1`` tokens (one forward pass);
+* its first ``prefix_tokens`` tokens choose the path and carry **no loss** (the DiPaCo
+  paper's protocol: the router has seen them);
+* with ``reroute_every=W`` the target token at document position ``j`` is scored by the
+  path of window ``j // W`` from ``router.reroute_windows`` — the same rule inference
+  uses when it re-routes while generating;
+* a document with no token after its prefix is skipped and counted.
+
+Documents are grouped by path, so each path's model is fetched once (a path-at-a-time
+loader keeps memory to one path).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from dipaco.learner import lm_loss
+
+
+@dataclass
+class ScoredDoc:
+    """One document prepared for scoring."""
+
+    tokens: np.ndarray  # [n] int64, n ≤ seq_len + 1
+    token_paths: np.ndarray  # [n] path scoring each target position (−1 inside the prefix)
+
+
+def plan_documents(
+    docs: Sequence[Sequence[int]],
+    *,
+    seq_len: int,
+    prefix_tokens: int,
+    route_batch: Callable[[list[np.ndarray]], np.ndarray],
+    reroute_windows: Optional[Callable[[np.ndarray, int], list[int]]] = None,
+    reroute_every: Optional[int] = None,
+) -> tuple[list[ScoredDoc], int]:
+    """Cut documents and decide which path scores each target token; return (docs, skipped)."""
+    cut = [np.asarray(d[: seq_len + 1], dtype=np.int64) for d in docs]
+    keep = [t for t in cut if len(t) > prefix_tokens]
+    skipped = len(cut) - len(keep)
+    planned: list[ScoredDoc] = []
+    if not keep:
+        return planned, skipped
+    if reroute_every is None:
+        paths = route_batch([t[:prefix_tokens] for t in keep])
+    for i, t in enumerate(keep):
+        token_paths = np.full(len(t), -1, dtype=np.int64)
+        if reroute_every is None:
+            token_paths[prefix_tokens:] = int(paths[i])
+        else:
+            assert reroute_windows is not None
+            windows = reroute_windows(t, reroute_every)
+            for j in range(prefix_tokens, len(t)):
+                token_paths[j] = int(windows[j // reroute_every])
+        planned.append(ScoredDoc(tokens=t, token_paths=token_paths))
+    return planned, skipped
+
+
+@torch.no_grad()
+def score_documents(
+    planned: Sequence[ScoredDoc],
+    get_model: Callable[[int], nn.Module],
+    *,
+    batch_size: int = 16,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> dict:
+    """Sum next-token NLL per path over the planned documents; return the perplexity report."""
+    by_path: dict[int, list[int]] = defaultdict(list)
+    for i, d in enumerate(planned):
+        for p in np.unique(d.token_paths[d.token_paths >= 0]):
+            by_path[int(p)].append(i)
+    nll = defaultdict(float)
+    ntok = defaultdict(int)
+    ndoc = defaultdict(int)
+    items = sorted(by_path.items())
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(v) for _, v in items), desc="evaluate", unit="doc", leave=False)
+    for path_id, idxs in items:
+        model = get_model(path_id)
+        model.eval()
+        ndoc[path_id] += len(idxs)
+        for start in range(0, len(idxs), batch_size):
+            chunk = [planned[i] for i in idxs[start : start + batch_size]]
+            T = max(len(d.tokens) for d in chunk) - 1
+            x = torch.zeros(len(chunk), T, dtype=torch.long)
+            y = torch.full((len(chunk), T), -100, dtype=torch.long)
+            for b, d in enumerate(chunk):
+                n = len(d.tokens) - 1
+                x[b, :n] = torch.from_numpy(d.tokens[:-1])
+                # target position j-1 predicts document token j; score only this path's tokens
+                mine = torch.from_numpy(d.token_paths[1:] == path_id)
+                y[b, :n] = torch.where(mine, torch.from_numpy(d.tokens[1:]), torch.tensor(-100))
+            x, y = x.to(device), y.to(device)
+            losses = lm_loss(model(x), y, reduction="none")  # [B·T], 0 where ignored
+            nll[path_id] += float(losses.double().sum())
+            ntok[path_id] += int((y != -100).sum())
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    total_nll = sum(nll.values())
+    total_tok = sum(ntok.values())
+    per_path = {
+        str(p): {"ppl": _ppl(nll[p], ntok[p]), "loss": nll[p] / max(1, ntok[p]),
+                 "num_tokens": ntok[p], "num_documents": ndoc[p]}
+        for p in sorted(ntok)
+    }
+    return {
+        "ppl": _ppl(total_nll, total_tok),
+        "loss": total_nll / max(1, total_tok),
+        "num_tokens": total_tok,
+        "num_documents": len(planned),
+        "per_path": per_path,
+    }
+
+
+def _ppl(nll: float, n: int) -> float:
+    return float(math.exp(nll / n)) if n else float("nan")
+
+
+def evaluate_routed(
+    docs: Sequence[Sequence[int]],
+    get_model: Callable[[int], nn.Module],
+    *,
+    seq_len: int,
+    prefix_tokens: int,
+    route_batch: Callable[[list[np.ndarray]], np.ndarray],
+    reroute_windows: Optional[Callable[[np.ndarray, int], list[int]]] = None,
+    reroute_every: Optional[int] = None,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> dict:
+    """Routed perplexity of ``docs`` (see the module docstring for the rule)."""
+    planned, skipped = plan_documents(
+        docs, seq_len=seq_len, prefix_tokens=prefix_tokens, route_batch=route_batch,
+        reroute_windows=reroute_windows, reroute_every=reroute_every)
+    report = score_documents(planned, get_model, batch_size=batch_size, progress=progress)
+    report["skipped_short"] = skipped
+    report["reroute_every"] = reroute_every
+    return report
+
+
+def evaluate_single(
+    docs: Sequence[Sequence[int]],
+    model: nn.Module,
+    *,
+    seq_len: int,
+    prefix_tokens: int,
+    batch_size: int = 16,
+) -> dict:
+    """Perplexity of one model on every document (dense baselines), same token rule."""
+    return evaluate_routed(
+        docs, lambda _p: model, seq_len=seq_len, prefix_tokens=prefix_tokens,
+        route_batch=lambda prefixes: np.zeros(len(prefixes), dtype=np.int64), batch_size=batch_size)

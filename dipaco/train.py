@@ -1,0 +1,184 @@
+"""``train(cfg)``: the whole DiPaCo job, callable from tests and wrapped by ``dipaco-train``.
+
+    validate config → prepare (corpus, tokenizer, warm-up, router, shards)
+    → launch ranks: DiPaCo rounds with per-module DiLoCo (checkpoints each round)
+    → dense same-size baseline (same inner steps) → routed evaluation → summary.json
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from dipaco.checkpoint import load_state, write_json
+from dipaco.config import Config, ConfigError, codec_kwargs, validate_config
+from dipaco.dense import (BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense,
+                          warmup_steps)
+from dipaco.evaluate import evaluate_routed, evaluate_single
+from dipaco.launch import launch
+from dipaco.prepare import Prepared, prepare
+from dipaco.run_dir import RunDir
+from dipaco.trainer import build_grid, build_topology, run_rank
+from modules import PathModel
+
+
+def _log(msg: str) -> None:
+    print(f"[dipaco] {msg}", flush=True)
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run the job described by ``cfg`` in ``cfg.run_dir``; return the summary dict."""
+    validate_config(cfg)
+    if not cfg.run_dir:
+        raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
+    run = RunDir.at(cfg.run_dir)
+    run.root.mkdir(parents=True, exist_ok=True)
+    _check_resume(cfg, run)
+    OmegaConf.save(OmegaConf.structured(cfg), run.config)
+    wall0 = time.perf_counter()
+
+    prep = prepare(cfg, run)
+
+    t0 = time.perf_counter()
+    result = launch(run_rank, cfg, str(run.root))
+    rounds_s = time.perf_counter() - t0
+
+    baseline = _dense_baseline(cfg, run, prep)
+    routed = _evaluate(cfg, run, prep, Path(result["checkpoint"]))
+    summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
+    write_json(run.summary, summary)
+    if cfg.trainer.plots:
+        from dipaco.plots import write_plots
+
+        write_plots(run)
+    _print_table(summary)
+    return summary
+
+
+def _check_resume(cfg: Config, run: RunDir) -> None:
+    """A fresh run refuses a directory that already holds checkpoints (no silent overwrite)."""
+    if not cfg.resume and run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
+        raise ConfigError("resume", f"{run.root} already holds checkpoints",
+                          "pass resume=true to continue it, or choose another hydra.run.dir")
+    if not cfg.resume and run.metrics.exists():
+        run.metrics.unlink()
+
+
+def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
+    """Dense model of one path's size, same inner steps as a path, all training data."""
+    if not cfg.trainer.dense_baseline:
+        return {}
+    steps = cfg.trainer.rounds * cfg.diloco.inner_steps
+    t = cfg.trainer
+    if (run.baseline / "modules.safetensors").exists():
+        grid = dense_grid(cfg)
+        for mid, sd in load_dense_state(run.baseline).items():
+            grid.load_module_state_dict(mid, sd)
+        info = run.read_json(run.baseline / "info.json")
+    else:
+        _log(f"dense baseline: {steps} steps (+{prep.warmup_steps} warm-up)")
+        init = load_dense_state(run.warmup) if prep.warmup_steps else None
+        grid, stats = train_dense(cfg, prep.train_ids, prep.tokenizer.eos_id, steps=steps,
+                                  stream_id=BASELINE_STREAM_ID, step_offset=prep.warmup_steps,
+                                  init=init, progress_desc="dense baseline")
+        info = {"steps": steps + prep.warmup_steps, "train_loss": stats.loss, "tokens": stats.tokens,
+                "seconds": stats.seconds, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
+        save_dense(run.baseline, grid, info)
+    ev = evaluate_single(prep.val_ids, PathModel(grid, 0), seq_len=t.seq_len,
+                         prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size)
+    return {"info": info, "eval": ev}
+
+
+def load_grid_from_checkpoint(cfg: Config, ckpt: Path):
+    """The run's grid with every module's weights from checkpoint ``ckpt``."""
+    grid = build_grid(cfg)
+    for mid in grid.module_ids:
+        grid.load_module_state_dict(mid, load_state(ckpt / "modules" / f"{mid}.safetensors"))
+    return grid
+
+
+def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
+    """Routed perplexity on the validation split (once, and re-routed if configured)."""
+    grid = load_grid_from_checkpoint(cfg, ckpt)
+    models: dict[int, PathModel] = {}
+
+    def get_model(p: int) -> PathModel:
+        if p not in models:
+            models[p] = PathModel(grid, p)
+        return models[p]
+
+    t, r = cfg.trainer, cfg.router
+    common = dict(seq_len=t.seq_len, prefix_tokens=r.prefix_tokens, route_batch=prep.router.route_batch,
+                  reroute_windows=prep.router.reroute_windows, batch_size=t.eval_batch_size,
+                  progress=t.progress)
+    out = {"once": evaluate_routed(prep.val_ids, get_model, **common)}
+    if r.reroute_every:
+        out["rerouted"] = evaluate_routed(prep.val_ids, get_model, reroute_every=r.reroute_every, **common)
+    return out
+
+
+def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
+             baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
+    grid = build_grid(cfg)
+    world = cfg.launcher.nproc if cfg.launcher.name != "local" else 1
+    topo = build_topology(cfg, grid, world, cfg.launcher.name != "local")
+    counts = {m: grid.param_count(m) for m in grid.module_ids}
+    plan = topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
+                     **codec_kwargs(cfg.diloco))
+    rounds_done = result["rounds"] - result["start_round"]
+    ddp_bytes = plan.ddp_bytes_per_round * rounds_done
+    routed_ppl = routed["once"]["ppl"]
+    dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
+    summary = {
+        "routed_ppl": routed_ppl,
+        "dense_ppl": dense_ppl,
+        "ratio_vs_dense": routed_ppl / dense_ppl if dense_ppl and math.isfinite(dense_ppl) else None,
+        "rerouted_ppl": routed.get("rerouted", {}).get("ppl"),
+        "per_path": routed["once"]["per_path"],
+        "eval_tokens": routed["once"]["num_tokens"],
+        "bytes_sent": result["bytes_sent"],
+        "ddp_bytes_equivalent": ddp_bytes,
+        "bytes_ratio_vs_ddp": result["bytes_sent"] / ddp_bytes if ddp_bytes else None,
+        "tokens_per_s": result["tokens"] / max(rounds_s, 1e-9),
+        "train_tokens": result["tokens"],
+        "compute_s": result["compute_s"],
+        "sync_s": result["sync_s"],
+        "rounds_s": rounds_s,
+        "wall_s": wall_s,
+        "rounds": result["rounds"],
+        "inner_steps": cfg.diloco.inner_steps,
+        "warmup_steps": prep.warmup_steps,
+        "num_paths": grid.num_paths,
+        "grid": list(cfg.grid.levels),
+        "path_parameters": sum(counts[m] for m in grid.module_ids_of_path(0)),
+        "total_parameters": sum(counts.values()),
+        "routing": {k: prep.report.get(k) for k in ("shard_sizes", "imbalance", "nmi", "purity")},
+        "dense_baseline": baseline.get("info"),
+        "timings": prep.timings,
+        "launcher": cfg.launcher.name,
+        "codec": cfg.diloco.codec,
+        "tag": cfg.tag,
+        "seed": cfg.seed,
+    }
+    return summary
+
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    rows = [("routed perplexity", s["routed_ppl"]), ("dense same-size perplexity", s["dense_ppl"]),
+            ("ratio vs dense", s["ratio_vs_dense"])]
+    if s.get("rerouted_ppl") is not None:
+        rows.append(("routed, re-routed perplexity", s["rerouted_ppl"]))
+    rows += [("paths", s["num_paths"]), ("rounds x H", f"{s['rounds']} x {s['inner_steps']}"),
+             ("bytes sent", f"{s['bytes_sent']:,}"), ("DDP equivalent bytes", f"{int(s['ddp_bytes_equivalent']):,}"),
+             ("training tokens/s", s["tokens_per_s"]), ("wall time (s)", s["wall_s"])]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows), flush=True)

@@ -1,0 +1,286 @@
+"""The DiPaCo rounds on one rank (or, in the local backend, on every worker group in turn).
+
+Per round, for each path this rank's worker group owns (every path in the local
+backend): restore the path's modules to the round's global weights, run H inner AdamW
+steps (data parallel over the worker group), and contribute the pseudo-gradients of its
+modules weighted by tokens. Then every module this rank holds takes its outer step,
+after a reduce over exactly the ranks that hold it. Checkpoints are taken at round
+boundaries; resume reloads the newest valid one and continues bit-for-bit.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dipaco.checkpoint import CheckpointManager, load_state, save_state
+from dipaco.config import Config, codec_kwargs
+from dipaco.data import TokenStream
+from dipaco.dense import load_dense_state, total_inner_steps, warmup_steps
+from dipaco.learner import PathLearner
+from dipaco.run_dir import RunDir
+from dipaco.sync.data_parallel import allreduce_gradients
+from dipaco.sync.diloco import DiLoCoSync, RoundStats
+from dipaco.topology import Topology
+from modules import ModuleGrid, PathModel, init_grid_from_dense
+from router import load_shard
+
+
+def _log(rank: Optional[int], msg: str) -> None:
+    if rank is None or rank == 0:
+        print(f"[dipaco] {msg}", flush=True)
+
+
+def build_grid(cfg: Config) -> ModuleGrid:
+    """The run's module grid (modules are built lazily, on first use)."""
+    g = cfg.grid
+    return ModuleGrid(cfg.model, list(g.levels), private_embed=g.private_embed,
+                      private_head=g.private_head, seed=cfg.seed)
+
+
+def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: bool) -> Topology:
+    """Ranks ↔ worker groups ↔ paths ↔ modules.
+
+    The local backend simulates one worker group per path unless ``launcher.nproc``
+    asks for fewer, so that bytes on the wire are counted as a real deployment with one
+    group per path would send them (and so that, with the same number of groups, the
+    local and torch backends partition contributions identically).
+    """
+    if distributed:
+        return Topology.from_grid(grid, world_size, cfg.launcher.group_size)
+    groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else grid.num_paths
+    return Topology.from_grid(grid, min(groups, grid.num_paths), 1)
+
+
+@dataclass
+class RankResult:
+    """What a rank reports back to the launching process."""
+
+    rounds: int
+    train_seconds: float
+    sync_seconds: float
+    tokens: int
+    bytes_sent: int
+    checkpoint: Optional[str]
+
+
+def _gather(obj: Any, distributed: bool) -> list[Any]:
+    """All ranks' ``obj`` (a JSON-able dict) on every rank; ``[obj]`` in the local backend."""
+    if not distributed:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed:
+        dist.barrier()
+
+
+def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) -> dict:
+    """Train the DiPaCo rounds; ``rank=None`` is the local backend (all groups here)."""
+    run = RunDir.at(run_dir)
+    distributed = rank is not None
+    grid = build_grid(cfg)
+    topo = build_topology(cfg, grid, world_size, distributed)
+    if distributed:
+        group = topo.group_of_rank(rank)
+        local_rank, my_groups = topo.local_rank(rank), [group]
+    else:
+        local_rank, my_groups = 0, list(range(topo.num_groups))
+    my_paths = sorted(p for g in my_groups for p in topo.paths_of_group(g))
+    my_modules = [m for m in grid.module_ids if any(m in grid.module_ids_of_path(p) for p in my_paths)]
+
+    n_warm = warmup_steps(cfg)
+    if n_warm > 0:
+        # Warm start: every copy of every module begins from the dense warm-up model.
+        init_grid_from_dense(grid, load_dense_state(run.warmup))
+    modules = {m: grid.module(m) for m in my_modules}
+
+    pgroups = None
+    worker_pg = None
+    if distributed:
+        from dipaco.sync.groups import ProcessGroups
+
+        pgroups = ProcessGroups(topo, rank, cfg.launcher.backend)
+        worker_pg = pgroups.worker_group(topo.group_of_rank(rank))
+    d = cfg.diloco
+    sync = DiLoCoSync(
+        topo, modules, rank=rank,
+        codec=d.codec, codec_kw=codec_kwargs(cfg.diloco), error_feedback=d.error_feedback,
+        outer={"name": d.outer.name, "lr": d.outer.lr, "momentum": d.outer.momentum,
+               "nesterov": d.outer.nesterov},
+        sharing_rescale=d.sharing_rescale, process_groups=pgroups,
+    )
+
+    G = topo.group_size if distributed else 1
+    eos = _eos_id(run)
+    total = total_inner_steps(cfg)
+    learners: dict[int, PathLearner] = {}
+    for p in my_paths:
+        docs = [np.asarray(x, dtype=np.int64) for x in load_shard(run.shards, p)["input_ids"]]
+        stream = TokenStream(docs, seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
+                             seed=cfg.seed, path_id=p, eos_id=eos, rank=local_rank, world=G)
+        grad_sync = None
+        if G > 1:
+            grad_sync = (lambda params, _pg=worker_pg: allreduce_gradients(params, _pg, G))
+        learners[p] = PathLearner(p, PathModel(grid, p), stream, cfg.trainer, total,
+                                  grad_sync=grad_sync, step_offset=n_warm)
+
+    ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last)
+    start_round = 0
+    if cfg.resume:
+        latest = ckpts.latest_valid(log=lambda m: _log(rank, m))
+        if latest is not None:
+            start_round = _load_checkpoint(latest, grid, sync, learners, my_modules)
+            _log(rank, f"resumed from {latest.name} (round {start_round})")
+    if start_round == 0:
+        # DESIGN contract 4: all copies of a module start from the same weights.
+        sync.check_identical_start()
+
+    H, R = cfg.diloco.inner_steps, cfg.trainer.rounds
+    train_s = sync_s = 0.0
+    tokens = bytes_sent = 0
+    last_ckpt: Optional[Path] = None
+    bar = None
+    if cfg.trainer.progress and (rank is None or rank == 0):
+        from tqdm import tqdm
+
+        bar = tqdm(total=(R - start_round) * H * len(my_paths), desc="rounds", unit="step", leave=False)
+    for r in range(start_round, R):
+        t0 = time.perf_counter()
+        path_stats = {}
+        for p in my_paths:
+            sync.begin_path(p)
+            stats = learners[p].train_steps(H, on_step=(lambda _l: bar.update(1)) if bar else None)
+            sync.end_path(p, stats.tokens)
+            path_stats[p] = {"loss": stats.loss, "tokens": stats.tokens, "seconds": stats.seconds}
+            tokens += stats.tokens
+        t1 = time.perf_counter()
+        round_stats = sync.finish_round()
+        t2 = time.perf_counter()
+        train_s += t1 - t0
+        sync_s += t2 - t1
+        module_stats = _module_stats(round_stats)
+        sent = sum(int(m.get("bytes_sent", 0)) for m in module_stats.values())
+        bytes_sent += sent
+        record = {"paths": path_stats, "modules": module_stats, "bytes_sent": sent,
+                  "compute_s": t1 - t0, "sync_s": t2 - t1}
+        everyone = _gather(record, distributed)
+        if rank is None or rank == 0:
+            _append_metrics(run, r + 1, everyone)
+            losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
+            _log(rank, f"round {r + 1}/{R}: mean path loss {np.mean(list(losses.values())):.4f}, "
+                       f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
+        if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R:
+            last_ckpt = _save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
+    if bar is not None:
+        bar.close()
+    if last_ckpt is None and start_round >= R:
+        last_ckpt = ckpts.latest_valid()
+    totals = _gather({"tokens": tokens, "bytes_sent": bytes_sent, "train_s": train_s, "sync_s": sync_s},
+                     distributed)
+    return {
+        "rounds": R,
+        "start_round": start_round,
+        "tokens": sum(t["tokens"] for t in totals),
+        "bytes_sent": sum(t["bytes_sent"] for t in totals),
+        "compute_s": max(t["train_s"] for t in totals),
+        "sync_s": max(t["sync_s"] for t in totals),
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+    }
+
+
+
+def _eos_id(run: RunDir) -> int:
+    from dipaco.data import Tokenizer
+
+    return Tokenizer.load(run.tokenizer).eos_id
+
+
+def _module_stats(round_stats: RoundStats) -> dict[str, dict]:
+    """Per-module sync statistics as JSON-able dicts."""
+    out = {}
+    for mid, s in round_stats.modules.items():
+        d = s.to_dict()
+        out[mid] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+    return out
+
+
+def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
+    """One line per round: per-path loss, per-module sync stats, bytes, time split."""
+    paths: dict[str, dict] = {}
+    modules: dict[str, dict] = {}
+    for rec in records:
+        paths.update({str(p): v for p, v in rec["paths"].items()})
+        for mid, s in rec["modules"].items():
+            modules.setdefault(mid, s)  # every holder reports the same outer step
+    line = {
+        "round": round_idx,
+        "paths": paths,
+        "modules": modules,
+        "bytes_sent": sum(r["bytes_sent"] for r in records),
+        "compute_s": max(r["compute_s"] for r in records),
+        "sync_s": max(r["sync_s"] for r in records),
+    }
+    with open(run.metrics, "a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
+                     learners: dict[int, PathLearner], topo: Topology, rank: Optional[int],
+                     distributed: bool, my_modules: list[str]) -> Path:
+    """Every rank writes only its own files into the partial directory; rank 0 commits.
+
+    A module is written by the lowest rank that holds it; a path's inner state by local
+    rank 0 of the worker group that trains it. Barriers order mkdir → writes → commit.
+    """
+    if rank is None or rank == 0:
+        ckpts.begin(round_idx)
+    _barrier(distributed)
+    part = ckpts.partial_dir(round_idx)
+    for mid in my_modules:
+        if distributed and min(topo.module_ranks(mid)) != rank:
+            continue
+        save_state(part / "modules" / f"{mid}.safetensors", grid.module_state_dict(mid))
+        save_state(part / "outer" / f"{mid}.safetensors", sync.syncs[mid].state_dict())
+    if not distributed or topo.local_rank(rank) == 0:
+        for p, learner in learners.items():
+            save_state(part / "paths" / f"path_{p}.safetensors", learner.state_dict())
+    _barrier(distributed)
+    final = ckpts.final_dir(round_idx)
+    if rank is None or rank == 0:
+        ckpts.commit(round_idx, {"round": round_idx, "num_paths": grid.num_paths,
+                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels)})
+        ckpts.prune()
+    _barrier(distributed)
+    return final
+
+
+def _load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, PathLearner],
+                     my_modules: list[str]) -> int:
+    """Load this rank's modules, outer states and paths; return the round to start from."""
+    state = json.loads((path / "state.json").read_text())
+    if list(state.get("levels", [])) != list(grid.levels):
+        from dipaco.checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {path} is for grid {state.get('levels')}, not {grid.levels}")
+    for mid in my_modules:
+        grid.load_module_state_dict(mid, load_state(path / "modules" / f"{mid}.safetensors"))
+        # restores the live weights from the module's global copy as well
+        sync.syncs[mid].load_state_dict(load_state(path / "outer" / f"{mid}.safetensors"))
+    for p, learner in learners.items():
+        learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
+    sync.round = int(state["round"])
+    return int(state["round"])
