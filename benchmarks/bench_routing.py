@@ -57,14 +57,16 @@ def bench_kmeans(n: int, d: int, k: int, niter: int, minibatch: bool) -> list[di
     # tol=0 so scikit-learn runs the same number of Lloyd iterations as faiss.
     km = KMeans(k, n_init=1, max_iter=niter, tol=0.0, init="random", random_state=0)
     s, _ = timed(lambda: km.fit(x))
-    rows.append({"method": "sklearn KMeans (n_init=1, random init)", "seconds": s,
+    # scikit-learn stops early once labels stop changing: record how many iterations ran.
+    rows.append({"method": "sklearn KMeans (n_init=1, random init)", "seconds": s, "iterations": int(km.n_iter_),
                  "inertia": inertia(x, km.cluster_centers_.astype(np.float32))})
     if minibatch:
         mb = MiniBatchKMeans(k, n_init=1, max_iter=niter, batch_size=4096, random_state=0)
         s, _ = timed(lambda: mb.fit(x))
-        rows.append({"method": "sklearn MiniBatchKMeans", "seconds": s,
+        rows.append({"method": "sklearn MiniBatchKMeans", "seconds": s, "iterations": int(mb.n_iter_),
                      "inertia": inertia(x, mb.cluster_centers_.astype(np.float32))})
     for r in rows:
+        r.setdefault("iterations", niter)  # faiss always runs niter Lloyd iterations
         r.update(n=n, d=d, k=k, niter=niter)
     return rows
 
@@ -91,15 +93,25 @@ def bench_end_to_end(n_fit: int, n_route: int, grid: list[int], method: str) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="100k points instead of 1M (about a minute)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for faiss (OpenMP) and scikit-learn/BLAS; default: library defaults. "
+                         "On a loaded host, OpenMP with more threads than free cores can be 3x slower")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "routing.json"))
     args = ap.parse_args()
 
+    if args.threads is not None:
+        import faiss
+        from threadpoolctl import threadpool_limits
+
+        faiss.omp_set_num_threads(args.threads)
+        threadpool_limits(args.threads)
+    load_before = os.getloadavg()[0]
     n = 100_000 if args.quick else 1_000_000
     kmeans_rows = bench_kmeans(n, 256, 256, niter=20, minibatch=args.quick)
     print(f"\nk-means: {n:,} x 256-d float32 -> 256 clusters, 20 iterations")
-    print(f"{'method':42s} {'seconds':>9s} {'inertia':>9s}")
+    print(f"{'method':42s} {'seconds':>9s} {'iters':>6s} {'inertia':>9s}")
     for r in kmeans_rows:
-        print(f"{r['method']:42s} {r['seconds']:9.2f} {r['inertia']:9.2f}")
+        print(f"{r['method']:42s} {r['seconds']:9.2f} {r['iterations']:6d} {r['inertia']:9.2f}")
 
     n_fit, n_route = (20_000, 20_000) if args.quick else (200_000, 200_000)
     e2e = [bench_end_to_end(n_fit, n_route, g, m) for g, m in (([4, 4], "product"), ([4, 4], "flat"))]
@@ -112,7 +124,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"mode": "quick" if args.quick else "full", "host": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "kmeans": kmeans_rows, "end_to_end": e2e}
+              "cpus": os.cpu_count(), "threads": args.threads,
+              "load_average_before_after": [load_before, os.getloadavg()[0]], "kmeans": kmeans_rows, "end_to_end": e2e}
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)
