@@ -52,7 +52,7 @@ class DataConfig:
         default_factory=lambda: ["test", "tests", "idlelib", "lib2to3", "turtledemo"]
     )
     # documents are cut along top-level definitions into chunks of about this size
-    target_doc_chars: int = 3000
+    target_doc_chars: int = 2400
     # documents longer than this are truncated (huge inputs must not blow up memory)
     max_doc_chars: int = 20000
     min_doc_chars: int = 64
@@ -135,7 +135,8 @@ class TrainerConfig:
     eval_batch_size: int = 16
     checkpoint_every: int = 1  # rounds
     keep_last: int = 2
-    early_stopping: bool = False  # keep each path's best validation weights
+    # stop (as if preempted) after this many rounds, checkpoint written; resume=true goes on
+    stop_after_rounds: Optional[int] = None
     threads: Optional[int] = None  # torch threads per process (None: torch default)
     plots: bool = True
     progress: bool = True
@@ -279,3 +280,22 @@ def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:
     if d.codec == "topk":
         return {"fraction": d.codec_topk_fraction}
     return {}
+
+
+def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str] = None) -> Config:
+    """Compose ``conf/config.yaml`` with Hydra overrides, outside a Hydra app.
+
+    For tests, notebooks and tools: ``train(compose_config(["experiment=smoke"], "runs/x"))``
+    runs the same job as ``dipaco-train experiment=smoke hydra.run.dir=runs/x``.
+    """
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="dipaco.conf", version_base="1.3"):
+        cfg = to_config(compose("config", overrides=list(overrides or [])))
+    if run_dir is not None:
+        cfg.run_dir = str(run_dir)
+    return cfg

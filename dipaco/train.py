@@ -45,6 +45,10 @@ def train(cfg: Config) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = launch(run_rank, cfg, str(run.root))
     rounds_s = time.perf_counter() - t0
+    if result["completed_rounds"] < cfg.trainer.rounds:
+        _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; "
+             f"continue with resume=true")
+        return {"stopped_at_round": result["completed_rounds"], "checkpoint": result["checkpoint"]}
 
     baseline = _dense_baseline(cfg, run, prep)
     routed = _evaluate(cfg, run, prep, Path(result["checkpoint"]))

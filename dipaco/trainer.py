@@ -180,8 +180,12 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
             losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
             _log(rank, f"round {r + 1}/{R}: mean path loss {np.mean(list(losses.values())):.4f}, "
                        f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
-        if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R:
+        stop = cfg.trainer.stop_after_rounds is not None and r + 1 >= cfg.trainer.stop_after_rounds
+        if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:
             last_ckpt = _save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
+        if stop:
+            _log(rank, f"stopping after round {r + 1} (trainer.stop_after_rounds); resume=true continues")
+            break
     if bar is not None:
         bar.close()
     if last_ckpt is None and start_round >= R:
@@ -190,6 +194,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
                      distributed)
     return {
         "rounds": R,
+        "completed_rounds": r + 1 if start_round < R else R,
         "start_round": start_round,
         "tokens": sum(t["tokens"] for t in totals),
         "bytes_sent": sum(t["bytes_sent"] for t in totals),

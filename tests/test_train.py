@@ -1,0 +1,169 @@
+"""End-to-end tests of ``train(cfg)`` and the ``dipaco-train`` CLI on tiny configs.
+
+The smoke experiment (tiny model, 300 documents, 2 rounds of 4 inner steps) runs in a
+few seconds, so these tests exercise the real pipeline: corpus → tokenizer → router →
+shards → rounds with per-module DiLoCo → checkpoints → dense baseline → evaluation.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dipaco.checkpoint import load_state
+from dipaco.config import ConfigError, compose_config, validate_config
+from dipaco.train import train
+
+SMOKE = ["experiment=smoke", "data.max_documents=200"]
+SUMMARY_KEYS = {"routed_ppl", "dense_ppl", "ratio_vs_dense", "bytes_sent", "ddp_bytes_equivalent",
+                "tokens_per_s", "wall_s", "rounds"}
+
+
+def module_weights(run_dir: Path, round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
+    ckpt = run_dir / "checkpoints" / f"round_{round_idx:06d}" / "modules"
+    return {p.stem: load_state(p) for p in sorted(ckpt.glob("*.safetensors"))}
+
+
+def assert_same_weights(a: dict, b: dict, *, exact: bool = False, atol: float = 1e-6) -> None:
+    assert a.keys() == b.keys() and a
+    for mid in a:
+        for k in a[mid]:
+            if exact:
+                assert torch.equal(a[mid][k], b[mid][k]), (mid, k)
+            else:
+                torch.testing.assert_close(a[mid][k], b[mid][k], atol=atol, rtol=1e-5, msg=f"{mid}/{k}")
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    run_dir = tmp_path_factory.mktemp("local")
+    summary = train(compose_config(SMOKE + ["launcher=local", "launcher.nproc=4"], run_dir))
+    return run_dir, summary
+
+
+@pytest.mark.slow
+def test_local_run_writes_every_output(local_run: tuple[Path, dict]) -> None:
+    run_dir, summary = local_run
+    assert SUMMARY_KEYS <= summary.keys()
+    on_disk = json.loads((run_dir / "summary.json").read_text())
+    assert on_disk["routed_ppl"] == pytest.approx(summary["routed_ppl"])
+    # a tiny model after 8 steps is far from uniform over 512 tokens but not trained
+    assert 1.0 < summary["routed_ppl"] < 512
+    assert summary["bytes_sent"] > 0
+    # communication is H times rarer than DDP (H=4 here) and fp32 pseudo-gradients
+    assert summary["bytes_sent"] < summary["ddp_bytes_equivalent"] / 2
+    for name in ("config.yaml", "metrics.jsonl", "routing_report.json", "tokenizer.json"):
+        assert (run_dir / name).is_file(), name
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in lines] == [1, 2]
+    assert set(lines[0]["paths"]) == {"0", "1", "2", "3"}
+    assert set(lines[0]["modules"]) == {"embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"}
+    report = json.loads((run_dir / "routing_report.json").read_text())
+    assert sum(report["shard_sizes"]) == report["num_documents"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_spawn_ranks_match_local_backend(local_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """Contract 1: 4 gloo ranks (one path each) end with the local backend's weights."""
+    run_dir, summary = local_run
+    spawned = train(compose_config(SMOKE + ["launcher=spawn", "launcher.nproc=4"], tmp_path))
+    assert_same_weights(module_weights(run_dir, 2), module_weights(tmp_path, 2))
+    assert spawned["bytes_sent"] == summary["bytes_sent"]
+    assert spawned["routed_ppl"] == pytest.approx(summary["routed_ppl"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_spawn_worker_groups_of_two_match_local(tmp_path: Path) -> None:
+    """G=2: two worker groups of two data-parallel ranks, each group training two paths in turn."""
+    local = tmp_path / "local"
+    spawn = tmp_path / "spawn"
+    train(compose_config(SMOKE + ["launcher=local", "launcher.nproc=2"], local))
+    train(compose_config(SMOKE + ["launcher=spawn", "launcher.nproc=4", "launcher.group_size=2"], spawn))
+    # the worker group's averaged half-batch gradients differ from one full batch in the last bits
+    assert_same_weights(module_weights(local, 2), module_weights(spawn, 2), atol=2e-5)
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted_run(local_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """Contract 5: stop after round 1, resume, and land on the same bits as one run."""
+    run_dir, summary = local_run
+    stopped = train(compose_config(SMOKE + ["launcher=local", "launcher.nproc=4",
+                                            "trainer.stop_after_rounds=1"], tmp_path))
+    assert stopped["stopped_at_round"] == 1
+    assert not (tmp_path / "summary.json").exists()
+    resumed = train(compose_config(SMOKE + ["launcher=local", "launcher.nproc=4", "resume=true"], tmp_path))
+    assert_same_weights(module_weights(run_dir, 2), module_weights(tmp_path, 2), exact=True)
+    assert resumed["routed_ppl"] == summary["routed_ppl"]
+
+
+@pytest.mark.slow
+def test_fresh_run_refuses_a_directory_with_checkpoints(local_run: tuple[Path, dict]) -> None:
+    run_dir, _ = local_run
+    with pytest.raises(ConfigError, match="resume"):
+        train(compose_config(SMOKE, run_dir))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("diloco.inner_steps=0", "diloco.inner_steps"),
+        ("diloco.inner_steps=-3", "diloco.inner_steps"),
+        ("diloco.codec=zip", "diloco.codec"),
+        ("grid.levels=[]", "grid.levels"),
+        ("grid.levels=[2,0]", "grid.levels"),
+        ("router.top_k=9", "router.top_k"),
+        ("router.prefix_tokens=200", "router.prefix_tokens"),
+        ("launcher.nproc=3", "launcher.nproc"),
+        ("trainer.batch_size=3", "trainer.batch_size"),
+        ("data.source=jsonl", "data.path"),
+        ("model.n_heads=3", "model"),
+    ],
+)
+def test_impossible_configs_name_the_key(override: str, key: str) -> None:
+    cfg = compose_config(["launcher=spawn", "launcher.group_size=2", override])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert err.value.key == key
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_default_config_is_valid() -> None:
+    validate_config(compose_config([]))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    code = "from dipaco.cli.train import main; main()"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_config_error_is_one_line(tmp_path: Path) -> None:
+    proc = _cli("diloco.inner_steps=0", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "diloco.inner_steps" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_unknown_group_option_fails_before_work(tmp_path: Path) -> None:
+    proc = _cli("model=nope", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "model" in proc.stderr and "nope" in proc.stderr
+    assert not (tmp_path / "run" / "tokenizer.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_multirun_sweep_of_two_points(tmp_path: Path) -> None:
+    proc = _cli("-m", *SMOKE, "trainer.rounds=1", "diloco.inner_steps=2,3", "trainer.dense_baseline=false",
+                f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
+    assert len(summaries) == 2
+    steps = sorted(json.loads(p.read_text())["inner_steps"] for p in summaries)
+    assert steps == [2, 3]
