@@ -84,6 +84,8 @@ class RouterConfig:
     niter: int = 20
     # discriminative re-shard (sklearn classifier on per-path losses) at this round; None: off
     reshard_at_round: Optional[int] = None
+    # documents whose per-path losses label the classifier's training set
+    reshard_documents: int = 2000
     # evaluation: re-route every W tokens (None: route once by the prefix)
     reroute_every: Optional[int] = None
 
@@ -246,6 +248,8 @@ def validate_config(cfg: Config) -> None:
     _require(1 <= r.top_k <= num_paths, "router.top_k", f"must be in [1, {num_paths}], got {r.top_k}",
              "use router.top_k=1 (or up to the number of paths)")
     _require(r.capacity_factor >= 1.0, "router.capacity_factor", "must be >= 1", "e.g. 1.25")
+    _require(r.reshard_at_round is None or 0 < r.reshard_at_round < t.rounds, "router.reshard_at_round",
+             f"must lie strictly between 0 and trainer.rounds={t.rounds}", "e.g. router.reshard_at_round=2")
     _require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",
              "must be positive or null", "e.g. router.reroute_every=64")
     _require(t.rounds > 0, "trainer.rounds", f"must be > 0, got {t.rounds}", "e.g. trainer.rounds=8")

@@ -167,3 +167,40 @@ def evaluate_single(
     return evaluate_routed(
         docs, lambda _p: model, seq_len=seq_len, prefix_tokens=prefix_tokens,
         route_batch=lambda prefixes: np.zeros(len(prefixes), dtype=np.int64), batch_size=batch_size)
+
+
+@torch.no_grad()
+def per_document_losses(
+    docs: Sequence[Sequence[int]],
+    model: nn.Module,
+    *,
+    seq_len: int,
+    prefix_tokens: int,
+    batch_size: int = 16,
+) -> np.ndarray:
+    """Mean next-token loss of each document under ``model`` (same token rule as above).
+
+    Documents with no token after the prefix get ``nan``. Used to label each document
+    with the path that models it best (discriminative re-routing).
+    """
+    out = np.full(len(docs), np.nan, dtype=np.float64)
+    model.eval()
+    for start in range(0, len(docs), batch_size):
+        chunk = [np.asarray(d[: seq_len + 1], dtype=np.int64) for d in docs[start : start + batch_size]]
+        T = max(1, max(len(t) for t in chunk) - 1)
+        x = torch.zeros(len(chunk), T, dtype=torch.long)
+        y = torch.full((len(chunk), T), -100, dtype=torch.long)
+        for b, t in enumerate(chunk):
+            n = len(t) - 1
+            if n <= 0:
+                continue
+            x[b, :n] = torch.from_numpy(t[:-1])
+            y[b, :n] = torch.from_numpy(t[1:])
+            y[b, : max(0, prefix_tokens - 1)] = -100  # the routing prefix carries no loss
+        losses = lm_loss(model(x), y, reduction="none").view(len(chunk), T)  # [B, T]
+        counts = (y != -100).sum(1)
+        sums = losses.double().sum(1)
+        for b in range(len(chunk)):
+            if counts[b] > 0:
+                out[start + b] = float(sums[b] / counts[b])
+    return out

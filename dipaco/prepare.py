@@ -36,6 +36,7 @@ class Prepared:
     router: Any
     report: dict
     warmup_steps: int = 0
+    train_dataset: Any = None  # tokenized training rows (HF Dataset), for re-sharding
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -151,7 +152,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
-                    router=router, report=report, warmup_steps=n_warm, timings=timings)
+                    router=router, report=report, warmup_steps=n_warm, train_dataset=train_tok,
+                    timings=timings)
 
 
 def _fit_router(cfg: Config, train_ids: list[np.ndarray], featurizer_fn: Optional[Callable]) -> Any:

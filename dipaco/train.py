@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def train(cfg: Config) -> dict[str, Any]:
     prep = prepare(cfg, run)
 
     t0 = time.perf_counter()
-    result = launch(run_rank, cfg, str(run.root))
+    result = _run_rounds(cfg, run, prep)
     rounds_s = time.perf_counter() - t0
     if result["completed_rounds"] < cfg.trainer.rounds:
         _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; "
@@ -60,6 +61,71 @@ def train(cfg: Config) -> dict[str, Any]:
         write_plots(run)
     _print_table(summary)
     return summary
+
+
+def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
+    """Launch the ranks for the DiPaCo rounds, with the optional discriminative re-shard.
+
+    The re-shard happens between two launches: ranks stop after round k (checkpoint
+    written), this process labels documents with their best path, fits the classifier and
+    rewrites the shards, then ranks resume from round k on the new shards. Both backends
+    and every launcher share this, since ranks read their shards when they start.
+    """
+    k = cfg.router.reshard_at_round
+    user_stop = cfg.trainer.stop_after_rounds
+    if k is None or k >= cfg.trainer.rounds or prep.router.uses_discriminative:
+        return launch(run_rank, cfg, str(run.root))
+    first = copy.deepcopy(cfg)
+    first.trainer.stop_after_rounds = k if user_stop is None else min(k, user_stop)
+    result = launch(run_rank, first, str(run.root))
+    if result["completed_rounds"] < k or (user_stop is not None and user_stop <= k):
+        return result
+    reshard(cfg, run, prep, Path(result["checkpoint"]))
+    second = copy.deepcopy(cfg)
+    second.resume = True
+    rest = launch(run_rank, second, str(run.root))
+    # one result for the whole run: traffic, tokens and time of both launches
+    for key in ("tokens", "bytes_sent", "compute_s", "sync_s"):
+        rest[key] += result[key]
+    rest["start_round"] = result["start_round"]
+    return rest
+
+
+def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
+    """Discriminative re-routing: label documents by their best path, fit, re-shard."""
+    import numpy as np
+
+    from dipaco.evaluate import per_document_losses
+    from router import routing_report, write_shards
+
+    t0 = time.perf_counter()
+    grid = load_grid_from_checkpoint(cfg, ckpt)
+    rng = np.random.default_rng(cfg.seed)
+    n = min(len(prep.train_ids), cfg.router.reshard_documents)
+    pick = np.sort(rng.choice(len(prep.train_ids), size=n, replace=False))
+    sample = [prep.train_ids[i] for i in pick]
+    losses = np.stack([
+        per_document_losses(sample, PathModel(grid, p), seq_len=cfg.trainer.seq_len,
+                            prefix_tokens=cfg.router.prefix_tokens, batch_size=cfg.trainer.eval_batch_size)
+        for p in range(grid.num_paths)], axis=1)  # [n, P]
+    keep = np.isfinite(losses).all(axis=1)
+    fitted = prep.router.fit_discriminative(losses[keep], docs=[d for d, ok in zip(sample, keep) if ok])
+    info: dict[str, Any] = {"documents": int(keep.sum()), "fitted": bool(fitted)}
+    if fitted:
+        prep.router.save(run.router)
+        assignments = prep.router.assign(prep.train_ids)
+        write_shards(prep.train_dataset, assignments, grid.num_paths, run.shards)
+        best = losses[keep].argmin(axis=1)
+        info["agreement_with_kmeans"] = float(np.mean(prep.router.kmeans_costs(
+            [d for d, ok in zip(sample, keep) if ok]).argmin(axis=1) == best))
+        info.update(routing_report(np.asarray([a[0] for a in assignments]), num_paths=grid.num_paths))
+    info["seconds"] = time.perf_counter() - t0
+    report = run.read_json(run.routing_report)
+    report["reshard"] = info
+    write_json(run.routing_report, report)
+    _log(f"re-shard after round {cfg.router.reshard_at_round}: classifier fitted={fitted}, "
+         f"shard sizes {info.get('shard_sizes')}")
+    return info
 
 
 def _check_resume(cfg: Config, run: RunDir) -> None:

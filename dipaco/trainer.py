@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dipaco import faults
 from dipaco.checkpoint import CheckpointManager, load_state, save_state
 from dipaco.config import Config, codec_kwargs
 from dipaco.data import TokenStream
@@ -140,7 +141,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     if cfg.resume:
         latest = ckpts.latest_valid(log=lambda m: _log(rank, m))
         if latest is not None:
-            start_round = _load_checkpoint(latest, grid, sync, learners, my_modules)
+            start_round = _load_checkpoint(latest, grid, sync, learners, my_modules, topo, rank)
             _log(rank, f"resumed from {latest.name} (round {start_round})")
     if start_round == 0:
         # DESIGN contract 4: all copies of a module start from the same weights.
@@ -159,10 +160,16 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         t0 = time.perf_counter()
         path_stats = {}
         for p in my_paths:
+            faults.inject("before_inner", round_idx=r + 1, rank=rank, path=p)  # no-op unless DIPACO_FAULT
             sync.begin_path(p)
             stats = learners[p].train_steps(H, on_step=(lambda _l: bar.update(1)) if bar else None)
-            sync.end_path(p, stats.tokens)
-            path_stats[p] = {"loss": stats.loss, "tokens": stats.tokens, "seconds": stats.seconds}
+            faults.inject("after_inner", round_idx=r + 1, rank=rank, path=p, grid=grid,
+                          module_ids=grid.module_ids_of_path(p))
+            accepted = sync.end_path(p, stats.tokens)
+            path_stats[p] = {"loss": stats.loss, "tokens": stats.tokens, "seconds": stats.seconds,
+                             # non-finite updates: skipped inner steps, dropped pseudo-gradients
+                             "skipped_steps": stats.skipped,
+                             "dropped_modules": sorted(m for m, ok in accepted.items() if not ok)}
             tokens += stats.tokens
         t1 = time.perf_counter()
         round_stats = sync.finish_round()
@@ -184,7 +191,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:
             last_ckpt = _save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
         if stop:
-            _log(rank, f"stopping after round {r + 1} (trainer.stop_after_rounds); resume=true continues")
+            _log(rank, f"stopping after round {r + 1} (checkpoint written)")
             break
     if bar is not None:
         bar.close()
@@ -267,24 +274,44 @@ def _save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid,
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
         ckpts.commit(round_idx, {"round": round_idx, "num_paths": grid.num_paths,
-                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels)})
+                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels),
+                                 # error-feedback residuals are keyed by worker group: resume
+                                 # needs to know which grouping they belong to
+                                 "worker_groups": topo.num_groups, "group_size": topo.group_size})
         ckpts.prune()
     _barrier(distributed)
     return final
 
 
 def _load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, PathLearner],
-                     my_modules: list[str]) -> int:
-    """Load this rank's modules, outer states and paths; return the round to start from."""
+                     my_modules: list[str], topo: Topology, rank: Optional[int] = None) -> int:
+    """Load this rank's modules, outer states and paths; return the round to start from.
+
+    The worker grouping may differ from the checkpoint's (compute joined or left between
+    rounds): module weights, outer optimiser states and per-path states do not depend on
+    it and are loaded as they are; paths are simply dealt to the new groups. Only the
+    error-feedback residuals are per worker group; with a different grouping they belong
+    to no one, so they are dropped (logged): the next round sends uncompensated codec
+    error once, which is what a fresh group would do anyway.
+    """
     state = json.loads((path / "state.json").read_text())
     if list(state.get("levels", [])) != list(grid.levels):
         from dipaco.checkpoint import CheckpointError
 
         raise CheckpointError(f"checkpoint {path} is for grid {state.get('levels')}, not {grid.levels}")
+    saved_groups = (state.get("worker_groups"), state.get("group_size"))
+    regrouped = saved_groups != (topo.num_groups, topo.group_size)
+    if regrouped:
+        _log(rank, f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
+                   f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
+                   "re-dealt and error-feedback residuals are dropped")
     for mid in my_modules:
         grid.load_module_state_dict(mid, load_state(path / "modules" / f"{mid}.safetensors"))
+        outer = load_state(path / "outer" / f"{mid}.safetensors")
+        if regrouped:
+            outer = {k: v for k, v in outer.items() if not k.startswith("residual.")}
         # restores the live weights from the module's global copy as well
-        sync.syncs[mid].load_state_dict(load_state(path / "outer" / f"{mid}.safetensors"))
+        sync.syncs[mid].load_state_dict(outer)
     for p, learner in learners.items():
         learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
     sync.round = int(state["round"])

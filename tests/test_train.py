@@ -167,3 +167,23 @@ def test_cli_multirun_sweep_of_two_points(tmp_path: Path) -> None:
     assert len(summaries) == 2
     steps = sorted(json.loads(p.read_text())["inner_steps"] for p in summaries)
     assert steps == [2, 3]
+
+
+@pytest.mark.slow
+def test_warmup_lm_features_and_discriminative_reshard(tmp_path: Path) -> None:
+    """The paper's full pipeline: dense warm-up → LM-feature routing → re-shard mid-run."""
+    summary = train(compose_config(SMOKE + ["trainer.rounds=3", "trainer.warmup_fraction=0.25",
+                                            "router.featurizer=lm", "router.reshard_at_round=1",
+                                            "router.reshard_documents=64"], tmp_path))
+    assert summary["warmup_steps"] == 4  # 25% of (4 warm-up + 3 rounds x 4 steps)
+    assert (tmp_path / "warmup" / "modules.safetensors").is_file()
+    report = json.loads((tmp_path / "routing_report.json").read_text())
+    assert report["reshard"]["fitted"] is True
+    assert sum(report["reshard"]["shard_sizes"]) == report["num_documents"]
+    manifest = json.loads((tmp_path / "router" / "manifest.json").read_text())
+    assert manifest["featurizer"]["kind"] == "callable" and manifest["discriminative"] is True
+    assert (tmp_path / "router" / "discriminative.npz").is_file()
+    # rounds 2-3 ran after the re-shard, on the new shards, and their traffic is counted
+    rounds = [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3]
+    assert summary["bytes_sent"] == sum(json.loads(x)["bytes_sent"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
