@@ -167,6 +167,13 @@ def test_cli_multirun_sweep_of_two_points(tmp_path: Path) -> None:
     assert len(summaries) == 2
     steps = sorted(json.loads(p.read_text())["inner_steps"] for p in summaries)
     assert steps == [2, 3]
+    # dipaco-report turns the sweep into one table row per setting, plus a plot
+    from dipaco.cli.report import main as report_main
+
+    report_main([str(tmp_path / "sweep")])
+    table = (tmp_path / "sweep" / "report.md").read_text().splitlines()
+    assert table[0].startswith("| diloco.inner_steps |") and len(table) == 4
+    assert (tmp_path / "sweep" / "report.png").is_file()
 
 
 @pytest.mark.slow

@@ -1,0 +1,138 @@
+"""Turn a multirun directory into a table (markdown) and a plot.
+
+Each run of a ``dipaco-train -m`` sweep leaves ``summary.json`` and Hydra's
+``.hydra/overrides.yaml`` in its own folder. Runs whose overrides differ only in
+``seed`` are one *setting*: the table shows the mean and the spread over seeds, so a
+claim rests on more than one seed (seed noise is ~15% at this scale, NOTES.md).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+METRICS = (
+    ("routed_ppl", "routed ppl"),
+    ("dense_ppl", "dense ppl"),
+    ("ratio_vs_dense", "ratio vs dense"),
+    ("rerouted_ppl", "re-routed ppl"),
+    ("bytes_ratio_vs_ddp", "bytes / DDP"),
+    ("tokens_per_s", "tokens/s"),
+    ("wall_s", "wall s"),
+)
+
+
+@dataclass
+class RunRow:
+    """One run of a sweep."""
+
+    path: Path
+    overrides: dict[str, str]
+    summary: dict[str, Any]
+
+
+def find_runs(root: Path) -> list[RunRow]:
+    """Every finished run (a folder holding ``summary.json``) below ``root``."""
+    rows = []
+    for summary_path in sorted(root.rglob("summary.json")):
+        run = summary_path.parent
+        try:
+            summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        except ValueError:
+            continue  # an unfinished or corrupt run is not a row
+        overrides: dict[str, str] = {}
+        ov_file = run / ".hydra" / "overrides.yaml"
+        if ov_file.exists():
+            for item in OmegaConf.load(ov_file) or []:
+                key, _, value = str(item).partition("=")
+                overrides[key.lstrip("+~")] = value
+        rows.append(RunRow(run, overrides, summary))
+    return rows
+
+
+def _setting(row: RunRow, varying: list[str]) -> tuple[tuple[str, str], ...]:
+    return tuple((k, row.overrides.get(k, "")) for k in varying if k != "seed")
+
+
+def _fmt(values: list[float]) -> str:
+    vals = [v for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)]
+    if not vals:
+        return "–"
+    mean = statistics.fmean(vals)
+    digits = ".4g" if abs(mean) < 1e5 else ".3g"
+    if len(vals) == 1:
+        return format(mean, digits)
+    return f"{format(mean, digits)} ± {format(statistics.pstdev(vals), '.2g')}"
+
+
+def build_table(rows: list[RunRow]) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+    """(header, table rows, per-setting records) with runs grouped over seeds."""
+    keys = sorted({k for r in rows for k in r.overrides})
+    varying = [k for k in keys if len({r.overrides.get(k, "") for r in rows}) > 1]
+    groups: dict[tuple, list[RunRow]] = defaultdict(list)
+    for r in rows:
+        groups[_setting(r, varying)].append(r)
+    header = [k for k in varying if k != "seed"] + ["seeds"] + [label for _, label in METRICS]
+    table, records = [], []
+    for setting, members in groups.items():
+        cells = [v for _, v in setting] + [str(len(members))]
+        rec: dict[str, Any] = {"setting": dict(setting), "seeds": len(members)}
+        for key, _label in METRICS:
+            vals = [m.summary.get(key) for m in members]
+            cells.append(_fmt(vals))
+            finite = [v for v in vals if isinstance(v, (int, float)) and math.isfinite(v)]
+            rec[key] = statistics.fmean(finite) if finite else None
+        table.append(cells)
+        records.append(rec)
+    return header, table, records
+
+
+def markdown(header: list[str], table: list[list[str]]) -> str:
+    """A GitHub-flavoured markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], out: Path, metric: str = "ratio_vs_dense") -> Optional[Path]:
+    """Bar chart of one metric per setting (mean over seeds)."""
+    if all(r.get(metric) is None for r in records):
+        metric = "routed_ppl"  # e.g. a sweep without the dense baseline has no ratio
+    pts = [(", ".join(f"{k}={v}" for k, v in r["setting"].items()) or "run", r[metric])
+           for r in records if r.get(metric) is not None]
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(pts) + 2), 4))
+    ax.bar(range(len(pts)), [v for _, v in pts])
+    ax.set_xticks(range(len(pts)), [label for label, _ in pts], rotation=30, ha="right", fontsize=7)
+    if metric == "ratio_vs_dense":
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_ylabel(metric)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_report(root: Path, metric: str = "ratio_vs_dense") -> str:
+    """Write ``report.md`` (+ ``report.png``) in ``root``; return the markdown."""
+    rows = find_runs(root)
+    if not rows:
+        raise FileNotFoundError(f"no finished run (summary.json) under {root}")
+    header, table, records = build_table(rows)
+    text = markdown(header, table)
+    (root / "report.md").write_text(text + "\n", encoding="utf-8")
+    (root / "report.json").write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+    plot(records, root / "report.png", metric)
+    return text
