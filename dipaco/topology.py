@@ -20,8 +20,22 @@ the two agree exactly):
   (a *module subgroup* of ``k`` ranks, ``k`` = number of worker groups holding it).
 * codec ``none``: ring all-reduce of the slice; each rank sends
   ``ring_allreduce_bytes(k, b) = 2*(k-1)*b // k`` bytes for a ``b``-byte buffer.
-* lossy codecs: all-gather of the encoded slice; each rank sends
-  ``allgather_bytes(k, b) = (k-1)*b`` bytes (its payload to each other member).
+* lossy codecs, ``lossy_exchange="reduce_scatter"`` (the default): a compressed
+  two-phase all-reduce. The slice is padded to ``k*c`` elements and cut into k chunks of
+  ``c = chunk_numel(s, k, codec.chunk_align)`` (``ceil(s/k)`` rounded up to the codec's
+  alignment, e.g. the int8 block, so no block scale straddles two chunks). Phase 1
+  (reduce-scatter): every member sends its encoded chunk ``j`` to member ``j``; member
+  ``j`` decodes the k payloads and sums them in ascending worker-group order. Phase 2
+  (all-gather): member ``j`` re-encodes its reduced chunk and sends it to the k-1 others.
+  Each rank sends ``reduce_scatter_bytes(k, e) = 2*(k-1)*e`` bytes, ``e =
+  codec.nbytes_for(c)`` ≈ ``b/k``: about ``2*(k-1)/k*b``, like a ring all-reduce.
+* lossy codecs, ``lossy_exchange="all_gather"``: all-gather of the encoded slice; each
+  rank sends ``allgather_bytes(k, b) = (k-1)*b`` bytes (its payload to each other member),
+  growing linearly with the number of worker groups sharing the module. Exact sum of the
+  decoded contributions (one encoding error instead of two).
+* ``lossy_exchange="auto"``: per module, whichever of the two sends fewer bytes per rank
+  (ties go to all_gather: one encoding error fewer). Small modules (k*c padding) and
+  k = 2 usually pick all_gather.
 * the weights of the round (Σα, number of contributions, number dropped; 3 float64,
   ``META_BYTES`` = 24 bytes) are all-reduced in the same subgroup: ring formula.
 * with G > 1 the worker group then all-gathers the reduced fp32 slices:
@@ -40,12 +54,16 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 __all__ = [
+    "LOSSY_EXCHANGES",
     "META_BYTES",
     "CommPlan",
+    "Exchange",
     "ModulePlan",
     "Topology",
     "allgather_bytes",
+    "chunk_numel",
     "format_plan",
+    "reduce_scatter_bytes",
     "ring_allreduce_bytes",
 ]
 
@@ -67,6 +85,56 @@ def allgather_bytes(k: int, nbytes: int) -> int:
     return (k - 1) * nbytes
 
 
+def reduce_scatter_bytes(k: int, chunk_nbytes: int) -> int:
+    """Bytes one rank sends in the compressed two-phase all-reduce over ``k`` ranks.
+
+    Phase 1 sends k-1 encoded chunks (one to each other member), phase 2 sends the
+    rank's re-encoded reduced chunk to the k-1 others: ``2*(k-1)*chunk_nbytes``.
+    """
+    if k <= 1:
+        return 0
+    return 2 * (k - 1) * chunk_nbytes
+
+
+def chunk_numel(slice_numel: int, k: int, align: int = 1) -> int:
+    """Elements per chunk when a ``slice_numel`` slice is split among ``k`` members.
+
+    ``ceil(slice_numel / k)`` rounded up to a multiple of ``align`` (a codec's
+    ``chunk_align``, e.g. the int8 block size), so every chunk has the same size (the
+    slice is zero-padded to ``k*c``) and no codec block straddles two chunks.
+    """
+    a = max(1, int(align))
+    per = -(-int(slice_numel) // max(1, int(k)))
+    return -(-per // a) * a
+
+
+#: values of ``lossy_exchange`` (how lossy codecs combine encoded slices).
+LOSSY_EXCHANGES = ("reduce_scatter", "all_gather", "auto")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """How one module's slice crosses its module subgroup (the same for every slice).
+
+    ``kind``: ``"local"`` (k ≤ 1, nothing crosses), ``"all_reduce"`` (codec none),
+    ``"all_gather"`` or ``"reduce_scatter"`` (lossy codecs). Every slice (padded to
+    ``num_chunks * chunk_numel`` elements) is encoded as ``num_chunks`` chunks of
+    ``chunk_numel`` elements (1 chunk of ``slice_numel`` unless ``reduce_scatter``).
+    """
+
+    kind: str
+    k: int
+    slice_numel: int
+    num_chunks: int
+    chunk_numel: int
+    cross_bytes: int  # bytes each rank of the subgroup sends (codec payloads only)
+
+    @property
+    def padded_slice_numel(self) -> int:
+        """``num_chunks * chunk_numel`` (≥ ``slice_numel``)."""
+        return self.num_chunks * self.chunk_numel
+
+
 class GridLike(Protocol):
     """What :meth:`Topology.from_grid` needs from a grid (``modules.ModuleGrid`` has it)."""
 
@@ -86,6 +154,7 @@ class ModulePlan:
     params: int
     bytes_per_rank: int  # bytes each rank of the module group sends per round
     bytes_total: int  # summed over the module group's ranks
+    exchange: str = ""  # Exchange.kind: local | all_reduce | all_gather | reduce_scatter
 
 
 @dataclass(frozen=True)
@@ -100,6 +169,7 @@ class CommPlan:
     bytes_per_round: int
     ddp_bytes_per_round: int
     path_params: float
+    lossy_exchange: str = "reduce_scatter"
 
     @property
     def ratio_vs_ddp(self) -> float:
@@ -113,6 +183,7 @@ class CommPlan:
             "inner_steps": self.inner_steps,
             "world_size": self.world_size,
             "group_size": self.group_size,
+            "lossy_exchange": self.lossy_exchange,
             "bytes_per_round": self.bytes_per_round,
             "ddp_bytes_per_round": self.ddp_bytes_per_round,
             "ratio_vs_ddp": self.ratio_vs_ddp,
@@ -124,6 +195,7 @@ class CommPlan:
                     "params": m.params,
                     "bytes_per_rank": m.bytes_per_rank,
                     "bytes_total": m.bytes_total,
+                    "exchange": m.exchange,
                 }
                 for m in self.modules
             ],
@@ -300,34 +372,62 @@ class Topology:
         """Elements of the slice each local rank exchanges: ``ceil(numel / G)``."""
         return -(-int(numel) // self.group_size)
 
-    def module_bytes_per_rank(self, m: str, numel: int, codec: Any) -> int:
-        """Bytes one rank of ``m``'s module group sends per round (formulas in module doc).
+    def exchange(self, m: str, numel: int, codec: Any, lossy_exchange: str = "reduce_scatter") -> Exchange:
+        """How module ``m`` (``numel`` parameters) crosses its module subgroups with ``codec``.
 
-        ``codec`` is a codec object (``name`` and ``nbytes_for``) or a codec name.
+        The one place that decides the exchange and its payload bytes: the planner and
+        both communicators use it, so planned and measured counts agree exactly.
+        ``codec`` is a codec object (``name``, ``lossy``, ``chunk_align``, ``nbytes_for``)
+        or a codec name; ``lossy_exchange`` is one of :data:`LOSSY_EXCHANGES`.
         """
+        if lossy_exchange not in LOSSY_EXCHANGES:
+            raise ValueError(f"lossy_exchange={lossy_exchange!r} must be one of {list(LOSSY_EXCHANGES)}")
         if isinstance(codec, str):
             from dipaco.sync.codecs import make_codec
 
             codec = make_codec(codec)
         k = len(self.groups_of_module(m))
-        if k <= 1:
-            return 0
         s = self.slice_numel(numel)
+        if k <= 1:
+            return Exchange("local", k, s, 1, s, 0)
         if codec.name == "none":
-            cross = ring_allreduce_bytes(k, 4 * s)
-        else:
-            cross = allgather_bytes(k, codec.nbytes_for(s))
-        meta = ring_allreduce_bytes(k, META_BYTES)
-        intra = allgather_bytes(self.group_size, 4 * s)
-        return cross + meta + intra
+            return Exchange("all_reduce", k, s, 1, s, ring_allreduce_bytes(k, 4 * s))
+        gather = Exchange("all_gather", k, s, 1, s, allgather_bytes(k, codec.nbytes_for(s)))
+        if lossy_exchange == "all_gather":
+            return gather
+        c = chunk_numel(s, k, getattr(codec, "chunk_align", 1))
+        two_phase = Exchange("reduce_scatter", k, s, k, c, reduce_scatter_bytes(k, codec.nbytes_for(c)))
+        if lossy_exchange == "auto" and gather.cross_bytes <= two_phase.cross_bytes:
+            return gather
+        return two_phase
 
-    def plan(self, param_counts: dict[str, int], codec: str = "none", inner_steps: int = 1, **codec_kw: Any) -> CommPlan:
+    def module_bytes_per_rank(self, m: str, numel: int, codec: Any, lossy_exchange: str = "reduce_scatter") -> int:
+        """Bytes one rank of ``m``'s module group sends per round (formulas in module doc).
+
+        ``codec`` is a codec object (``name`` and ``nbytes_for``) or a codec name.
+        """
+        ex = self.exchange(m, numel, codec, lossy_exchange)
+        if ex.k <= 1:
+            return 0
+        meta = ring_allreduce_bytes(ex.k, META_BYTES)
+        intra = allgather_bytes(self.group_size, 4 * ex.slice_numel)
+        return ex.cross_bytes + meta + intra
+
+    def plan(
+        self,
+        param_counts: dict[str, int],
+        codec: str = "none",
+        inner_steps: int = 1,
+        lossy_exchange: str = "reduce_scatter",
+        **codec_kw: Any,
+    ) -> CommPlan:
         """Bytes per round per module for ``codec``, and the DDP equivalent.
 
         Args:
             param_counts: parameter count of every module id.
             codec: codec name (``diloco.codec``), with ``codec_kw`` its options.
             inner_steps: H, for the DDP equivalent (DDP all-reduces every inner step).
+            lossy_exchange: how lossy codecs cross module subgroups (:data:`LOSSY_EXCHANGES`).
         """
         from dipaco.sync.codecs import make_codec
 
@@ -340,7 +440,8 @@ class Topology:
         rows = []
         for m in self.module_ids:
             n = int(param_counts[m])
-            per_rank = self.module_bytes_per_rank(m, n, cod)
+            per_rank = self.module_bytes_per_rank(m, n, cod, lossy_exchange)
+            kind = self.exchange(m, n, cod, lossy_exchange).kind
             groups = tuple(self.groups_of_module(m))
             rows.append(
                 ModulePlan(
@@ -350,6 +451,7 @@ class Topology:
                     params=n,
                     bytes_per_rank=per_rank,
                     bytes_total=per_rank * len(groups) * self.group_size,
+                    exchange=kind,
                 )
             )
         path_params = sum(sum(int(param_counts[m]) for m in mods) for mods in self.path_modules) / self.num_paths
@@ -363,6 +465,7 @@ class Topology:
             bytes_per_round=sum(r.bytes_total for r in rows),
             ddp_bytes_per_round=ddp_rank * self.world_size,
             path_params=path_params,
+            lossy_exchange=lossy_exchange,
         )
 
 
@@ -376,9 +479,11 @@ def _fmt_bytes(n: float) -> str:
 
 def format_plan(plan: CommPlan) -> str:
     """A plain-text table of a :class:`CommPlan`."""
-    head = f"{'module':<12} {'paths':>5} {'groups':>6} {'params':>10} {'bytes/rank':>11} {'bytes total':>12}"
+    head = (f"{'module':<12} {'paths':>5} {'groups':>6} {'params':>10} {'bytes/rank':>11} {'bytes total':>12}"
+            f"  {'exchange':<14}")
+    lossy = f" lossy_exchange={plan.lossy_exchange}" if plan.codec != "none" else ""
     lines = [
-        f"communication plan: codec={plan.codec} world_size={plan.world_size} group_size={plan.group_size} "
+        f"communication plan: codec={plan.codec}{lossy} world_size={plan.world_size} group_size={plan.group_size} "
         f"H={plan.inner_steps} (per round)",
         head,
         "-" * len(head),
@@ -386,11 +491,12 @@ def format_plan(plan: CommPlan) -> str:
     for m in plan.modules:
         lines.append(
             f"{m.module_id:<12} {len(m.sharers):>5} {len(m.groups):>6} {m.params:>10} "
-            f"{_fmt_bytes(m.bytes_per_rank):>11} {_fmt_bytes(m.bytes_total):>12}"
+            f"{_fmt_bytes(m.bytes_per_rank):>11} {_fmt_bytes(m.bytes_total):>12}  {m.exchange:<14}"
         )
     lines.append("-" * len(head))
     lines.append(f"{'DiPaCo total':<37}{_fmt_bytes(plan.bytes_per_round):>25}")
     lines.append(f"{'DDP equivalent':<37}{_fmt_bytes(plan.ddp_bytes_per_round):>25}")
     if plan.ddp_bytes_per_round:
-        lines.append(f"{'ratio DiPaCo / DDP':<37}{plan.ratio_vs_ddp:>25.4f}")
+        inv = f" (1/{1 / plan.ratio_vs_ddp:.0f})" if plan.ratio_vs_ddp > 0 else ""
+        lines.append(f"{'ratio DiPaCo / DDP':<37}{plan.ratio_vs_ddp:>25.4f}{inv}")
     return "\n".join(lines)

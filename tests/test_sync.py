@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from dipaco.sync.codecs import make_codec
+from dipaco.sync.comm import LocalComm
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_sync import pseudo_gradient
 from dipaco.sync.outer import make_outer_optimizer
-from dipaco.topology import Topology
+from dipaco.topology import Exchange, Topology, chunk_numel, reduce_scatter_bytes
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]
@@ -209,7 +211,8 @@ def test_fp16_clamps_instead_of_inf() -> None:
     assert torch.isfinite(d).all()
 
 
-def test_error_feedback_drives_accumulated_error_to_zero() -> None:
+@pytest.mark.parametrize("lossy_exchange", ["reduce_scatter", "all_gather"])
+def test_error_feedback_drives_accumulated_error_to_zero(lossy_exchange: str) -> None:
     topo = Topology(["a"], [["a"], ["a"]], world_size=2)
     torch.manual_seed(0)
     target = torch.randn(2, 50) * 0.01  # each path moves the weights by a fixed step
@@ -218,7 +221,8 @@ def test_error_feedback_drives_accumulated_error_to_zero() -> None:
         lin = nn.Linear(50, 1, bias=False)
         with torch.no_grad():
             lin.weight.zero_()
-        sync = DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=ef, outer=AVG)
+        sync = DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=ef, outer=AVG,
+                          lossy_exchange=lossy_exchange)
         rounds = 200
         for _ in range(rounds):
             for p in range(2):
@@ -233,6 +237,125 @@ def test_error_feedback_drives_accumulated_error_to_zero() -> None:
     with_ef, without = run(True), run(False)
     assert with_ef < 0.05, with_ef
     assert without > 0.5, without
+
+
+# ----------------------------------------------------------------------------- two-phase exchange
+def _chunked(codec: Any, ex: Exchange, x: torch.Tensor, G: int) -> list[list[tuple[torch.Tensor, ...]]]:
+    """What ModuleSync sends: slice r zero-padded to k·c and encoded chunk by chunk."""
+    s, c = ex.slice_numel, ex.chunk_numel
+    out = []
+    for r in range(G):
+        sl = torch.cat([x[r * s : (r + 1) * s], x.new_zeros(ex.padded_slice_numel - s)])
+        out.append([codec.encode(sl[j * c : (j + 1) * c]) for j in range(ex.num_chunks)])
+    return out
+
+
+def _padded_chunks(x: torch.Tensor, ex: Exchange, r: int) -> list[torch.Tensor]:
+    s, c = ex.slice_numel, ex.chunk_numel
+    sl = torch.cat([x[r * s : (r + 1) * s], x.new_zeros(ex.padded_slice_numel - s)])
+    return [sl[j * c : (j + 1) * c] for j in range(ex.num_chunks)]
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_two_phase_int8_is_the_ordered_sum_reencoded(group_size: int) -> None:
+    """int8: the two-phase result is exactly the all-gather (ordered-sum) result passed once
+    more through the codec per chunk, so it is within absmax(block)/254 of it."""
+    G, n, block = group_size, 1000, 16
+    topo = Topology(["a"], [["a"]] * 4, world_size=4 * G, group_size=G)  # k = 4 worker groups
+    codec = make_codec("int8", block_size=block)
+    ex = topo.exchange("a", n, codec)
+    ag_ex = topo.exchange("a", n, codec, "all_gather")
+    assert ex.kind == "reduce_scatter" and ex.num_chunks == 4 and ag_ex.kind == "all_gather"
+    assert ex.chunk_numel % block == 0 and ex.chunk_numel == chunk_numel(ex.slice_numel, 4, block)
+    torch.manual_seed(0)
+    xs = {g: torch.randn(G * ex.slice_numel) * (g + 1) for g in range(4)}
+    rs, rs_bytes = LocalComm(topo).exchange("a", {g: _chunked(codec, ex, x, G) for g, x in xs.items()}, codec, ex)
+    ag, ag_bytes = LocalComm(topo, "all_gather").exchange(
+        "a", {g: _chunked(codec, ag_ex, x, G) for g, x in xs.items()}, codec, ag_ex
+    )
+    assert rs.shape == ag.shape == (G * ex.slice_numel,)
+    for r in range(G):
+        want = torch.cat([codec.decode(codec.encode(ch), ex.chunk_numel) for ch in _padded_chunks(ag, ex, r)])
+        got = rs[r * ex.slice_numel : (r + 1) * ex.slice_numel]
+        assert torch.equal(got, want[: ex.slice_numel])
+        ref = torch.cat(_padded_chunks(ag, ex, r)).view(-1, block)  # the codec's stated bound, per block
+        err = (torch.cat(_padded_chunks(rs, ex, r)).view(-1, block) - ref).abs()
+        assert (err <= ref.abs().amax(1, keepdim=True) / 254 + 1e-6).all()
+    # bytes: every one of the k·G ranks sends 2·(k−1) encoded chunks, ~2/k of the all-gather
+    assert rs_bytes.cross == 4 * G * reduce_scatter_bytes(4, codec.nbytes_for(ex.chunk_numel)) == 4 * G * ex.cross_bytes
+    assert rs_bytes.intra == ag_bytes.intra and rs_bytes.cross < ag_bytes.cross
+
+
+def test_two_phase_topk_keeps_the_largest_reduced_entries_and_feeds_back() -> None:
+    """topk: chunk j of the result holds the k_for(c) largest entries of the ordered sum of
+    the decoded contributions to chunk j, exactly; the owner residual keeps the rest."""
+    G, n = 2, 301
+    topo = Topology(["a"], [["a"]] * 3, world_size=3 * G, group_size=G)  # k = 3
+    codec = make_codec("topk", fraction=0.1)
+    ex = topo.exchange("a", n, codec)
+    c = ex.chunk_numel
+    assert ex.kind == "reduce_scatter" and c == chunk_numel(ex.slice_numel, 3)  # topk: no alignment
+    torch.manual_seed(1)
+    xs = {g: torch.randn(G * ex.slice_numel) for g in range(3)}
+    payloads = {g: _chunked(codec, ex, x, G) for g, x in xs.items()}
+    owner = {g: torch.zeros(G * c) for g in range(3)}
+    out, _ = LocalComm(topo).exchange("a", payloads, codec, ex, owner)
+    for r in range(G):
+        got = torch.cat([out[r * ex.slice_numel : (r + 1) * ex.slice_numel], torch.zeros(3 * c - ex.slice_numel)])
+        for j in range(3):
+            ref = torch.zeros(c)
+            for g in range(3):  # ascending worker-group order
+                ref += codec.decode(payloads[g][r][j], c)
+            chunk = got[j * c : (j + 1) * c]
+            kept = set(torch.topk(ref.abs(), codec.k_for(c)).indices.tolist())
+            assert set(chunk.nonzero().flatten().tolist()) <= kept
+            idx = sorted(kept)
+            assert torch.equal(chunk[idx][chunk[idx] != 0], ref[idx][chunk[idx] != 0])
+            assert torch.equal(owner[j][r * c : (r + 1) * c], ref - chunk)  # chunk j is owned by group j
+
+
+def test_int8_chunks_are_block_aligned() -> None:
+    """Encoding a slice chunk by chunk gives the whole slice's block scales (no straddling)."""
+    topo = Topology(["a"], [["a"]] * 4, world_size=4)
+    codec = make_codec("int8", block_size=16)
+    ex = topo.exchange("a", 1000, codec)
+    assert ex.chunk_numel == 256 and ex.padded_slice_numel == 1024
+    x = torch.randn(1000)
+    padded = torch.cat([x, x.new_zeros(24)])
+    whole = codec.encode(padded)
+    parts = _chunked(codec, ex, x, 1)[0]
+    assert torch.equal(torch.cat([p[1] for p in parts]), whole[1])
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+
+
+def test_two_phase_sync_close_to_all_gather_and_exact() -> None:
+    """End to end (outer steps): reduce_scatter vs all_gather vs fp32, int8 block 16."""
+    topo = Topology(IDS, PATHS, world_size=4)
+    torch.manual_seed(3)
+    moves = {p: {m: torch.randn(5, 7) * 0.01 for m in PATHS[p]} for p in range(4)}
+
+    def run(codec: str, lossy_exchange: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        mods = {m: nn.Linear(7, 5, bias=False) for m in IDS}
+        sync = DiLoCoSync(topo, mods, codec=codec, codec_kw={"block_size": 16} if codec == "int8" else {},
+                          outer=AVG, lossy_exchange=lossy_exchange)
+        for p in range(4):
+            sync.begin_path(p)
+            with torch.no_grad():
+                for m in PATHS[p]:
+                    mods[m].weight.add_(moves[p][m])
+            sync.end_path(p, p + 1)
+        sync.finish_round()
+        return {m: mods[m].weight.detach().clone() for m in IDS}
+
+    exact, ag, rs = run("none", "reduce_scatter"), run("int8", "all_gather"), run("int8", "reduce_scatter")
+    for m in IDS:
+        # each encoding errs by ≤ absmax(block)/254 of a weighted mean of moves: ≤ biggest/254
+        big = max(float(moves[p][m].abs().max()) for p in range(4) if m in PATHS[p])
+        assert (ag[m] - exact[m]).abs().max() <= big / 254 + 1e-7, m  # one encoding
+        assert (rs[m] - exact[m]).abs().max() <= 2 * big / 254 + 1e-7, m  # two encodings
+    with pytest.raises(ValueError, match="lossy_exchange"):
+        DiLoCoSync(topo, const_modules(), codec="int8", lossy_exchange="ring")
 
 
 # ----------------------------------------------------------------------------- bytes and state
@@ -282,6 +405,7 @@ def test_state_dict_resume_equals_uninterrupted() -> None:
     state = {k: v.clone() for k, v in b.state_dict().items()}
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     assert "embed/outer.momentum_buffer" in state and "embed/residual.1" in state
+    assert "embed/residual.1.owner" in state  # second-encoding feedback of the two-phase exchange
     c, mc = fresh()
     c.load_state_dict(state)
     assert c.round == 2 and c.weights_hash() == b.weights_hash()

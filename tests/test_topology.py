@@ -7,7 +7,9 @@ from dipaco.topology import (
     META_BYTES,
     Topology,
     allgather_bytes,
+    chunk_numel,
     format_plan,
+    reduce_scatter_bytes,
     ring_allreduce_bytes,
 )
 
@@ -97,6 +99,11 @@ def test_byte_formulas() -> None:
     assert ring_allreduce_bytes(2, 100) == 100
     assert ring_allreduce_bytes(4, 400) == 600
     assert allgather_bytes(4, 10) == 30
+    assert reduce_scatter_bytes(1, 100) == 0
+    assert reduce_scatter_bytes(4, 100) == 600  # 3 chunks out in phase 1, own chunk to 3 in phase 2
+    # chunks: ceil(s/k) rounded up to the codec alignment (int8 block)
+    assert chunk_numel(1000, 4) == 250 and chunk_numel(1001, 4) == 251
+    assert chunk_numel(1000, 4, 64) == 256 and chunk_numel(10, 4, 16) == 16 and chunk_numel(0, 4, 16) == 0
 
 
 def test_plan_none_and_int8() -> None:
@@ -113,10 +120,22 @@ def test_plan_none_and_int8() -> None:
     # DDP: every inner step all-reduces a 4000-param path over 4 ranks
     assert plan.ddp_bytes_per_round == 4 * 10 * ring_allreduce_bytes(4, 4 * 4000)
     assert plan.bytes_per_round < plan.ddp_bytes_per_round
-    p8 = t.plan(counts, "int8", inner_steps=10, block_size=100)
+    meta_intra = ring_allreduce_bytes(2, META_BYTES) + allgather_bytes(2, 2000)
+    ag = t.plan(counts, "int8", inner_steps=10, lossy_exchange="all_gather", block_size=100)
+    rag = {r.module_id: r for r in ag.modules}
+    assert rag["L0.0"].bytes_per_rank == allgather_bytes(2, 500 + 4 * 5) + meta_intra
+    assert rag["L0.0"].exchange == "all_gather" and ag.lossy_exchange == "all_gather"
+    p8 = t.plan(counts, "int8", inner_steps=10, block_size=100)  # default: two-phase
     r8 = {r.module_id: r for r in p8.modules}
-    assert r8["L0.0"].bytes_per_rank == allgather_bytes(2, 500 + 4 * 5) + ring_allreduce_bytes(2, META_BYTES) + allgather_bytes(2, 2000)
+    # k=2, slice 500 → 2 chunks of 300 (block-aligned, padded): 2·(k−1)·(300 + 4·3)
+    assert r8["L0.0"].bytes_per_rank == reduce_scatter_bytes(2, 300 + 4 * 3) + meta_intra
+    assert r8["L0.0"].exchange == "reduce_scatter" and r8["L1.0"].exchange == "local"
+    # auto: k=2 with padding is cheaper as an all-gather
+    auto = {r.module_id: r for r in t.plan(counts, "int8", 10, lossy_exchange="auto", block_size=100).modules}
+    assert auto["L0.0"] == rag["L0.0"]
     text = format_plan(p8)
-    assert "embed" in text and "DDP equivalent" in text
+    assert "embed" in text and "DDP equivalent" in text and "reduce_scatter" in text
+    with pytest.raises(ValueError, match="lossy_exchange"):
+        t.plan(counts, "int8", lossy_exchange="ring")
     with pytest.raises(ValueError, match="diloco.codec"):
         t.plan(counts, "zip")

@@ -69,6 +69,14 @@ class Codec:
         """Bytes of ``payload`` on the wire."""
         return payload_nbytes(payload)
 
+    @property
+    def chunk_align(self) -> int:
+        """Chunk sizes of the two-phase exchange are multiples of this (1: any size).
+
+        A property, not an attribute: ``vars(codec)`` must stay the codec's options.
+        """
+        return 1
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -149,6 +157,12 @@ class Int8Codec(Codec):
 
     def nbytes_for(self, numel: int) -> int:
         return int(numel) + 4 * (-(-int(numel) // self.block_size))
+
+    @property
+    def chunk_align(self) -> int:
+        """One block: chunk boundaries never split a block, so each chunk's scales are
+        exactly the scales the whole slice would have had."""
+        return self.block_size
 
     def __repr__(self) -> str:
         return f"Int8Codec(block_size={self.block_size})"

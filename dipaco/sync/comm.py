@@ -6,8 +6,22 @@ Both communicators compute the same numbers (contract 1):
   every contributor (worker group) is decoded and summed IN ASCENDING GROUP ORDER, and
   the G reduced slices are concatenated;
 * codec ``none`` in :class:`TorchComm` uses ``all_reduce`` (gloo/nccl's own summation
-  order, so equal up to fp32 rounding: allclose); lossy codecs all-gather the payloads
-  and sum them in group order, bit-identical to :class:`LocalComm`.
+  order, so equal up to fp32 rounding: allclose);
+* lossy codecs, exchange ``reduce_scatter`` (default; see :meth:`Topology.exchange`): a
+  compressed two-phase all-reduce. Every contributor encodes slice ``r`` as k equal,
+  block-aligned chunks; chunk ``j`` of every contributor goes to member ``j`` (the j-th
+  worker group holding the module, ascending), which decodes them and sums them in
+  ascending group order, re-encodes the reduced chunk and all-gathers it; everybody
+  decodes the k reduced chunks. The result carries the codec error twice (each
+  contribution's encoding, then the reduced chunk's). With error feedback the first
+  error goes into the contributor's residual (``ModuleSync``) and the second into the
+  *owner residual* of the member that reduced the chunk (``owner_residuals``), added to
+  its reduced chunk before next round's re-encoding;
+* lossy codecs, exchange ``all_gather``: all payloads are all-gathered and summed in
+  group order (one codec error, but bytes grow with k).
+
+:class:`LocalComm` performs the very same decodes, ordered sums and re-encodings, so
+lossy codecs are bit-identical between the backends (same kernels, same order).
 
 :class:`LocalComm` is given every contributor's payloads (one process plays every
 worker group) and counts the bytes every rank WOULD send; :class:`TorchComm` is given its
@@ -22,8 +36,15 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from dipaco.sync.codecs import Codec, Payload, payload_nbytes
-from dipaco.topology import META_BYTES, Topology, allgather_bytes, ring_allreduce_bytes
+from dipaco.sync.codecs import Codec, Payload
+from dipaco.topology import (
+    LOSSY_EXCHANGES,
+    META_BYTES,
+    Exchange,
+    Topology,
+    allgather_bytes,
+    ring_allreduce_bytes,
+)
 
 __all__ = ["CommBytes", "Communicator", "LocalComm", "TorchComm"]
 
@@ -48,21 +69,50 @@ class CommBytes:
         return self
 
 
+#: ``payloads[c][r][j]``: chunk ``j`` of slice ``r`` of contributor (worker group) ``c``.
+Chunked = dict[int, Sequence[Sequence[Payload]]]
+
+
 class Communicator:
-    """Interface used by :class:`dipaco.sync.module_sync.ModuleSync`."""
+    """Interface used by :class:`dipaco.sync.module_sync.ModuleSync`.
+
+    Args of subclasses: ``lossy_exchange`` is one of
+    :data:`dipaco.topology.LOSSY_EXCHANGES` (default ``"reduce_scatter"``).
+    """
 
     topology: Topology
+    lossy_exchange: str = "reduce_scatter"
+
+    def _set_lossy_exchange(self, lossy_exchange: str) -> None:
+        if lossy_exchange not in LOSSY_EXCHANGES:
+            raise ValueError(f"lossy_exchange={lossy_exchange!r} must be one of {list(LOSSY_EXCHANGES)}")
+        self.lossy_exchange = lossy_exchange
 
     def contributors(self, module_id: str) -> list[int]:
         """Worker groups whose contributions this process holds for ``module_id``."""
         raise NotImplementedError
 
-    def exchange(
-        self, module_id: str, payloads: dict[int, Sequence[Payload]], codec: Codec, slice_numel: int
-    ) -> tuple[torch.Tensor, CommBytes]:
-        """Sum the contributors' slices: ``payloads[c][r]`` is slice ``r`` of contributor ``c``.
+    def exchange_for(self, module_id: str, numel: int, codec: Codec) -> Exchange:
+        """The exchange (kind, chunking, bytes) of a module: :meth:`Topology.exchange`."""
+        return self.topology.exchange(module_id, numel, codec, self.lossy_exchange)
 
-        Returns the full padded sum (``G*slice_numel`` fp32) and the bytes sent.
+    def exchange(
+        self,
+        module_id: str,
+        payloads: Chunked,
+        codec: Codec,
+        ex: Exchange,
+        owner_residuals: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, CommBytes]:
+        """Sum the contributors' slices; ``payloads[c][r]`` are the ``ex.num_chunks``
+        encoded chunks of slice ``r`` of contributor ``c``.
+
+        ``owner_residuals`` (error feedback of the two-phase exchange): for each worker
+        group ``g`` this process plays, a ``G*ex.chunk_numel`` fp32 tensor whose part
+        ``r`` is added to the chunk ``g`` reduces in slice ``r`` before re-encoding, and
+        replaced by that encoding's error (updated in place). None: no feedback.
+
+        Returns the full padded sum (``G*ex.slice_numel`` fp32) and the bytes sent.
         """
         raise NotImplementedError
 
@@ -78,31 +128,63 @@ def _ordered_sum(decoded: list[torch.Tensor], numel: int) -> torch.Tensor:
     return out
 
 
+def _reencode(reduced: torch.Tensor, codec: Codec, residual: torch.Tensor | None) -> Payload:
+    """Phase 2 of the two-phase exchange: encode a reduced chunk on its owner.
+
+    With ``residual`` (the owner's error feedback, a view updated in place) the chunk
+    is encoded with last round's error added, and the new error is kept.
+    """
+    value = reduced if residual is None else reduced + residual
+    payload = codec.encode(value)
+    if residual is not None:
+        residual.copy_(value - codec.decode(payload, value.numel()))
+    return payload
+
+
+def _owner_part(owner_residuals: dict[int, torch.Tensor] | None, group: int, r: int, c: int) -> torch.Tensor | None:
+    """Part ``r`` (slice ``r``'s chunk, ``c`` elements) of worker group ``group``'s owner residual."""
+    if owner_residuals is None:
+        return None
+    return owner_residuals[group][r * c : (r + 1) * c]
+
+
 class LocalComm(Communicator):
     """In-process: every worker group's contribution is already here."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, lossy_exchange: str = "reduce_scatter") -> None:
         self.topology = topology
+        self._set_lossy_exchange(lossy_exchange)
 
     def contributors(self, module_id: str) -> list[int]:
         return self.topology.groups_of_module(module_id)
 
     def exchange(
-        self, module_id: str, payloads: dict[int, Sequence[Payload]], codec: Codec, slice_numel: int
+        self,
+        module_id: str,
+        payloads: Chunked,
+        codec: Codec,
+        ex: Exchange,
+        owner_residuals: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, CommBytes]:
-        G = self.topology.group_size
-        groups = sorted(payloads)
-        k = len(self.topology.groups_of_module(module_id))
+        G, s, c = self.topology.group_size, ex.slice_numel, ex.chunk_numel
+        groups = sorted(payloads)  # ascending: member j of every module subgroup is groups[j]
         nbytes = CommBytes()
         slices = []
         for r in range(G):
-            slices.append(_ordered_sum([codec.decode(payloads[c][r], slice_numel) for c in groups], slice_numel))
-            if k > 1:
-                for c in groups:  # rank r of group c sends its slice-r payload
-                    b = payload_nbytes(payloads[c][r])
-                    nbytes.cross += ring_allreduce_bytes(k, b) if codec.name == "none" else allgather_bytes(k, b)
-        if k > 1:
-            nbytes.intra = k * G * allgather_bytes(G, 4 * slice_numel)
+            if ex.kind == "reduce_scatter":
+                # exactly TorchComm's arithmetic: member j sums chunk j of every contributor
+                # in ascending group order, re-encodes it; everyone decodes the k results
+                reduced = []
+                for j, owner in enumerate(groups):
+                    part = _ordered_sum([codec.decode(payloads[g][r][j], c) for g in groups], c)
+                    payload = _reencode(part, codec, _owner_part(owner_residuals, owner, r, c))
+                    reduced.append(codec.decode(payload, c))
+                slices.append(torch.cat(reduced)[:s])
+            else:
+                slices.append(_ordered_sum([codec.decode(payloads[g][r][0], s) for g in groups], s))
+        if ex.k > 1:  # each of the k ranks of each of the G subgroups sends the planned bytes
+            nbytes.cross = ex.k * G * ex.cross_bytes
+            nbytes.intra = ex.k * G * allgather_bytes(G, 4 * s)
         return torch.cat(slices), nbytes
 
     def reduce_meta(self, module_id: str, metas: dict[int, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -138,8 +220,11 @@ class TorchComm(Communicator):
     collective this rank joined.
     """
 
-    def __init__(self, topology: Topology, rank: int, process_groups: Any) -> None:
+    def __init__(
+        self, topology: Topology, rank: int, process_groups: Any, lossy_exchange: str = "reduce_scatter"
+    ) -> None:
         self.topology = topology
+        self._set_lossy_exchange(lossy_exchange)
         self.rank = int(rank)
         self.group = topology.group_of_rank(rank)
         self.local_rank = topology.local_rank(rank)
@@ -155,9 +240,14 @@ class TorchComm(Communicator):
         return [self.group]
 
     def exchange(
-        self, module_id: str, payloads: dict[int, Sequence[Payload]], codec: Codec, slice_numel: int
+        self,
+        module_id: str,
+        payloads: Chunked,
+        codec: Codec,
+        ex: Exchange,
+        owner_residuals: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, CommBytes]:
-        topo, r, s = self.topology, self.local_rank, slice_numel
+        topo, r, s = self.topology, self.local_rank, ex.slice_numel
         G = topo.group_size
         sub_ranks = tuple(topo.module_subgroup_ranks(module_id, r))
         k = len(sub_ranks)
@@ -166,20 +256,26 @@ class TorchComm(Communicator):
         if k <= 1:
             # held by one worker group: nothing crosses groups, and every rank of the group
             # already holds every slice (identical after the data-parallel inner phase)
-            return torch.cat([codec.decode(payloads[self.group][q], s) for q in range(G)]), nbytes
+            return torch.cat([codec.decode(payloads[self.group][q][0], s) for q in range(G)]), nbytes
         sub = self.pg.module_subgroup(module_id, r)
-        if codec.name == "none":
-            reduced = mine[0].to(self.device, torch.float32, copy=True)
+        # Ordering hazard: every member of ``sub`` reaches this point for the same module
+        # in the same round (modules are visited in the global order on every rank), and
+        # each branch below issues the same collectives in the same order on every member
+        # (the branch depends only on the codec and the exchange, identical everywhere).
+        if ex.kind == "all_reduce":
+            reduced = mine[0][0].to(self.device, torch.float32, copy=True)
             dist.all_reduce(reduced, group=sub)
             reduced = reduced.cpu()
             nbytes.cross = ring_allreduce_bytes(k, 4 * s)
             self.trace.append((module_id, "all_reduce", sub_ranks, nbytes.cross))
+        elif ex.kind == "reduce_scatter":
+            reduced, nbytes.cross = self._two_phase(module_id, sub, sub_ranks, mine, codec, ex, owner_residuals)
         else:
-            buf = _pack(mine).to(self.device)
+            buf = _pack(mine[0]).to(self.device)
             gathered = [torch.empty_like(buf) for _ in range(k)]
             dist.all_gather(gathered, buf, group=sub)  # list index = ascending rank = ascending group
             gathered = [b.cpu() for b in gathered]
-            reduced = _ordered_sum([codec.decode(_unpack(b, mine), s) for b in gathered], s)
+            reduced = _ordered_sum([codec.decode(_unpack(b, mine[0]), s) for b in gathered], s)
             nbytes.cross = allgather_bytes(k, buf.numel())
             self.trace.append((module_id, "all_gather", sub_ranks, nbytes.cross))
         if G == 1:
@@ -191,6 +287,48 @@ class TorchComm(Communicator):
         nbytes.intra = allgather_bytes(G, 4 * s)
         self.trace.append((module_id, "all_gather_slices", wg_ranks, nbytes.intra))
         return torch.cat(parts), nbytes
+
+    def _two_phase(
+        self,
+        module_id: str,
+        sub: Any,
+        sub_ranks: tuple[int, ...],
+        mine: Sequence[Payload],
+        codec: Codec,
+        ex: Exchange,
+        owner_residuals: dict[int, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, int]:
+        """Compressed all-reduce of this rank's slice over ``sub``; returns (slice sum, bytes sent).
+
+        Phase 1 is ONE ``all_to_all_single`` with equal splits: the chunks have equal
+        sizes and a codec's payload size depends only on numel, so every rank's send
+        buffer is k segments of ``nb`` bytes, segment ``j`` for member ``j``. gloo (torch
+        2.13) and nccl both implement it; it is a single collective, so unlike k-1
+        hand-ordered ``isend``/``irecv`` pairs it cannot deadlock and needs no pairing
+        schedule. Member index = position in ``sub_ranks`` (ascending global rank =
+        ascending worker group), the same order the local backend uses.
+        Phase 2 is one ``all_gather`` of the re-encoded reduced chunks over ``sub``.
+        Both collectives are issued in this order by every member.
+        """
+        k, c, s = len(sub_ranks), ex.chunk_numel, ex.slice_numel
+        me = sub_ranks.index(self.rank)
+        send = torch.cat([_pack(p) for p in mine])
+        nb = send.numel() // k
+        recv = torch.empty_like(send, device=self.device)
+        dist.all_to_all_single(recv, send.to(self.device), group=sub)
+        recv = recv.cpu()
+        received = [codec.decode(_unpack(recv[i * nb : (i + 1) * nb], mine[me]), c) for i in range(k)]
+        part = _ordered_sum(received, c)  # contributions to chunk ``me`` in ascending group order
+        sent1 = (k - 1) * nb  # the own segment never leaves the rank
+        self.trace.append((module_id, "reduce_scatter", sub_ranks, sent1))
+        payload = _reencode(part, codec, _owner_part(owner_residuals, self.group, self.local_rank, c))
+        buf = _pack(payload).to(self.device)
+        gathered = [torch.empty_like(buf) for _ in range(k)]
+        dist.all_gather(gathered, buf, group=sub)
+        out = torch.cat([codec.decode(_unpack(b.cpu(), payload), c) for b in gathered])[:s]
+        sent2 = allgather_bytes(k, buf.numel())
+        self.trace.append((module_id, "all_gather_reduced", sub_ranks, sent2))
+        return out, sent1 + sent2
 
     def reduce_meta(self, module_id: str, metas: dict[int, torch.Tensor]) -> tuple[torch.Tensor, int]:
         sub_ranks = tuple(self.topology.module_subgroup_ranks(module_id, self.local_rank))

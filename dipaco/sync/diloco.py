@@ -32,7 +32,7 @@ from torch import nn
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.comm import LocalComm, TorchComm
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
-from dipaco.topology import CommPlan, Topology
+from dipaco.topology import LOSSY_EXCHANGES, CommPlan, Topology
 
 __all__ = ["DiLoCoSync", "RoundStats"]
 
@@ -81,6 +81,11 @@ class DiLoCoSync:
             (torch backend only; a collective: every rank must construct DiLoCoSync).
         backend: process-group backend when creating them (``auto``|``gloo``|``nccl``).
         track_cosine: report the cosine similarity between contributions.
+        lossy_exchange: how lossy codecs cross a module subgroup of k worker groups:
+            ``"reduce_scatter"`` (default: compressed two-phase all-reduce, ~2·(k−1)/k of
+            an encoded slice per rank, two codec errors), ``"all_gather"`` ((k−1) encoded
+            slices per rank, one codec error) or ``"auto"`` (fewer bytes, per module).
+            Codec ``none`` always uses all_reduce. See :meth:`Topology.exchange`.
     """
 
     def __init__(
@@ -97,12 +102,16 @@ class DiLoCoSync:
         process_groups: Any = None,
         backend: str = "auto",
         track_cosine: bool = True,
+        lossy_exchange: str = "reduce_scatter",
     ) -> None:
         self.topology = topology
         self.rank = rank
         self.codec = make_codec(codec, **(codec_kw or {}))
+        if lossy_exchange not in LOSSY_EXCHANGES:  # before any collective (process groups)
+            raise ValueError(f"lossy_exchange={lossy_exchange!r} must be one of {list(LOSSY_EXCHANGES)}")
+        self.lossy_exchange = lossy_exchange
         if rank is None:
-            self.comm: LocalComm | TorchComm = LocalComm(topology)
+            self.comm: LocalComm | TorchComm = LocalComm(topology, lossy_exchange)
             self.group: int | None = None
             held = list(topology.module_ids)
             self.process_groups = None
@@ -112,7 +121,7 @@ class DiLoCoSync:
 
                 process_groups = ProcessGroups(topology, rank, backend)
             self.process_groups = process_groups
-            self.comm = TorchComm(topology, rank, process_groups)
+            self.comm = TorchComm(topology, rank, process_groups, lossy_exchange)
             self.group = topology.group_of_rank(rank)
             held = topology.modules_of_group(self.group)
         missing = [m for m in held if m not in modules]
@@ -223,7 +232,7 @@ class DiLoCoSync:
         if missing:
             raise ValueError(f"this rank does not hold {missing}; call Topology.plan with every module's size")
         kw = {k: v for k, v in vars(self.codec).items()}
-        return self.topology.plan(counts, self.codec.name, inner_steps, **kw)
+        return self.topology.plan(counts, self.codec.name, inner_steps, lossy_exchange=self.lossy_exchange, **kw)
 
     # ----------------------------------------------------------------- checks and state
     def weights_hash(self) -> dict[str, str]:

@@ -12,7 +12,13 @@ Per round (see :class:`dipaco.sync.diloco.DiLoCoSync` for the driver):
 
 A *contributor* is a worker group index: contributions of one group's paths are summed
 into one buffer (in the order the paths were trained), which is encoded once per slice
-with that group's error-feedback residual.
+(per chunk of a slice with the two-phase exchange, see :mod:`dipaco.sync.comm`) with
+that group's error-feedback residual.
+
+Error feedback has two parts with the two-phase (``reduce_scatter``) exchange:
+``residuals[g]`` (each contribution's encoding error, on every rank of group ``g``) and
+``owner_residuals[g]`` (the error of re-encoding the reduced chunks group ``g`` owns: in
+the torch backend rank ``r`` of the group holds only part ``r``, the chunk it reduces).
 """
 from __future__ import annotations
 
@@ -126,10 +132,13 @@ class ModuleSync:
         self.group_size = topo.group_size
         self.slice_numel = topo.slice_numel(self.numel)
         self.padded_numel = self.slice_numel * self.group_size
+        self.exchange = comm.exchange_for(module_id, self.numel, self._wire_codec)
         self.contributors = list(comm.contributors(module_id))
         self.global_weights = nn.Parameter(flatten_params(self.params), requires_grad=True)
         self.outer_optimizer = make_outer_optimizer([self.global_weights], **(outer or {}))
         self.residuals: dict[int, torch.Tensor] = {}
+        # second-encoding error of the two-phase exchange, per owning worker group
+        self.owner_residuals: dict[int, torch.Tensor] = {}
         self.dropped_total = 0
         self._reset_round()
 
@@ -193,8 +202,13 @@ class ModuleSync:
                 sims.append(float(torch.nn.functional.cosine_similarity(ds[i], ds[j], dim=0, eps=1e-12)))
         return sum(sims) / len(sims)
 
-    def _encode(self, contributor: int) -> list[tuple[torch.Tensor, ...]]:
-        """Encode a contributor's Σα·Δ slice by slice (plus/minus its EF residual)."""
+    def _encode(self, contributor: int) -> list[list[tuple[torch.Tensor, ...]]]:
+        """Encode a contributor's Σα·Δ: ``[slice r][chunk j]`` payloads (plus its EF residual).
+
+        Each slice is zero-padded to ``exchange.num_chunks * exchange.chunk_numel`` and
+        encoded chunk by chunk (one chunk = the whole slice unless the exchange is the
+        two-phase ``reduce_scatter``).
+        """
         value = self._acc.get(contributor)
         if value is None:
             value = torch.zeros(self.padded_numel, dtype=torch.float32)
@@ -202,14 +216,30 @@ class ModuleSync:
             res = self.residuals.get(contributor)
             if res is not None:
                 value = value + res
-        s, codec = self.slice_numel, self._wire_codec
+        s, codec, ex = self.slice_numel, self._wire_codec, self.exchange
+        c, pad = ex.chunk_numel, ex.padded_slice_numel - self.slice_numel
         # every rank of a worker group encodes ALL slices (it sends only its own): the
         # residual then stays identical on the G ranks, so any of them can checkpoint it
-        payloads = [codec.encode(value[r * s : (r + 1) * s]) for r in range(self.group_size)]
+        payloads = []
+        for r in range(self.group_size):
+            sl = value[r * s : (r + 1) * s]
+            if pad:
+                sl = torch.cat([sl, sl.new_zeros(pad)])
+            payloads.append([codec.encode(sl[j * c : (j + 1) * c]) for j in range(ex.num_chunks)])
         if self.error_feedback:
-            decoded = torch.cat([codec.decode(pl, s) for pl in payloads])
+            decoded = torch.cat([torch.cat([codec.decode(pl, c) for pl in chunks])[:s] for chunks in payloads])
             self.residuals[contributor] = value - decoded
         return payloads
+
+    def _owner_feedback(self) -> dict[int, torch.Tensor] | None:
+        """The owner residuals handed to the communicator (None: no second-stage feedback)."""
+        if not (self.error_feedback and self.exchange.kind == "reduce_scatter"):
+            return None
+        n = self.group_size * self.exchange.chunk_numel
+        for c in self.contributors:
+            if c not in self.owner_residuals:
+                self.owner_residuals[c] = torch.zeros(n, dtype=torch.float32)
+        return self.owner_residuals
 
     @torch.no_grad()
     def reduce_and_step(self) -> ModuleRoundStats:
@@ -224,7 +254,9 @@ class ModuleSync:
             c: torch.tensor([self._alpha[c], self._count[c], self._dropped[c]], dtype=torch.float64)
             for c in self.contributors
         }
-        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.slice_numel)
+        total, nbytes = self.comm.exchange(
+            self.module_id, payloads, self._wire_codec, self.exchange, self._owner_feedback()
+        )
         meta, meta_bytes = self.comm.reduce_meta(self.module_id, metas)
         nbytes = CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
         alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
@@ -267,7 +299,9 @@ class ModuleSync:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors only: ``global``, ``outer.<key>`` (per-parameter optimiser state),
-        ``residual.<group>``. Optimiser hyper-parameters come from the config."""
+        ``residual.<group>`` and ``residual.<group>.owner`` (error feedback; every key
+        starts with ``residual.`` so a caller can drop them all). Optimiser
+        hyper-parameters come from the config."""
         out: dict[str, torch.Tensor] = {"global": self.global_weights.detach().clone()}
         st = self.outer_optimizer.state.get(self.global_weights, {})
         for key, val in st.items():
@@ -277,6 +311,8 @@ class ModuleSync:
                 out[f"outer.{key}"] = torch.tensor(val, dtype=torch.float64)
         for c, res in self.residuals.items():
             out[f"residual.{c}"] = res.detach().clone()
+        for c, res in self.owner_residuals.items():
+            out[f"residual.{c}.owner"] = res.detach().clone()
         return out
 
     @torch.no_grad()
@@ -295,10 +331,22 @@ class ModuleSync:
         self.outer_optimizer.state.clear()
         if opt_state:
             self.outer_optimizer.state[self.global_weights] = opt_state
-        self.residuals = {
-            int(k[len("residual.") :]): v.to(torch.float32).clone()
-            for k, v in state.items()
-            if k.startswith("residual.") and int(k[len("residual.") :]) in self._alpha
-        }
+        self.residuals, self.owner_residuals = {}, {}
+        owner_numel = self.group_size * self.exchange.chunk_numel
+        for key, val in state.items():
+            if not key.startswith("residual."):
+                continue
+            name = key[len("residual.") :]
+            owner = name.endswith(".owner")
+            group = int(name[: -len(".owner")] if owner else name)
+            if group not in self._alpha:
+                continue
+            if not owner:
+                self.residuals[group] = val.to(torch.float32).clone()
+            elif val.numel() == owner_numel and self.exchange.kind == "reduce_scatter":
+                self.owner_residuals[group] = val.to(torch.float32).reshape(-1).clone()
+            else:  # written with another exchange or chunking: it belongs to no chunk now
+                log.warning("module %s: dropped the owner residual of worker group %d (chunking changed)",
+                            self.module_id, group)
         self.restore()
         self._reset_round()
