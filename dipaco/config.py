@@ -120,6 +120,9 @@ class TrainerConfig:
     """The inner loop, evaluation and checkpoints."""
 
     rounds: int = 16
+    # inner steps per path for the whole run; when set, rounds = total_steps // H, so a
+    # sweep over H (diloco.inner_steps) keeps the steps per path fixed
+    total_steps: Optional[int] = None
     batch_size: int = 16  # sequences per inner step per path (split over the worker group)
     seq_len: int = 128
     lr: float = 3e-3  # inner AdamW peak learning rate
@@ -200,6 +203,17 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
     return obj
 
 
+def resolve_derived(cfg: Config) -> Config:
+    """Fill settings derived from others (``trainer.total_steps`` → ``trainer.rounds``)."""
+    t, H = cfg.trainer, cfg.diloco.inner_steps
+    if t.total_steps is not None:
+        _require(H > 0 and t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
+                 f"{t.total_steps} steps are not a whole number of rounds of H={H}",
+                 "use a multiple of diloco.inner_steps")
+        t.rounds = t.total_steps // H
+    return cfg
+
+
 def _require(ok: bool, key: str, problem: str, fix: str) -> None:
     if not ok:
         raise ConfigError(key, problem, fix)
@@ -212,6 +226,8 @@ def validate_config(cfg: Config) -> None:
     milliseconds with the key to change.
     """
     from dipaco.sync.codecs import CODECS
+
+    resolve_derived(cfg)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
     _require(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}",
