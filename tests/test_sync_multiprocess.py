@@ -23,10 +23,13 @@ PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]
 DIN, D, DOUT, BATCH = 4, 8, 3, 8
 ROUNDS, H = 3, 4
 OUTER = dict(name="sgd", lr=0.7, momentum=0.9, nesterov=True)
-RUNS: list[tuple[str, dict[str, Any], bool]] = [
-    ("none", {}, False),
-    ("int8", {"block_size": 16}, True),
-    ("topk", {"fraction": 0.25}, True),
+# (run name, codec, codec options, error feedback, lossy_exchange); lossy codecs use the
+# two-phase exchange (reduce-scatter + all-gather of encoded chunks) unless "all_gather"
+RUNS: list[tuple[str, str, dict[str, Any], bool, str]] = [
+    ("none", "none", {}, False, "reduce_scatter"),
+    ("int8", "int8", {"block_size": 16}, True, "reduce_scatter"),
+    ("topk", "topk", {"fraction": 0.25}, True, "reduce_scatter"),
+    ("int8_ag", "int8", {"block_size": 16}, True, "all_gather"),
 ]
 
 
@@ -64,11 +67,13 @@ def train(
     pg: Any = None,
     rounds: int = ROUNDS,
     outer: dict[str, Any] | None = None,
+    lossy_exchange: str = "reduce_scatter",
 ) -> tuple[list[dict[str, torch.Tensor]], list[Any], DiLoCoSync]:
     """Drive DiLoCoSync exactly as the trainer will; returns per-round global weights."""
     mods = toy_modules()
     sync = DiLoCoSync(
-        topo, mods, rank=rank, codec=codec, codec_kw=codec_kw, error_feedback=ef, outer=outer or OUTER, process_groups=pg
+        topo, mods, rank=rank, codec=codec, codec_kw=codec_kw, error_feedback=ef, outer=outer or OUTER,
+        process_groups=pg, lossy_exchange=lossy_exchange,
     )
     sync.check_identical_start()
     G = topo.group_size
@@ -102,9 +107,9 @@ def _worker(rank: int, world: int, group_size: int, out_dir: str) -> None:
     topo = Topology(IDS, PATHS, world_size=world, group_size=group_size)
     pg = ProcessGroups(topo, rank)  # once; reused by every run below
     result: dict[str, Any] = {"creation_order": pg.creation_order}
-    for codec, kw, ef in RUNS:
-        snaps, stats, sync = train(topo, rank, codec, kw, ef, pg=pg)
-        result[codec] = {
+    for name, codec, kw, ef, exchange in RUNS:
+        snaps, stats, sync = train(topo, rank, codec, kw, ef, pg=pg, lossy_exchange=exchange)
+        result[name] = {
             "snaps": snaps,
             "bytes": [{m: s.bytes_sent for m, s in st.modules.items()} for st in stats],
             "total": [sync.total_bytes(st) for st in stats],
@@ -132,9 +137,9 @@ def local_runs() -> dict[tuple[int, str], list[dict[str, torch.Tensor]]]:
         out = {}
         for G in (1, 2):
             topo = Topology(IDS, PATHS, world_size=4, group_size=G)
-            for codec, kw, ef in RUNS:
-                snaps, stats, sync = train(topo, None, codec, kw, ef)
-                out[(G, codec)] = (snaps, stats, sync)
+            for name, codec, kw, ef, exchange in RUNS:
+                snaps, stats, sync = train(topo, None, codec, kw, ef, lossy_exchange=exchange)
+                out[(G, name)] = (snaps, stats, sync)
         return out
     finally:
         torch.set_num_threads(threads)
@@ -149,10 +154,12 @@ def test_torch_backend_equals_local(group_size: int, tmp_path: Any, local_runs: 
     topo = Topology(IDS, PATHS, world_size=world, group_size=group_size)
     # every rank created the same process groups in the same order
     assert all(r["creation_order"] == res[0]["creation_order"] for r in res)
-    for codec, _, _ in RUNS:
+    for codec, _, _, _, exchange in RUNS:
         l_snaps, l_stats, l_sync = local_runs[(group_size, codec)]
         plan = l_sync.plan(H)
         per_rank = {row.module_id: row.bytes_per_rank for row in plan.modules}
+        kinds = {row.module_id: row.exchange for row in plan.modules}
+        assert kinds["embed"] == ("all_reduce" if codec == "none" else exchange)  # k = 4 worker groups
         for rank in range(world):
             g = topo.group_of_rank(rank)
             held = topo.modules_of_group(g)
@@ -171,14 +178,21 @@ def test_torch_backend_equals_local(group_size: int, tmp_path: Any, local_runs: 
                 # bytes this rank sent per module == the plan's per-rank bytes
                 assert got["bytes"][rnd] == {m: per_rank[m] for m in held}
             # the pseudo-gradient of m travelled only inside m's module group
+            traced = {m: 0 for m in held}
             for m, kind, ranks, nb in got["trace"]:
                 assert set(ranks) <= set(topo.module_ranks(m)), (m, ranks)
                 assert rank in ranks
+                traced[m] += nb
+            # the collectives this rank joined add up to the planned bytes, every round
+            assert traced == {m: ROUNDS * per_rank[m] for m in held}, (codec, rank)
+            if kinds["embed"] == "reduce_scatter":
+                assert [k for m, k, _, _ in got["trace"][:3] if m == "embed"][:2] == [
+                    "reduce_scatter", "all_gather_reduced"]
         for rnd in range(ROUNDS):
             assert res[0][codec]["total"][rnd] == l_stats[rnd].bytes_sent == plan.bytes_per_round
     if group_size == 1:
         # lossy codecs with G=1: the ordered sums make torch and local bit-identical
-        for codec in ("int8", "topk"):
+        for codec in ("int8", "topk", "int8_ag"):
             for rank in range(world):
                 for m, t in res[rank][codec]["snaps"][-1].items():
                     assert torch.equal(t, local_runs[(1, codec)][0][-1][m]), (codec, rank, m)
