@@ -29,6 +29,7 @@ class InnerStats:
     tokens: int = 0  # target tokens that carried loss: the path's α this round
     loss_sum: float = 0.0
     seconds: float = 0.0
+    skipped: int = 0  # steps whose gradient was NaN/inf: not applied (docs/reliability.md)
 
     @property
     def loss(self) -> float:
@@ -105,11 +106,19 @@ class PathLearner:
             loss.backward()
             if self.grad_sync is not None:
                 self.grad_sync(self.params)
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-            self.optimizer.step()
+            # max_norm=inf scales by exactly 1.0: the norm is still computed, for the check below
+            clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
             self.step += 1
             value = float(loss.detach())
+            if not bool(torch.isfinite(norm)):
+                # One NaN/inf gradient would poison AdamW's moments and so every later
+                # step of this path. Skip it instead; after grad_sync every rank of the
+                # worker group sees the same norm, so they all skip together.
+                self.optimizer.zero_grad(set_to_none=True)
+                stats.skipped += 1
+                continue
+            self.optimizer.step()
             stats.steps += 1
             stats.tokens += int((y != -100).sum())
             stats.loss_sum += value
