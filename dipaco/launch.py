@@ -93,6 +93,8 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
     if name == "torchrun":
         if "RANK" not in os.environ:
             raise LaunchError("launcher=torchrun but RANK is not set: start with `torchrun ... dipaco-train ...`")
+        if dist.is_initialized():  # train() joined the group already (rank 0 prepared)
+            return fn(cfg, run_dir, dist.get_rank(), dist.get_world_size(), *args)
         return _rank_entry(fn, cfg_dict, run_dir, args)
     if name != "spawn":
         raise LaunchError(f"unknown launcher {name!r}")

@@ -38,6 +38,8 @@ def train(cfg: Config) -> dict[str, Any]:
     run = RunDir.at(cfg.run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     _check_resume(cfg, run)
+    if cfg.launcher.name == "torchrun":
+        return _train_under_torchrun(cfg, run)
     OmegaConf.save(OmegaConf.structured(cfg), run.config)
     wall0 = time.perf_counter()
 
@@ -46,6 +48,12 @@ def train(cfg: Config) -> dict[str, Any]:
     t0 = time.perf_counter()
     result = _run_rounds(cfg, run, prep)
     rounds_s = time.perf_counter() - t0
+    return _finish(cfg, run, prep, result, rounds_s, wall0)
+
+
+def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
+            wall0: float) -> dict[str, Any]:
+    """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
     if result["completed_rounds"] < cfg.trainer.rounds:
         _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; "
              f"continue with resume=true")
@@ -60,6 +68,38 @@ def train(cfg: Config) -> dict[str, Any]:
 
         write_plots(run)
     _print_table(summary)
+    return summary
+
+
+def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
+    """Every process is already a rank: rank 0 prepares, all train, rank 0 finishes.
+
+    All ranks must see the same run directory (pass ``hydra.run.dir`` on a shared
+    filesystem); the other ranks wait at a barrier while rank 0 routes and shards.
+    """
+    import torch.distributed as dist
+
+    from dipaco.launch import init_distributed
+
+    if cfg.router.reshard_at_round is not None:
+        raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
+                          "use launcher=spawn on one host, or drop the re-shard")
+    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s)
+    wall0 = time.perf_counter()
+    prep = None
+    if rank == 0:
+        OmegaConf.save(OmegaConf.structured(cfg), run.config)
+        prep = prepare(cfg, run)
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = launch(run_rank, cfg, str(run.root))
+    rounds_s = time.perf_counter() - t0
+    summary: dict[str, Any] = {}
+    if rank == 0:
+        assert prep is not None
+        summary = _finish(cfg, run, prep, result, rounds_s, wall0)
+    dist.barrier()
+    dist.destroy_process_group()
     return summary
 
 
@@ -134,7 +174,7 @@ def _check_resume(cfg: Config, run: RunDir) -> None:
         raise ConfigError("resume", f"{run.root} already holds checkpoints",
                           "pass resume=true to continue it, or choose another hydra.run.dir")
     if not cfg.resume and run.metrics.exists():
-        run.metrics.unlink()
+        run.metrics.unlink(missing_ok=True)  # every torchrun rank gets here
 
 
 def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
@@ -193,8 +233,7 @@ def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str,
 def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
              baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
     grid = build_grid(cfg)
-    world = cfg.launcher.nproc if cfg.launcher.name != "local" else 1
-    topo = build_topology(cfg, grid, world, cfg.launcher.name != "local")
+    topo = build_topology(cfg, grid, result["world_size"], cfg.launcher.name != "local")
     counts = {m: grid.param_count(m) for m in grid.module_ids}
     plan = topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
                      **codec_kwargs(cfg.diloco))

@@ -202,6 +202,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     return {
         "rounds": R,
         "completed_rounds": r + 1 if start_round < R else R,
+        "world_size": world_size,
         "start_round": start_round,
         "tokens": sum(t["tokens"] for t in totals),
         "bytes_sent": sum(t["bytes_sent"] for t in totals),

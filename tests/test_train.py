@@ -194,3 +194,17 @@ def test_warmup_lm_features_and_discriminative_reshard(tmp_path: Path) -> None:
     rounds = [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [1, 2, 3]
     assert summary["bytes_sent"] == sum(json.loads(x)["bytes_sent"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchrun_ranks_match_local_backend(local_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """Under torchrun every process is a rank: rank 0 prepares, all train, rank 0 evaluates."""
+    run_dir, summary = local_run
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "dipaco.cli.train",
+           "launcher=torchrun", *SMOKE, f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_weights(module_weights(run_dir, 2), module_weights(tmp_path, 2))
+    spawned = json.loads((tmp_path / "summary.json").read_text())
+    assert spawned["routed_ppl"] == pytest.approx(summary["routed_ppl"], rel=1e-5)
