@@ -15,7 +15,7 @@ import torch
 
 from dipaco.checkpoint import write_json
 from dipaco.config import Config
-from dipaco.data import Tokenizer, load_corpus, tokenize_dataset
+from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_dataset
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense, warmup_steps
 from dipaco.run_dir import RunDir
 from router import Router, routing_report, write_shards
@@ -139,7 +139,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         router = _fit_router(cfg, train_ids, featurizer_fn)
         router.save(run.router)
     assignments = router.assign(train_ids)
-    write_shards(train_tok, assignments, router.num_paths, run.shards)
+    with progress_bars(t.progress):
+        write_shards(train_tok, assignments, router.num_paths, run.shards)
     best = router.route_batch(val_ids) if val_ids else np.zeros(0, dtype=np.int64)
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     report = routing_report(np.asarray([a[0] for a in assignments]), num_paths=router.num_paths,

@@ -154,7 +154,10 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
     if fitted:
         prep.router.save(run.router)
         assignments = prep.router.assign(prep.train_ids)
-        write_shards(prep.train_dataset, assignments, grid.num_paths, run.shards)
+        from dipaco.data import progress_bars
+
+        with progress_bars(cfg.trainer.progress):
+            write_shards(prep.train_dataset, assignments, grid.num_paths, run.shards)
         best = losses[keep].argmin(axis=1)
         info["agreement_with_kmeans"] = float(np.mean(prep.router.kmeans_costs(
             [d for d, ok in zip(sample, keep) if ok]).argmin(axis=1) == best))

@@ -6,9 +6,14 @@ package stay numpy-only.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
-import faiss
+# faiss logs which SIMD build it loads at INFO; under Hydra (root logger at INFO) that
+# is three lines of noise in every run.
+logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+import faiss  # noqa: E402
 
 # k-means++ seeding costs O(sample * k * d * log k): seed on a sample of 16 points per
 # centroid (at least 2048, at most 20k). Measured for k = 256, d = 256 on a busy 2-core

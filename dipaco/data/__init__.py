@@ -21,7 +21,8 @@ _EXPORTS = {
     "python_sources": ("SourceDocument", "iter_python_sources", "list_source_files", "split_source",
                        "stdlib_root"),
     "splits": ("SPLITS", "split_of"),
-    "tokenize": ("CACHE_STATS", "dataset_content_hash", "dataset_token_stream", "tokenize_dataset"),
+    "tokenize": ("CACHE_STATS", "dataset_content_hash", "dataset_token_stream", "progress_bars",
+                 "tokenize_dataset"),
     "tokenizer": ("EOS_TOKEN", "Tokenizer"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -49,5 +50,6 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from dipaco.data.python_sources import (SourceDocument, iter_python_sources, list_source_files,
                                             split_source, stdlib_root)
     from dipaco.data.splits import SPLITS, split_of
-    from dipaco.data.tokenize import CACHE_STATS, dataset_content_hash, dataset_token_stream, tokenize_dataset
+    from dipaco.data.tokenize import (CACHE_STATS, dataset_content_hash, dataset_token_stream, progress_bars,
+                                      tokenize_dataset)
     from dipaco.data.tokenizer import EOS_TOKEN, Tokenizer

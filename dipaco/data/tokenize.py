@@ -94,14 +94,14 @@ def tokenize_dataset(
     fingerprint = hashlib.sha256(
         f"{getattr(ds, '_fingerprint', '')}:{tokenizer.sha256}".encode()
     ).hexdigest()[:16]
-    with _progress_bars(progress):
+    with progress_bars(progress):
         out = ds.map(encode, batched=True, batch_size=256, num_proc=1, features=features,
                      new_fingerprint=fingerprint, keep_in_memory=True, desc="tokenize")
     if path:
         os.makedirs(cache_dir, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-tokenized-")
         try:
-            with _progress_bars(progress):
+            with progress_bars(progress):
                 out.save_to_disk(tmp)
             try:
                 os.replace(tmp, path)
@@ -138,7 +138,7 @@ def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input
 
 
 @contextlib.contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
+def progress_bars(enabled: bool) -> Iterator[None]:
     """datasets' progress bars are a global switch: turn them off for one call if asked."""
     from datasets.utils import logging as ds_logging
 
