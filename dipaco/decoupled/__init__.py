@@ -1,0 +1,30 @@
+"""Decoupled mode (``diloco.mode=decoupled``): asynchronous path learners and per-module
+synchronisers that meet only through a shared store.
+
+* :mod:`~dipaco.decoupled.store`: the store (a shared directory, atomic writes) and leases;
+* :mod:`~dipaco.decoupled.learner`: the learner process loop;
+* :mod:`~dipaco.decoupled.synchronizer`: per-module quorum, grace window, staleness,
+  delayed Nesterov and the applied-id ledger;
+* :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run_dir)``;
+* :mod:`~dipaco.decoupled.metrics`: goodput, staleness, version rates, drops, ledger check.
+
+See docs/decoupled.md.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["DecoupledConfig", "run_decoupled"]
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: importing the package must not pull torch into processes that only parse configs
+    if name == "DecoupledConfig":
+        from dipaco.decoupled.config import DecoupledConfig
+
+        return DecoupledConfig
+    if name == "run_decoupled":
+        from dipaco.decoupled.run import run_decoupled
+
+        return run_decoupled
+    raise AttributeError(name)

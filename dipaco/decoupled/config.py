@@ -1,0 +1,104 @@
+"""Settings of decoupled mode (``diloco.mode=decoupled``), under ``diloco.decoupled``.
+
+The outer optimiser's lr/momentum/nesterov come from ``diloco.outer`` as in sync mode;
+the codec from ``diloco.codec``; the budget from ``trainer.rounds`` × ``diloco.inner_steps``
+(every path runs ``trainer.rounds`` inner phases of H steps, as many inner steps as a
+sync run, so the two compare at equal steps).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+__all__ = ["DecoupledConfig", "validate_decoupled"]
+
+
+@dataclass
+class DecoupledConfig:
+    """Asynchronous learners + per-module synchronisers (see docs/decoupled.md)."""
+
+    # learner processes on this host; None: launcher.nproc if > 1, else one per path
+    learners: Optional[int] = None
+    # synchroniser processes on this host; modules are dealt round-robin among them
+    sync_procs: int = 1
+    # the shared directory (path or file:// URL); None: <run_dir>/decoupled
+    store_url: Optional[str] = None
+
+    # ---- per-module synchroniser
+    # outer step once this share of the module's sharing paths has reported (ceil, >= 1) ...
+    quorum: float = 0.5
+    # ... or once the grace window since the first pending update expires. The window is
+    # adaptive: grace_factor × EMA of how long quorum took to fill, clipped to [min, max].
+    grace_factor: float = 2.0
+    grace_init_s: float = 2.0
+    grace_min_s: float = 0.1
+    grace_max_s: float = 30.0
+    # staleness s = module version now − version the update started from
+    max_staleness: int = 4  # s > this: dropped (reason "stale")
+    staleness_power: float = 0.5  # kept updates weigh tokens · (1 + s)^(−power)
+    # delayed Nesterov (Liu et al. 2024): momentum is updated and applied every N outer
+    # steps with the mean of the buffered pseudo-gradients; between activations the step
+    # is −lr·(g + momentum_scale·β·m). N=1 is plain Nesterov (= torch SGD nesterov).
+    momentum_every: int = 1
+    momentum_scale: float = 0.0
+
+    # ---- learners
+    lease_s: float = 10.0  # a path whose holder stops heartbeating is free after this
+    heartbeat_s: float = 1.0
+    # before a phase, wait up to this long for each module's ledger to account for this
+    # path's previous update (applied, or dropped), so a phase never starts from weights
+    # that miss the path's own last contribution. The synchroniser's grace window bounds
+    # the actual wait; 0: never wait, pull whatever is latest (more staleness).
+    pull_wait_s: float = 10.0
+    poll_s: float = 0.05
+
+    # ---- supervisor
+    timeout_s: float = 3600.0  # the whole decoupled phase; exceeded: everything is killed
+    restart_dead: bool = True  # restart a learner that died (chaos, OOM, ...)
+    max_restarts: int = 50
+    keep_archive: bool = True  # keep processed updates under archive/ (audits, tests)
+
+    # ---- chaos and benchmarks (off by default)
+    # learner indices slowed down: each inner step is followed by (slow_factor-1)× its time asleep
+    slow_learners: List[int] = field(default_factory=list)
+    slow_factor: float = 1.0
+    # the supervisor SIGKILLs a random learner about every chaos_kill_every_s (up to chaos_max_kills)
+    chaos_kill_every_s: Optional[float] = None
+    chaos_max_kills: int = 0
+    # a learner sleeps U(0, chaos_delay_s) before a phase with this probability
+    chaos_delay_prob: float = 0.0
+    chaos_delay_s: float = 0.0
+    chaos_seed: int = 0
+
+
+def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
+    """Problems as ``(key, problem, fix)`` triples (empty when the settings can work)."""
+    out: list[tuple[str, str, str]] = []
+    k = "diloco.decoupled."
+
+    def need(ok: bool, key: str, problem: str, fix: str) -> None:
+        if not ok:
+            out.append((k + key, problem, fix))
+
+    need(d.learners is None or d.learners >= 1, "learners", "must be >= 1 or null", "e.g. learners=4")
+    need(d.sync_procs >= 1, "sync_procs", "must be >= 1", "sync_procs=1")
+    need(0 < d.quorum <= 1, "quorum", f"must lie in (0, 1], got {d.quorum}", "e.g. quorum=0.5")
+    need(0 < d.grace_min_s <= d.grace_max_s, "grace_min_s", "need 0 < grace_min_s <= grace_max_s",
+         "e.g. grace_min_s=0.1 grace_max_s=30")
+    need(d.grace_factor > 0 and d.grace_init_s > 0, "grace_factor", "must be > 0", "e.g. grace_factor=2")
+    need(d.max_staleness >= 0, "max_staleness", "must be >= 0", "e.g. max_staleness=4")
+    need(d.staleness_power >= 0 and math.isfinite(d.staleness_power), "staleness_power", "must be >= 0",
+         "e.g. staleness_power=0.5")
+    need(d.momentum_every >= 1, "momentum_every", "must be >= 1", "1 (plain Nesterov) or e.g. 4")
+    need(d.momentum_scale >= 0, "momentum_scale", "must be >= 0", "e.g. 0")
+    need(d.lease_s > 2 * d.heartbeat_s > 0, "lease_s",
+         f"the lease ({d.lease_s}s) must outlast two heartbeats ({d.heartbeat_s}s)",
+         "e.g. lease_s=10 heartbeat_s=1")
+    need(d.poll_s > 0 and d.pull_wait_s >= 0, "poll_s", "must be > 0 (pull_wait_s >= 0)", "e.g. poll_s=0.05")
+    need(d.timeout_s > 0, "timeout_s", "must be > 0", "e.g. timeout_s=3600")
+    need(d.slow_factor >= 1, "slow_factor", "must be >= 1", "e.g. slow_factor=3")
+    need(0 <= d.chaos_delay_prob <= 1, "chaos_delay_prob", "must lie in [0, 1]", "e.g. 0.2")
+    need(d.chaos_kill_every_s is None or d.chaos_kill_every_s > 0, "chaos_kill_every_s",
+         "must be > 0 or null", "e.g. chaos_kill_every_s=5")
+    return out

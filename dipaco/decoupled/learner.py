@@ -1,0 +1,291 @@
+"""The learner process loop: lease a path, pull its modules, train H steps, push, repeat.
+
+A learner is not bound to a path. Each turn it leases the unfinished path with the
+fewest completed phases that nobody holds, so a slow learner simply completes fewer
+phases and the fast ones pick up the rest, and a dead learner's path is picked up by
+another once its lease expires. The path's inner state (AdamW moments, step count, data
+position, phases done) travels through the store with the path, not with the learner.
+
+One phase of path p:
+
+1. acquire the lease of p (``leases/path_p``), load ``paths/path_p.st`` (if any);
+2. pull the latest version of each of p's modules (optionally waiting up to
+   ``pull_wait_s`` for the versions to include p's previous update);
+3. H inner steps (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts
+   the phase and its work is discarded, counted as wasted steps);
+4. push, per module, ``Δ = θ_pulled − θ_path`` encoded with ``diloco.codec``, tagged with
+   the version it started from, its tokens (α), path and phase, under a unique id;
+5. save the path state with ``phases_done + 1``, then the small progress file; release.
+
+Crash windows: killed in 3 → the phase is redone by whoever takes p next (from the same
+data position, so with the same batches). Killed between 4 and 5 → the phase is redone
+and pushed again under a new id; synchronisers keep the first and drop the re-run as
+``duplicate_phase`` (a killed-mid-push update may thus land for some of p's modules from
+the first attempt and for the others from the second; both are the same phase of p).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import uuid
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from dipaco.config import Config, codec_kwargs
+from dipaco.decoupled.config import DecoupledConfig
+from dipaco.decoupled.store import Lease, LeaseLost, Store, open_store
+from dipaco.decoupled.synchronizer import inbox, module_key, progress_key
+from dipaco.sync.codecs import make_codec
+from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+
+__all__ = ["learner_main", "Learner", "path_state_key"]
+
+
+def path_state_key(path_id: int) -> str:
+    return f"paths/path_{path_id}.st"
+
+
+def _load_flat(module: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat vector into a module's parameters (``flatten_params`` order)."""
+    off = 0
+    with torch.no_grad():
+        for p in module.parameters():
+            n = p.numel()
+            p.copy_(flat[off : off + n].view_as(p).to(p.dtype))
+            off += n
+    if off != flat.numel():
+        raise ValueError(f"flat vector of {flat.numel()} values for a module of {off} parameters")
+
+
+class Learner:
+    """One learner process's state (the grid copy, per-path PathLearners, the store).
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run directory (tokenizer, shards, warm-up).
+        store: the shared store.
+        index: this learner's slot (0..N-1); ``slow_learners`` refer to it.
+        incarnation: how many times this slot was (re)started; part of the learner id.
+        dcfg: decoupled settings.
+    """
+
+    def __init__(self, cfg: Config, run_dir: str, store: Store, index: int, incarnation: int,
+                 dcfg: DecoupledConfig) -> None:
+        from dipaco.dense import load_dense_state, total_inner_steps, warmup_steps
+        from dipaco.run_dir import RunDir
+        from dipaco.trainer import build_grid
+
+        self.cfg, self.dcfg, self.store = cfg, dcfg, store
+        self.run = RunDir.at(run_dir)
+        self.index, self.incarnation = index, incarnation
+        self.id = f"L{index}.{incarnation}-{uuid.uuid4().hex[:6]}"
+        self.grid = build_grid(cfg)
+        self.n_warm = warmup_steps(cfg)
+        if self.n_warm > 0:
+            from modules import init_grid_from_dense
+
+            init_grid_from_dense(self.grid, load_dense_state(self.run.warmup))
+        self.total_steps = total_inner_steps(cfg)
+        self.codec = make_codec(cfg.diloco.codec, **codec_kwargs(cfg.diloco))
+        self.codec_kw = codec_kwargs(cfg.diloco)
+        self.learners: dict[int, Any] = {}
+        self.rng = random.Random(dcfg.chaos_seed * 1000 + index * 17 + incarnation)
+        self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
+        from dipaco.data import Tokenizer
+
+        self.eos = Tokenizer.load(self.run.tokenizer).eos_id
+        # Build every path's learner (shard, stream, model view) BEFORE taking any lease:
+        # loading shards can take seconds on a busy host, and a lease held through slow
+        # set-up without heartbeats expires and gets taken over.
+        for p in range(self.grid.num_paths):
+            self._path_learner(p)
+
+    # ------------------------------------------------------------------ events
+    def event(self, obj: dict) -> None:
+        obj.setdefault("t", time.time())
+        obj.setdefault("learner", self.id)
+        self.store.append_line(f"events/learner-{self.id}.jsonl", json.dumps(obj))
+
+    # ------------------------------------------------------------------- paths
+    def _path_learner(self, p: int) -> Any:
+        from dipaco.data import TokenStream
+        from dipaco.learner import PathLearner
+        from modules import PathModel
+        from router import load_shard
+
+        if p not in self.learners:
+            docs = [np.asarray(x, dtype=np.int64) for x in load_shard(self.run.shards, p)["input_ids"]]
+            t = self.cfg.trainer
+            stream = TokenStream(docs, seq_len=t.seq_len, batch_size=t.batch_size, seed=self.cfg.seed,
+                                 path_id=p, eos_id=self.eos)
+            self.learners[p] = PathLearner(p, PathModel(self.grid, p), stream, t, self.total_steps,
+                                           step_offset=self.n_warm)
+        return self.learners[p]
+
+    def _progress(self, p: int) -> int:
+        prog = self.store.get_json(progress_key(p))
+        return 0 if prog is None else int(prog.get("phases_done", 0))
+
+    def pick(self) -> tuple[Optional[Lease], bool]:
+        """Lease the least-advanced free unfinished path: ``(lease, all_finished)``."""
+        R = self.cfg.trainer.rounds
+        todo = []
+        for p in range(self.grid.num_paths):
+            k = self._progress(p)
+            if k < R:
+                todo.append((k, self.rng.random(), p))
+        if not todo:
+            return None, True
+        for _, _, p in sorted(todo):
+            if not Lease.is_free(self.store, f"path_{p}"):
+                continue
+            lease = Lease(self.store, f"path_{p}", self.id, self.dcfg.lease_s)
+            if lease.acquire():
+                return lease, False
+        return None, False
+
+    def _pull(self, p: int, wait_for: dict[str, str], lease: Lease) -> dict[str, tuple[int, torch.Tensor]]:
+        """Latest version of each of p's modules: ``{module: (version, flat weights)}``.
+
+        With ``pull_wait_s > 0``, wait (polling, heartbeating) up to that long until each
+        module's ledger accounts for p's previous update (applied or dropped), so that
+        the phase starts from weights that include the path's own last contribution.
+        """
+        deadline = time.time() + self.dcfg.pull_wait_s
+        while True:
+            out, fresh = {}, True
+            for m in self.grid.module_ids_of_path(p):
+                got = self.store.get_state(module_key(m))
+                if got is None:
+                    raise RuntimeError(f"module {m} has no version in the store")
+                state, meta = got
+                out[m] = (int(meta["version"]), state["theta"])
+                if m in wait_for and wait_for[m] not in state["applied"] and wait_for[m] not in state["dropped"]:
+                    fresh = False
+            if fresh or time.time() >= deadline:
+                return out
+            time.sleep(self.dcfg.poll_s)
+            lease.renew()
+
+    def run_phase(self, lease: Lease) -> bool:
+        """Train one phase of the leased path; True if its update was pushed."""
+        p = int(lease.name.split("_")[1])
+        H, R = self.cfg.diloco.inner_steps, self.cfg.trainer.rounds
+        pl = self._path_learner(p)
+        got = self.store.get_state(path_state_key(p))
+        phase, last_ids = 0, {}
+        if got is not None:
+            state, meta = got
+            phase = int(meta["phases_done"])
+            last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
+            pl.load_state_dict(state)
+        else:  # first phase of p anywhere: fresh inner optimiser, data from batch 0
+            from dipaco.learner import make_inner_optimizer
+
+            pl.optimizer = make_inner_optimizer(pl.model, self.cfg.trainer)
+            pl.step = 0
+            pl.stream.load_state_dict({"step": 0})
+        if phase >= R:
+            lease.release()
+            return False
+        if self.dcfg.chaos_delay_prob > 0 and self.rng.random() < self.dcfg.chaos_delay_prob:
+            delay = self.rng.uniform(0, self.dcfg.chaos_delay_s)
+            self.event({"e": "chaos_delay", "s": delay})
+            self._sleep_alive(lease, delay)
+        lease.renew()  # set-up above may have taken a while
+        pulled = self._pull(p, last_ids if self.dcfg.pull_wait_s > 0 else {}, lease)
+        base = {}
+        for m, (version, flat) in pulled.items():
+            _load_flat(self.grid.module(m), flat)
+            base[m] = flat
+        self.event({"e": "begin", "path": p, "phase": phase,
+                    "versions": {m: v for m, (v, _) in pulled.items()}})
+        t0 = time.time()
+        last_beat = [t0]
+        last_end = [t0]
+        done_steps = [0]
+
+        def on_step(_loss: float) -> None:
+            done_steps[0] += 1
+            if self.slow > 1.0:  # benchmark: an artificially slow learner (slow_factor× per step)
+                time.sleep((self.slow - 1.0) * (time.time() - last_end[0]))
+            last_end[0] = time.time()
+            if time.time() - last_beat[0] >= self.dcfg.heartbeat_s:
+                lease.renew()  # raises LeaseLost → the phase is abandoned
+                last_beat[0] = time.time()
+                self.event({"e": "progress", "path": p, "phase": phase, "steps": done_steps[0]})
+
+        try:
+            stats = pl.train_steps(H, on_step=on_step)
+            lease.check()  # narrow (not close) the window for a zombie push
+        except LeaseLost as e:
+            self.event({"e": "abort", "path": p, "phase": phase, "steps": done_steps[0], "why": str(e)})
+            return False
+        seconds = time.time() - t0
+        ids, nbytes = {}, 0
+        for m in self.grid.module_ids_of_path(p):
+            delta = pseudo_gradient(base[m], flatten_params(list(self.grid.module(m).parameters())))
+            payload = self.codec.encode(delta)
+            uid = f"{m}.p{p}.ph{phase}.{self.id}"
+            meta = {"update_id": uid, "module_id": m, "path_id": p, "phase": phase,
+                    "base_version": pulled[m][0], "tokens": stats.tokens, "codec": self.cfg.diloco.codec,
+                    "codec_kw": self.codec_kw, "numel": delta.numel(), "learner": self.id,
+                    "inner_steps": stats.steps, "created_at": time.time()}
+            # put_new: an id is written once; a file name is never reused for other content
+            self.store.put_new(f"{inbox(m)}/{uid}.st", _encode_update(payload, meta))
+            ids[m] = uid
+            nbytes += self.codec.payload_nbytes(payload)
+        # The path state goes AFTER the pushes: "phases_done = k+1" implies the updates of
+        # phase k exist (the synchronisers' end-of-run drain relies on this order).
+        self.store.put_state(path_state_key(p), pl.state_dict(),
+                             meta={"phases_done": phase + 1, "last_ids": ids,
+                                   "base_versions": {m: v for m, (v, _) in pulled.items()}, "learner": self.id})
+        self.store.put_json(progress_key(p), {"phases_done": phase + 1, "learner": self.id})
+        self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": seconds,
+                    "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes})
+        lease.release()
+        return True
+
+    def _sleep_alive(self, lease: Lease, seconds: float) -> None:
+        end = time.time() + seconds
+        while time.time() < end:
+            time.sleep(min(self.dcfg.heartbeat_s, max(0.0, end - time.time())))
+            lease.renew()
+
+    def serve(self) -> None:
+        """Phases until every path has its budget; idle-poll while all free paths are taken."""
+        self.event({"e": "hello", "index": self.index, "incarnation": self.incarnation, "pid": os.getpid()})
+        while True:
+            lease, finished = self.pick()
+            if finished:
+                break
+            if lease is None:
+                time.sleep(self.dcfg.poll_s)
+                continue
+            try:
+                self.run_phase(lease)
+            except LeaseLost as e:
+                self.event({"e": "abort", "why": str(e)})
+        self.event({"e": "bye"})
+
+
+def _encode_update(payload: tuple[torch.Tensor, ...], meta: dict) -> bytes:
+    from dipaco.decoupled.store import encode_state
+
+    return encode_state({"payload": list(payload)}, meta)
+
+
+def learner_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarnation: int,
+                 dcfg_dict: dict) -> None:
+    """Entry point of a spawned learner process."""
+    from dipaco.config import to_config
+    from dipaco.decoupled.config import DecoupledConfig
+
+    torch.set_num_threads(1)  # several learners share the host's cores
+    cfg = to_config(cfg_dict)
+    dcfg = DecoupledConfig(**dcfg_dict)
+    Learner(cfg, run_dir, open_store(store_url), index, incarnation, dcfg).serve()

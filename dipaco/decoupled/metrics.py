@@ -1,0 +1,145 @@
+"""Metrics of a decoupled run, computed from the store (ledgers + event logs).
+
+* **goodput** (time): Σ seconds of inner phases whose update was applied ÷ (learner
+  slots × wall time of the training phase). Idle waiting, killed or aborted phases,
+  dropped updates and restart downtime all count against it. The synchronous trainer's
+  number is the same formula over its rounds (a fast path idles while the slow one
+  finishes), so the two compare directly.
+* **step goodput**: useful inner steps ÷ inner steps executed (any learner, any outcome).
+* **staleness histogram**: over applied updates, versions of the module between the
+  version an update started from and the version it was applied to.
+* **version rate**: outer steps per second, per module.
+* **dropped**: per reason, per module.
+* **ledger check**: every pushed update (a file in a module's inbox or archive) is
+  applied or dropped with a reason, never both, and no id appears in two outer steps.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from typing import Any, Iterable
+
+from dipaco.decoupled.store import Store, iter_jsonl
+from dipaco.decoupled.synchronizer import archive, inbox, module_key
+
+__all__ = ["ledger_report", "compute_metrics", "load_events"]
+
+
+def load_events(store: Store, prefix: str) -> list[dict]:
+    """All events of the logs ``events/<prefix>*.jsonl``, time-ordered."""
+    out: list[dict] = []
+    for name in store.list("events"):
+        if name.startswith(prefix) and name.endswith(".jsonl"):
+            out.extend(iter_jsonl(store, f"events/{name}"))
+    return sorted(out, key=lambda e: e.get("t", 0.0))
+
+
+def pushed_ids(store: Store, module_id: str) -> set[str]:
+    """Ids of every update file pushed for a module (inbox + archive)."""
+    names: Iterable[str] = list(store.list(inbox(module_id))) + list(store.list(archive(module_id)))
+    return {n[:-3] for n in names if n.endswith(".st")}
+
+
+def ledger_report(store: Store, module_ids: Iterable[str]) -> dict[str, Any]:
+    """Per module: pushed / applied / dropped counts and the invariant violations."""
+    sync_events = load_events(store, "sync-")
+    step_count: Counter = Counter()
+    for e in sync_events:
+        if e.get("e") == "step":
+            step_count.update(e["update_ids"])
+    out: dict[str, Any] = {"modules": {}, "ok": True}
+    for m in module_ids:
+        got = store.get_state(module_key(m))
+        state = got[0] if got else {"applied": {}, "dropped": {}, "version": 0}
+        applied, dropped = dict(state["applied"]), dict(state["dropped"])
+        pushed = pushed_ids(store, m)
+        lost = sorted(pushed - set(applied) - set(dropped))
+        both = sorted(set(applied) & set(dropped))
+        phantom = sorted((set(applied) | set(dropped)) - pushed)
+        twice = sorted(uid for uid in applied if step_count[uid] > 1)
+        rec = {"version": int(state["version"]), "pushed": len(pushed), "applied": len(applied),
+               "dropped": len(dropped), "dropped_by_reason": dict(Counter(dropped.values())),
+               "lost": lost, "applied_and_dropped": both, "unknown": phantom, "applied_twice": twice}
+        out["modules"][m] = rec
+        if lost or both or phantom or twice:
+            out["ok"] = False
+    return out
+
+
+def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> dict[str, Any]:
+    """Everything in the module doc, as one JSON-able dict."""
+    lev = load_events(store, "learner-")
+    sev = load_events(store, "sync-")
+    ledger = ledger_report(store, module_ids)
+    applied: dict[str, bool] = {}
+    for m in module_ids:
+        got = store.get_state(module_key(m))
+        if got:
+            applied.update({uid: True for uid in got[0]["applied"]})
+
+    hello = [e["t"] for e in lev if e["e"] == "hello"]
+    ends = [e for e in lev if e["e"] == "end"]
+    t_start = min(hello) if hello else 0.0
+    t_end = max((e["t"] for e in lev), default=t_start)
+    wall = max(t_end - t_start, 1e-9)
+
+    useful_s = useful_steps = executed = 0.0
+    tokens = bytes_pushed = 0
+    for e in ends:
+        ids = list(e["ids"].values())
+        frac = sum(1 for uid in ids if applied.get(uid)) / max(1, len(ids))
+        useful_s += frac * float(e["seconds"])
+        useful_steps += frac * int(e["steps"])
+        executed += int(e["steps"])
+        tokens += int(e["tokens"])
+        bytes_pushed += int(e.get("bytes", 0))
+    # phases that never ended: aborted (lease lost) or killed; count their last known steps
+    open_phases: dict[tuple, int] = {}
+    for e in lev:
+        key = (e["learner"], e.get("path"), e.get("phase"))
+        if e["e"] == "begin":
+            open_phases[key] = 0
+        elif e["e"] == "progress" and key in open_phases:
+            open_phases[key] = int(e["steps"])
+        elif e["e"] in ("end", "abort"):
+            if e["e"] == "abort" and key in open_phases:
+                open_phases[key] = int(e.get("steps", open_phases[key]))
+                executed += open_phases.pop(key)
+            else:
+                open_phases.pop(key, None)
+    wasted_killed = sum(open_phases.values())
+    executed += wasted_killed
+
+    stal: Counter = Counter()
+    versions: dict[str, int] = defaultdict(int)
+    for e in sev:
+        if e["e"] == "step":
+            stal.update(int(s) for s in e["staleness"])
+            versions[e["module_id"]] = max(versions[e["module_id"]], int(e["version"]))
+    dropped: dict[str, int] = Counter()
+    for rec in ledger["modules"].values():
+        dropped.update(rec["dropped_by_reason"])
+    kills = [e for e in load_events(store, "supervisor") if e.get("e") == "kill"]
+    return {
+        "goodput": useful_s / (num_learners * wall),
+        "step_goodput": useful_steps / max(1.0, executed),
+        "useful_inner_steps": useful_steps,
+        "executed_inner_steps": executed,
+        "wall_s": wall,
+        "learners": num_learners,
+        "phases_pushed": len(ends),
+        "tokens": tokens,
+        "bytes_pushed": bytes_pushed,
+        "staleness_histogram": {str(k): v for k, v in sorted(stal.items())},
+        "module_versions": {m: ledger["modules"][m]["version"] for m in module_ids},
+        "version_rate_per_s": {m: ledger["modules"][m]["version"] / wall for m in module_ids},
+        "dropped": dict(dropped),
+        "aborted_phases": sum(1 for e in lev if e["e"] == "abort"),
+        "killed_learners": len(kills),
+        "ledger_ok": ledger["ok"],
+        "ledger": ledger["modules"],
+    }
+
+
+def dumps(metrics: dict) -> str:
+    return json.dumps(metrics, indent=2, sort_keys=True)

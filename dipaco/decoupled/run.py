@@ -1,0 +1,333 @@
+"""``run_decoupled(cfg, run_dir)``: the supervisor of decoupled mode on one host.
+
+It writes version 0 of every module to the store, starts the synchroniser process(es)
+and N learner processes (``multiprocessing`` spawn: fork is unsafe after torch/faiss
+started OpenMP threads, NOTES.md), watches them with a bounded timeout, restarts dead
+ones (and, in chaos runs, kills some on purpose with SIGKILL), then, when every path
+has its budget, writes the final module weights as an ordinary checkpoint
+(``checkpoints/round_NNNNNN/modules/*.safetensors`` + manifest) so evaluation and
+``dipaco-infer`` work unchanged, and returns the same keys as the sync trainer.
+
+More hosts: run learners anywhere that mounts the store (``python -m dipaco.decoupled
+learner ...``); exactly one synchroniser per module must run at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from dipaco.config import Config, ConfigError
+from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
+from dipaco.decoupled.learner import learner_main, path_state_key
+from dipaco.decoupled.metrics import compute_metrics, load_events
+from dipaco.decoupled.store import Store, open_store
+from dipaco.decoupled.synchronizer import (ModuleSynchronizer, SyncService, archive, inbox, module_key,
+                                           progress_key, write_module)
+
+__all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
+
+PLAN_KEY = "plan.json"
+
+
+class DecoupledError(RuntimeError):
+    """The decoupled phase could not finish (timeout, too many restarts)."""
+
+
+def _log(msg: str) -> None:
+    print(f"[dipaco] {msg}", flush=True)
+
+
+def decoupled_config(cfg: Config, override: Optional[DecoupledConfig] = None) -> DecoupledConfig:
+    """``diloco.decoupled`` of the config (defaults if the schema has none yet)."""
+    if override is not None:
+        return override
+    d = getattr(cfg.diloco, "decoupled", None)
+    if d is None:
+        return DecoupledConfig()
+    if isinstance(d, DecoupledConfig):
+        return d
+    return DecoupledConfig(**dict(d))
+
+
+def outer_settings(cfg: Config) -> dict[str, Any]:
+    o = cfg.diloco.outer
+    if str(o.name).lower() != "sgd":
+        raise ConfigError("diloco.outer.name", f"decoupled mode supports only sgd (delayed Nesterov), got {o.name!r}",
+                          "use diloco.outer.name=sgd")
+    return {"lr": float(o.lr), "momentum": float(o.momentum), "nesterov": bool(o.nesterov)}
+
+
+def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int]], rounds: int,
+              dcfg_dict: dict, outer: dict, name: str) -> None:
+    """Entry point of a spawned synchroniser process."""
+    torch.set_num_threads(1)
+    SyncService(open_store(store_url), module_ids, sharing, rounds, DecoupledConfig(**dcfg_dict), outer,
+                name=name).run()
+
+
+# ------------------------------------------------------------------------ setup
+
+
+def init_store(cfg: Config, run_dir: str, store: Store, dcfg: DecoupledConfig) -> dict[str, Any]:
+    """Write the plan and version 0 of every module (kept as is when resuming)."""
+    from dipaco.dense import load_dense_state, warmup_steps
+    from dipaco.run_dir import RunDir
+    from dipaco.sync.module_sync import flatten_params
+    from dipaco.trainer import build_grid
+
+    grid = build_grid(cfg)
+    if warmup_steps(cfg) > 0:
+        from modules import init_grid_from_dense
+
+        init_grid_from_dense(grid, load_dense_state(RunDir.at(run_dir).warmup))
+    sharing = {m: grid.paths_of_module(m) for m in grid.module_ids}
+    plan = {"rounds": cfg.trainer.rounds, "inner_steps": cfg.diloco.inner_steps, "num_paths": grid.num_paths,
+            "module_ids": list(grid.module_ids), "sharing": sharing, "levels": list(grid.levels)}
+    old = store.get_json(PLAN_KEY)
+    if old is not None and (old["module_ids"] != plan["module_ids"] or old["num_paths"] != plan["num_paths"]):
+        raise ConfigError("resume", f"the decoupled store was made for another grid ({old['levels']})",
+                          "resume with the same grid.levels, or start a fresh run directory")
+    store.put_json(PLAN_KEY, plan)
+    outer = outer_settings(cfg)
+    for m in grid.module_ids:
+        if store.get(module_key(m)) is None:
+            theta = flatten_params(list(grid.module(m).parameters()))
+            write_module(store, ModuleSynchronizer(m, theta, sharing[m], dcfg, outer))
+    return plan
+
+
+# ------------------------------------------------------------------- processes
+
+
+class _Slot:
+    """One learner slot: its current process and how often it was started."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.incarnation = -1
+        self.proc: Optional[mp.process.BaseProcess] = None
+        self.finished = False
+
+
+def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = None) -> dict[str, Any]:
+    """Train every path for ``trainer.rounds`` phases of H steps, asynchronously.
+
+    Returns the sync trainer's result keys (``rounds``, ``completed_rounds``,
+    ``start_round``, ``tokens``, ``bytes_sent``, ``compute_s``, ``sync_s``,
+    ``checkpoint``) plus ``decoupled`` (the metrics of :mod:`dipaco.decoupled.metrics`).
+    """
+    from omegaconf import OmegaConf
+
+    from dipaco.run_dir import RunDir
+
+    dcfg = decoupled_config(cfg, dcfg)
+    problems = validate_decoupled(dcfg)
+    if problems:
+        raise ConfigError(*problems[0])
+    run = RunDir.at(run_dir)
+    store_url = dcfg.store_url or str(run.root / "decoupled")
+    if not cfg.resume and "://" not in store_url and Path(store_url).is_dir():
+        # a fresh run never inherits updates, leases or ledgers of an earlier one
+        if not (Path(store_url) / PLAN_KEY).exists() and any(Path(store_url).iterdir()):
+            raise ConfigError("diloco.decoupled.store_url", f"{store_url} is not empty and not a dipaco store",
+                              "point it to an empty or dipaco-made directory")
+        shutil.rmtree(store_url)
+    store = open_store(store_url)
+    plan = init_store(cfg, run_dir, store, dcfg)
+    R, P = plan["rounds"], plan["num_paths"]
+    start_round = min(_phases_done(store, p) for p in range(P))
+    n_learners = dcfg.learners or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
+    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    dcfg_dict = dataclasses.asdict(dcfg)
+    outer = outer_settings(cfg)
+    ctx = mp.get_context("spawn")
+
+    def sup_event(obj: dict) -> None:
+        obj.setdefault("t", time.time())
+        store.append_line("events/supervisor.jsonl", json.dumps(obj))
+
+    # modules dealt round-robin to synchroniser processes: exactly one owner per module
+    nsync = min(dcfg.sync_procs, len(plan["module_ids"]))
+    sync_mods = [plan["module_ids"][i::nsync] for i in range(nsync)]
+
+    def start_sync(i: int) -> mp.process.BaseProcess:
+        store.delete(f"done/sync-{i}.json")
+        proc = ctx.Process(target=sync_main, name=f"dipaco-sync-{i}",
+                           args=(store_url, sync_mods[i], {m: plan["sharing"][m] for m in sync_mods[i]},
+                                 R, dcfg_dict, outer, f"sync-{i}"))
+        proc.start()
+        return proc
+
+    def start_learner(slot: _Slot) -> None:
+        slot.incarnation += 1
+        slot.proc = ctx.Process(target=learner_main, name=f"dipaco-learner-{slot.index}",
+                                args=(cfg_dict, str(run.root), store_url, slot.index, slot.incarnation, dcfg_dict))
+        slot.proc.start()
+        sup_event({"e": "start", "slot": slot.index, "incarnation": slot.incarnation, "pid": slot.proc.pid})
+
+    _log(f"decoupled: {n_learners} learners, {nsync} synchroniser(s), {P} paths x {R} phases of "
+         f"{cfg.diloco.inner_steps} steps; store {store_url}")
+    t0 = time.time()
+    syncs = [start_sync(i) for i in range(nsync)]
+    slots = [_Slot(i) for i in range(n_learners)]
+    for s in slots:
+        start_learner(s)
+    rng = random.Random(dcfg.chaos_seed)
+    kills = restarts = 0
+    next_kill = (t0 + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)) if dcfg.chaos_kill_every_s else math.inf
+    deadline = t0 + dcfg.timeout_s
+    try:
+        while True:
+            now = time.time()
+            if now > deadline:
+                raise DecoupledError(f"decoupled phase exceeded diloco.decoupled.timeout_s={dcfg.timeout_s}s")
+            # chaos: SIGKILL a random live learner (no clean-up runs in it: the point)
+            if now >= next_kill and kills < dcfg.chaos_max_kills:
+                alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
+                if alive:
+                    victim = rng.choice(alive)
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+                    kills += 1
+                    sup_event({"e": "kill", "slot": victim.index, "incarnation": victim.incarnation,
+                               "pid": victim.proc.pid})
+                next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)
+            for s in slots:
+                if s.finished or s.proc is None or s.proc.is_alive():
+                    continue
+                code = s.proc.exitcode
+                s.proc.join()
+                if code == 0:
+                    s.finished = True
+                    continue
+                sup_event({"e": "died", "slot": s.index, "incarnation": s.incarnation, "exitcode": code})
+                if not dcfg.restart_dead or restarts >= dcfg.max_restarts:
+                    s.proc = None  # slot abandoned; the others take its paths after the lease expires
+                    continue
+                restarts += 1
+                start_learner(s)
+            for i, proc in enumerate(syncs):
+                if not proc.is_alive() and proc.exitcode != 0:
+                    sup_event({"e": "sync_died", "index": i, "exitcode": proc.exitcode})
+                    if restarts >= dcfg.max_restarts:
+                        raise DecoupledError(f"synchroniser {i} died with exit code {proc.exitcode}")
+                    restarts += 1
+                    syncs[i] = start_sync(i)
+            learners_done = all(s.finished or s.proc is None for s in slots)
+            if learners_done and not any(s.finished for s in slots):
+                raise DecoupledError("every learner slot was abandoned after repeated failures")
+            if learners_done and all(not p.is_alive() and p.exitcode == 0 for p in syncs):
+                break
+            time.sleep(0.05)
+    finally:
+        for proc in [s.proc for s in slots if s.proc is not None] + syncs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+    train_s = time.time() - t0
+    _account_leftovers(store, plan["module_ids"])
+    metrics = compute_metrics(store, plan["module_ids"], n_learners)
+    metrics.update({"kills": kills, "restarts": restarts, "supervisor_s": train_s})
+    (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    _append_round_metrics(run, store)
+    ckpt = write_checkpoint(cfg, run, store, plan)
+    done_rounds = min(_phases_done(store, p) for p in range(P))
+    _log(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
+         f"versions {metrics['module_versions']}, dropped {metrics['dropped'] or 'none'}, "
+         f"ledger {'ok' if metrics['ledger_ok'] else 'VIOLATED'}")
+    lev = load_events(store, "learner-")
+    per_learner: dict[str, float] = {}
+    for e in lev:
+        if e["e"] == "end":
+            per_learner[e["learner"]] = per_learner.get(e["learner"], 0.0) + float(e["seconds"])
+    compute_s = max(per_learner.values(), default=0.0)
+    return {
+        "rounds": R,
+        "completed_rounds": done_rounds,
+        "start_round": start_round,
+        "tokens": int(metrics["tokens"]),
+        "bytes_sent": int(metrics["bytes_pushed"]),
+        "compute_s": compute_s,
+        "sync_s": max(0.0, train_s - compute_s),
+        "checkpoint": str(ckpt),
+        "decoupled": {k: v for k, v in metrics.items() if k != "ledger"},
+    }
+
+
+def _phases_done(store: Store, p: int) -> int:
+    prog = store.get_json(progress_key(p))
+    return 0 if prog is None else int(prog.get("phases_done", 0))
+
+
+def _account_leftovers(store: Store, module_ids: list[str]) -> None:
+    """Inbox files left after everyone stopped (a zombie's late push) → dropped, with reason.
+
+    Runs only when no synchroniser is alive, so it may write the module files itself.
+    """
+    for m in module_ids:
+        names = [n for n in store.list(inbox(m)) if n.endswith(".st")]
+        if not names:
+            continue
+        state, meta = store.get_state(module_key(m))
+        changed = False
+        for n in names:
+            uid = n[:-3]
+            if uid not in state["applied"] and uid not in state["dropped"]:
+                state["dropped"][uid] = "unprocessed_after_finish"
+                changed = True
+        if changed:
+            store.put_state(module_key(m), state, meta=meta)
+        for n in names:
+            store.move(f"{inbox(m)}/{n}", f"{archive(m)}/{n}")
+
+
+def _append_round_metrics(run: Any, store: Store) -> None:
+    """One metrics.jsonl line per phase index (the sync trainer's per-round shape)."""
+    by_phase: dict[int, dict[str, dict]] = {}
+    for e in load_events(store, "learner-"):
+        if e["e"] == "end":
+            by_phase.setdefault(int(e["phase"]), {}).setdefault(
+                str(e["path"]), {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]})
+    with open(run.metrics, "a", encoding="utf-8") as f:
+        for k in sorted(by_phase):
+            paths = by_phase[k]
+            f.write(json.dumps({"round": k + 1, "mode": "decoupled", "paths": paths, "modules": {},
+                                "bytes_sent": 0, "compute_s": max(v["seconds"] for v in paths.values()),
+                                "sync_s": 0.0}) + "\n")
+
+
+def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
+    """The final versions as an ordinary checkpoint ``round_<R>`` (modules, outer, paths)."""
+    from dipaco.checkpoint import CheckpointManager, save_state
+    from dipaco.decoupled.learner import _load_flat
+    from dipaco.trainer import build_grid
+
+    grid = build_grid(cfg)
+    R = int(plan["rounds"])
+    ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last)
+    part = ckpts.begin(R)
+    versions = {}
+    for m in plan["module_ids"]:
+        state, meta = store.get_state(module_key(m))
+        _load_flat(grid.module(m), state["theta"])
+        save_state(part / "modules" / f"{m}.safetensors", grid.module_state_dict(m))
+        save_state(part / "outer" / f"{m}.safetensors", {"opt": state["opt"], "version": state["version"]})
+        versions[m] = int(state["version"])
+    for p in range(plan["num_paths"]):
+        got = store.get_state(path_state_key(p))
+        if got is not None:
+            save_state(part / "paths" / f"path_{p}.safetensors", got[0])
+    final = ckpts.commit(R, {"round": R, "num_paths": plan["num_paths"], "module_ids": plan["module_ids"],
+                             "levels": plan["levels"], "mode": "decoupled", "versions": versions})
+    ckpts.prune()
+    return final

@@ -1,0 +1,348 @@
+"""The transport of decoupled mode: a key → blob store, and path leases on top of it.
+
+Everything learners and synchronisers exchange goes through a :class:`Store`: module
+versions, pushed updates, path states (inner optimiser + data position), leases and
+event logs. The one real implementation, :class:`FileStore`, is a directory on a shared
+filesystem (local disk for one host, NFS for several). See ``docs/decoupled.md`` for why
+a directory and not a key-value server.
+
+Hazards and how they are handled here:
+
+* **Torn writes.** A reader must never see half a file. Every ``put`` writes a temporary
+  file with a name unique to (host, pid, random) in the same directory, fsyncs it, then
+  ``os.replace``-s it over the key: rename within a directory is atomic on POSIX and on
+  NFS (the server performs it), so a reader sees the old blob or the new one.
+  Temporary names start with ``.tmp-`` and are never listed as keys.
+* **Two writers creating the same key.** ``put_new`` (create-if-absent) writes a
+  temporary file and ``os.link``-s it to the key: ``link`` fails with ``EEXIST`` if the
+  key exists, atomically, also over NFSv3+ (``O_EXCL`` is not reliable on old NFS
+  clients; the link trick is the classic NFS-safe lock). Leases are built on it.
+* **Clocks.** Lease expiry times are wall-clock timestamps written by the holder and
+  read by others: hosts must keep their clocks within a small fraction of
+  ``lease_s`` (NTP does). One host: no issue.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from dipaco.checkpoint import flatten_state, unflatten_state
+
+__all__ = ["Store", "FileStore", "open_store", "Lease", "LeaseLost", "encode_state", "decode_state"]
+
+TMP_PREFIX = ".tmp-"
+
+
+# ------------------------------------------------------------------- blob format
+
+
+def encode_state(state: Any, meta: Optional[dict] = None) -> bytes:
+    """Nested state (tensors + JSON values) → safetensors bytes; no pickle anywhere.
+
+    ``meta`` is extra JSON kept beside the state; :func:`decode_meta` reads it without
+    touching the tensors (the synchroniser reads an update's header first).
+    """
+    tensors, skeleton = flatten_state(state)
+    flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    header = {"skeleton": json.dumps(skeleton), "meta": json.dumps(meta or {}, sort_keys=True)}
+    return st_save(flat, metadata=header)
+
+
+def _header(blob: bytes) -> dict[str, str]:
+    # safetensors layout: 8-byte little-endian header length, then the JSON header
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + n].decode("utf-8")).get("__metadata__", {}) or {}
+
+
+def decode_meta(blob: bytes) -> dict:
+    """The ``meta`` JSON of a blob written by :func:`encode_state`."""
+    return json.loads(_header(blob).get("meta", "{}"))
+
+
+def decode_state(blob: bytes) -> tuple[Any, dict]:
+    """Inverse of :func:`encode_state`: ``(state, meta)``."""
+    header = _header(blob)
+    tensors = st_load(blob)
+    return unflatten_state(tensors, json.loads(header["skeleton"])), json.loads(header.get("meta", "{}"))
+
+
+# ------------------------------------------------------------------------ store
+
+
+class Store(ABC):
+    """Keys are ``/``-separated relative names (``updates/L0.1/abc.st``)."""
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Atomically create or replace ``key``."""
+
+    @abstractmethod
+    def put_new(self, key: str, data: bytes) -> bool:
+        """Atomically create ``key`` if absent; False (and no change) if it exists."""
+
+    @abstractmethod
+    def get(self, key: str) -> Optional[bytes]:
+        """The blob, or None if the key does not exist."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Keys directly under the folder ``prefix`` (names only, sorted)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    @abstractmethod
+    def move(self, key: str, new_key: str) -> None:
+        """Atomically rename ``key`` (missing source: no-op)."""
+
+    @abstractmethod
+    def append_line(self, key: str, line: str) -> None:
+        """Append one line to a log only this process writes (event logs)."""
+
+    @abstractmethod
+    def read_lines(self, key: str) -> list[str]:
+        """Lines of a log (a torn last line of a killed writer is left out)."""
+
+    # conveniences on top of the primitives
+    def put_json(self, key: str, obj: Any) -> None:
+        self.put(key, (json.dumps(obj, sort_keys=True) + "\n").encode("utf-8"))
+
+    def get_json(self, key: str) -> Optional[Any]:
+        blob = self.get(key)
+        return None if blob is None else json.loads(blob.decode("utf-8"))
+
+    def put_state(self, key: str, state: Any, meta: Optional[dict] = None) -> int:
+        """Store a nested state atomically; return its size in bytes."""
+        blob = encode_state(state, meta)
+        self.put(key, blob)
+        return len(blob)
+
+    def get_state(self, key: str) -> Optional[tuple[Any, dict]]:
+        blob = self.get(key)
+        return None if blob is None else decode_state(blob)
+
+
+class FileStore(Store):
+    """A :class:`Store` on a (shared) filesystem directory.
+
+    Args:
+        root: the directory (created if missing). On several hosts, an NFS mount seen
+            under the same or different paths: only relative keys travel.
+        fsync: fsync files before renaming them (durability across a host crash; cheap
+            for the small blobs of tests, keep it on in production).
+    """
+
+    def __init__(self, root: str | Path, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.fsync = fsync
+        self._tag = f"{socket.gethostname()}-{os.getpid()}"
+
+    def __repr__(self) -> str:
+        return f"FileStore({str(self.root)!r})"
+
+    def path(self, key: str) -> Path:
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"store keys are relative without '..': {key!r}")
+        return self.root / key
+
+    def _write_tmp(self, target: Path, data: bytes) -> Path:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # unique per host, process and call: two writers never share a temp file
+        tmp = target.with_name(f"{TMP_PREFIX}{target.name}.{self._tag}.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    def put(self, key: str, data: bytes) -> None:
+        target = self.path(key)
+        tmp = self._write_tmp(target, data)
+        os.replace(tmp, target)
+
+    def put_new(self, key: str, data: bytes) -> bool:
+        target = self.path(key)
+        tmp = self._write_tmp(target, data)
+        try:
+            os.link(tmp, target)  # atomic create-if-absent, NFS-safe
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def get(self, key: str) -> Optional[bytes]:
+        try:
+            return self.path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        folder = self.path(prefix) if prefix else self.root
+        try:
+            names = [e.name for e in os.scandir(folder) if not e.name.startswith(TMP_PREFIX)]
+        except FileNotFoundError:
+            return []
+        return sorted(names)
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def move(self, key: str, new_key: str) -> None:
+        dst = self.path(new_key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(self.path(key), dst)
+        except FileNotFoundError:
+            pass
+
+    def append_line(self, key: str, line: str) -> None:
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: each write lands at the end; one writer per log, so lines never interleave
+        with open(p, "a", encoding="utf-8") as f:
+            f.write(line.rstrip("\n") + "\n")
+
+    def read_lines(self, key: str) -> list[str]:
+        try:
+            text = self.path(key).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        lines = text.split("\n")
+        # the last element is "" after a complete line; anything else is a torn write
+        return [x for x in lines[:-1] if x]
+
+
+def open_store(url: str) -> Store:
+    """A store for ``url``: a directory path or ``file://`` URL.
+
+    Other fsspec URLs (``s3://``…) are not implemented: object stores lack the atomic
+    create-if-absent that leases need (see docs/decoupled.md).
+    """
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" in url:
+        raise ValueError(
+            f"diloco.decoupled.store_url={url!r}: only a shared directory (path or file://) is "
+            "supported; mount the storage (e.g. NFS) and pass its path"
+        )
+    return FileStore(url)
+
+
+# ----------------------------------------------------------------------- leases
+
+
+class LeaseLost(RuntimeError):
+    """This holder's lease was taken over (it expired): stop working on the resource."""
+
+
+@dataclass
+class Lease:
+    """An exclusive, expiring claim on a named resource (a path), built on ``put_new``.
+
+    Layout: ``leases/<name>/<epoch:010d>.json`` holding ``{owner, expires_at, released}``.
+    The live lease is the highest epoch. To take a resource whose lease expired or was
+    released, a learner creates epoch+1 with ``put_new``: of two learners racing, exactly
+    one create succeeds. The holder renews by rewriting its own epoch file, then checks
+    that no higher epoch exists; if one does, somebody took over while it was late and
+    it must abandon the work (its pushes would be duplicates; see the synchroniser's
+    ``duplicate_phase`` rule for the window where it cannot know yet).
+    """
+
+    store: Store
+    name: str
+    owner: str
+    lease_s: float
+    epoch: int = 0
+
+    @property
+    def _folder(self) -> str:
+        return f"leases/{self.name}"
+
+    def _key(self, epoch: int) -> str:
+        return f"{self._folder}/{epoch:010d}.json"
+
+    def _epochs(self) -> list[int]:
+        out = []
+        for n in self.store.list(self._folder):
+            if n.endswith(".json"):
+                try:
+                    out.append(int(n[:-5]))
+                except ValueError:
+                    pass
+        return sorted(out)
+
+    @staticmethod
+    def is_free(store: Store, name: str, now: Optional[float] = None) -> bool:
+        """Whether nobody holds ``name`` right now (never leased, released or expired)."""
+        probe = Lease(store, name, "", 0.0)
+        epochs = probe._epochs()
+        if not epochs:
+            return True
+        info = store.get_json(probe._key(epochs[-1]))
+        if info is None:  # pruned between list and read: treat as contended
+            return False
+        return bool(info.get("released")) or float(info["expires_at"]) < (now or time.time())
+
+    def acquire(self) -> bool:
+        """Try to take the lease; True on success (then :meth:`renew` and :meth:`release`)."""
+        epochs = self._epochs()
+        top = epochs[-1] if epochs else 0
+        if epochs:
+            info = self.store.get_json(self._key(top))
+            if info is None:
+                return False
+            if not info.get("released") and float(info["expires_at"]) >= time.time():
+                return False
+        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
+        if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
+            return False  # another learner won the race for this epoch
+        self.epoch = top + 1
+        for e in epochs[:-1]:  # keep the previous epoch for post-mortems, drop older ones
+            self.store.delete(self._key(e))
+        return True
+
+    def renew(self) -> None:
+        """Extend the expiry (heartbeat); raise :class:`LeaseLost` if taken over."""
+        if self._epochs()[-1:] != [self.epoch]:
+            raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
+        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
+        self.store.put(self._key(self.epoch), json.dumps(body).encode())
+        # A taker may have read our *old* expiry before the rewrite landed: check again.
+        if self._epochs()[-1:] != [self.epoch]:
+            raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if a higher epoch exists (cheap: one listing)."""
+        if self._epochs()[-1:] != [self.epoch]:
+            raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
+
+    def release(self) -> None:
+        """Give the resource up (others may take it at once)."""
+        if self._epochs()[-1:] == [self.epoch]:
+            body = {"owner": self.owner, "expires_at": 0.0, "released": True}
+            self.store.put(self._key(self.epoch), json.dumps(body).encode())
+
+
+def iter_jsonl(store: Store, key: str) -> Iterator[dict]:
+    """Parsed lines of an event log."""
+    for line in store.read_lines(key):
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
