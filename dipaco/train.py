@@ -46,7 +46,13 @@ def train(cfg: Config) -> dict[str, Any]:
     prep = prepare(cfg, run)
 
     t0 = time.perf_counter()
-    result = _run_rounds(cfg, run, prep)
+    if cfg.diloco.mode == "decoupled":
+        # asynchronous learners + per-module synchronisers (docs/decoupled.md); same result keys
+        from dipaco.decoupled.run import run_decoupled
+
+        result = run_decoupled(cfg, str(run.root))
+    else:
+        result = _run_rounds(cfg, run, prep)
     rounds_s = time.perf_counter() - t0
     return _finish(cfg, run, prep, result, rounds_s, wall0)
 
