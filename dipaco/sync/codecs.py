@@ -14,7 +14,13 @@ Error bounds (per element, x the input, d = decode(encode(x))):
 * ``topk``: the kept ``ceil(fraction·numel)`` largest-magnitude entries are exact (fp32
   values) or fp16-rounded (``value_dtype="fp16"``); the rest decode to 0.
 
-Error feedback (the residual x - d carried to the next round) lives in ``ModuleSync``.
+In the default two-phase exchange (:mod:`dipaco.sync.comm`) a module's summed
+pseudo-gradient passes through the codec twice: each contribution, then each reduced
+chunk; so the bounds above apply twice (the second to the sum). Chunks are multiples of
+:attr:`Codec.chunk_align` (int8: one block), so int8 blocks never straddle two chunks.
+
+Error feedback (the residual x - d carried to the next round) lives in ``ModuleSync``
+(first encoding) and in the chunk owner's residual (second encoding).
 New codecs register with :func:`register_codec`.
 """
 from __future__ import annotations

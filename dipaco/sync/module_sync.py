@@ -96,7 +96,8 @@ class ModuleSync:
             contributions this object accepts.
         codec: codec object or name; ignored (exact) for a module held by one worker group.
         error_feedback: keep per-contributor residuals ``value − decode(encode(value))``
-            and add them to the next round's contribution.
+            and add them to the next round's contribution; with the two-phase exchange
+            also the owner residuals of the reduced chunks' re-encoding (see module doc).
         outer: keyword arguments of :func:`make_outer_optimizer`.
         sharing_rescale: multiply the averaged pseudo-gradient by √(contributions): the
             average of s roughly independent pseudo-gradients has ~1/√s of their norm, so
