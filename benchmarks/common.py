@@ -178,3 +178,20 @@ def verdict(value: Optional[float], target: float, *, at_most: bool = True) -> s
         return "n/a"
     ok = value <= target if at_most else value >= target
     return "met" if ok else "MISSED"
+
+
+def reuse_preparation(src_run: Path, dst_run: Path) -> None:
+    """Seed ``dst_run`` with ``src_run``'s tokenizer and router, so ``prepare`` reloads them.
+
+    Several benchmark runs share one corpus, grid and seed; training a BPE and fitting
+    k-means again for each would dominate a quick run. ``dipaco.prepare`` reuses a run
+    directory's tokenizer and router when present (that is how ``resume=true`` routes
+    exactly as the first run did), so copying them gives the same shards at no cost.
+    Pair with a shared ``data.cache_dir`` so the tokenized corpus is reused too.
+    """
+    import shutil
+
+    dst_run.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src_run / "tokenizer.json", dst_run / "tokenizer.json")
+    if (src_run / "router").is_dir():
+        shutil.copytree(src_run / "router", dst_run / "router", dirs_exist_ok=True)

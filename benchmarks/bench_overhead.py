@@ -1,0 +1,126 @@
+"""Framework overhead: training tokens/s of the local backend for one path vs bare PyTorch.
+
+    python -m benchmarks.bench_overhead --quick   # model=tiny, 5 interleaved repeats
+    python -m benchmarks.bench_overhead --full    # model=small, more steps, 9 repeats
+
+Both sides train the same ``modules.PathModel`` (same config, same seed, batch 16 × 128
+tokens, same torch thread count, in one process):
+
+* dipaco: exactly the trainer's loop body, local backend, for a ``[1, 1]`` grid (one path
+  of a 2-level grid):
+  ``DiLoCoSync.begin_path`` → ``PathLearner.train_steps(H)`` (AdamW with warm-up + cosine
+  LR, gradient clipping, token counting, ``TokenStream`` batches) → ``end_path`` →
+  ``finish_round`` (the outer step of every module).
+* bare: a plain loop over the same batches held in memory: forward, cross entropy,
+  backward, ``torch.optim.AdamW.step``. Nothing else.
+
+One sample = H steps of one side; the sides alternate (A B, B A, ...) and the medians of
+tokens/s are compared. Target: dipaco ÷ bare ≥ 0.95.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from benchmarks.common import (base_parser, interleaved, load_average, print_table, torch_threads, verdict,
+                               write_result)
+
+TARGET = 0.95
+SIZES: dict[str, dict[str, Any]] = {
+    # tiny in quick mode: per-step framework costs weigh MORE against a smaller model
+    "quick": {"model": "tiny", "steps": 20, "repeats": 5},
+    "full": {"model": "small", "steps": 30, "repeats": 9},
+}
+
+
+def make_sides(model_name: str, steps: int, seed: int = 0) -> tuple[dict[str, Callable[[], float]], dict[str, Any]]:
+    """The two callables (each runs ``steps`` steps, returns tokens/s) and the setup facts."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from dipaco.config import compose_config
+    from dipaco.data import TokenStream
+    from dipaco.learner import PathLearner
+    from dipaco.sync.diloco import DiLoCoSync
+    from dipaco.topology import Topology
+    from modules import ModuleGrid, PathModel
+
+    cfg = compose_config([f"model={model_name}", "grid.levels=[1,1]", f"diloco.inner_steps={steps}"])
+    t = cfg.trainer
+    rng = np.random.default_rng(seed)
+    # content does not matter for speed: random token documents of typical length
+    docs = [rng.integers(1, cfg.model.vocab_size, size=int(n)) for n in rng.integers(200, 2000, size=400)]
+
+    # --- dipaco side: the trainer's per-round body for a one-path grid, local backend
+    grid = ModuleGrid(cfg.model, [1, 1], seed=seed)
+    model = PathModel(grid, 0)
+    topo = Topology.from_grid(grid, 1, 1)
+    sync = DiLoCoSync(topo, {m: grid.module(m) for m in grid.module_ids},
+                      outer={"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    stream = TokenStream(docs, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed, path_id=0, eos_id=0)
+    learner = PathLearner(0, model, stream, t, total_steps=10**9)
+
+    def dipaco_round() -> float:
+        t0 = time.perf_counter()
+        sync.begin_path(0)
+        stats = learner.train_steps(steps)
+        sync.end_path(0, stats.tokens)
+        sync.finish_round()
+        return stats.tokens / (time.perf_counter() - t0)
+
+    # --- bare side: same model shape and init, same batches, but held in memory
+    bare_model = PathModel(ModuleGrid(cfg.model, [1, 1], seed=seed), 0)
+    opt = torch.optim.AdamW(bare_model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                            weight_decay=t.weight_decay)
+    batch_src = TokenStream(docs, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed, path_id=1, eos_id=0)
+    batches = [batch_src.next_batch() for _ in range(steps)]
+    tokens_per_round = sum(int(y.numel()) for _, y in batches)
+
+    def bare_round() -> float:
+        t0 = time.perf_counter()
+        bare_model.train()
+        for x, y in batches:
+            loss = F.cross_entropy(bare_model(x).flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return tokens_per_round / (time.perf_counter() - t0)
+
+    facts = {"model": model_name, "path_parameters": sum(p.numel() for p in model.parameters()),
+             "batch_size": t.batch_size, "seq_len": t.seq_len, "steps_per_sample": steps,
+             "torch_threads": torch.get_num_threads()}
+    return {"dipaco": dipaco_round, "bare": bare_round}, facts
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    ap = base_parser(__doc__ or "")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    load0 = load_average()
+    size = SIZES[args.mode]
+    sides, facts = make_sides(size["model"], size["steps"])
+    res = interleaved(sides, repeats=size["repeats"])
+    ratio = res["dipaco"]["median"] / res["bare"]["median"]
+    rows = [{"side": n, "median_tokens_per_s": r["median"], "min": min(r["samples"]), "max": max(r["samples"])}
+            for n, r in res.items()]
+    rows.append({"side": "dipaco / bare", "median_tokens_per_s": ratio})
+    print_table(rows, ["side", "median_tokens_per_s", "min", "max"],
+                title=f"framework overhead ({args.mode}): model={facts['model']}, {facts['path_parameters']:,} "
+                      f"params, batch {facts['batch_size']}x{facts['seq_len']}, {facts['steps_per_sample']} steps "
+                      f"per sample, {size['repeats']} interleaved repeats, {torch_threads()} threads")
+    print(f"ratio dipaco / bare = {ratio:.3f} (target >= {TARGET}: {verdict(ratio, TARGET, at_most=False)})")
+    payload = {**facts, "repeats": size["repeats"], "sides": res, "ratio": ratio, "target": TARGET,
+               "verdict": verdict(ratio, TARGET, at_most=False)}
+    write_result("overhead", payload, mode=args.mode, load_before=load0, out=args.out, argv=argv)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
