@@ -192,10 +192,10 @@ class Learner:
         if phase >= R:
             lease.release()
             return False
+        # chaos: this phase stalls for U(0, chaos_delay_s) after a random inner step
+        delay_at, delay = -1, 0.0
         if self.dcfg.chaos_delay_prob > 0 and self.rng.random() < self.dcfg.chaos_delay_prob:
-            delay = self.rng.uniform(0, self.dcfg.chaos_delay_s)
-            self.event({"e": "chaos_delay", "s": delay})
-            self._sleep_alive(lease, delay)
+            delay_at, delay = self.rng.randrange(1, H + 1), self.rng.uniform(0, self.dcfg.chaos_delay_s)
         lease.renew()  # set-up above may have taken a while
         pulled = self._pull(p, last_ids if self.dcfg.pull_wait_s > 0 else {}, lease)
         base = {}
@@ -213,6 +213,9 @@ class Learner:
             done_steps[0] += 1
             if self.slow > 1.0:  # benchmark: an artificially slow learner (slow_factor× per step)
                 time.sleep((self.slow - 1.0) * (time.time() - last_end[0]))
+            if done_steps[0] == delay_at:
+                self.event({"e": "chaos_delay", "path": p, "phase": phase, "s": delay})
+                self._sleep_alive(lease, delay)
             last_end[0] = time.time()
             if time.time() - last_beat[0] >= self.dcfg.heartbeat_s:
                 lease.renew()  # raises LeaseLost → the phase is abandoned

@@ -77,10 +77,13 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
         if got:
             applied.update({uid: True for uid in got[0]["applied"]})
 
-    hello = [e["t"] for e in lev if e["e"] == "hello"]
     ends = [e for e in lev if e["e"] == "end"]
-    t_start = min(hello) if hello else 0.0
-    t_end = max((e["t"] for e in lev), default=t_start)
+    # the training window: first phase begun → last phase ended (interpreter start-up
+    # and the idle tail of learners restarted after the work ran out are left out;
+    # restarts *during* training count against goodput)
+    begins = [e["t"] for e in lev if e["e"] == "begin"]
+    t_start = min(begins) if begins else 0.0
+    t_end = max((e["t"] for e in ends), default=t_start)
     wall = max(t_end - t_start, 1e-9)
 
     useful_s = useful_steps = executed = 0.0

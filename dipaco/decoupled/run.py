@@ -185,13 +185,19 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
         start_learner(s)
     rng = random.Random(dcfg.chaos_seed)
     kills = restarts = 0
-    next_kill = (t0 + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)) if dcfg.chaos_kill_every_s else math.inf
+    # the chaos clock starts once training does (the first path progress file): kills
+    # during interpreter start-up would test nothing but process spawning
+    next_kill = math.inf
+    chaos_armed = not dcfg.chaos_kill_every_s or dcfg.chaos_max_kills <= 0
     deadline = t0 + dcfg.timeout_s
     try:
         while True:
             now = time.time()
             if now > deadline:
                 raise DecoupledError(f"decoupled phase exceeded diloco.decoupled.timeout_s={dcfg.timeout_s}s")
+            if not chaos_armed and store.list("paths"):
+                chaos_armed = True
+                next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)
             # chaos: SIGKILL a random live learner (no clean-up runs in it: the point)
             if now >= next_kill and kills < dcfg.chaos_max_kills:
                 alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
