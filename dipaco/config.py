@@ -111,6 +111,9 @@ class DiLoCoConfig:
     codec_block: int = 256  # int8: elements per scale
     codec_topk_fraction: float = 0.01  # topk: share of entries kept
     error_feedback: bool = False
+    # how lossy codecs cross a module group: reduce_scatter (compressed two-phase
+    # all-reduce, ~2 encoded copies per rank), all_gather (k−1 copies), or auto (fewer bytes)
+    lossy_exchange: str = "auto"
     # scale each module's averaged pseudo-gradient by sqrt(#sharing paths) (option)
     sharing_rescale: bool = False
 
@@ -248,6 +251,8 @@ def validate_config(cfg: Config) -> None:
     _require(dl.mode in MODES, "diloco.mode", f"unknown mode {dl.mode!r}", f"use one of {MODES}")
     _require(dl.codec in CODECS, "diloco.codec", f"unknown codec {dl.codec!r}",
              f"use one of {', '.join(CODECS)}")
+    _require(dl.lossy_exchange in ("auto", "reduce_scatter", "all_gather"), "diloco.lossy_exchange",
+             f"unknown exchange {dl.lossy_exchange!r}", "use auto, reduce_scatter or all_gather")
     _require(dl.outer.lr > 0, "diloco.outer.lr", f"must be > 0, got {dl.outer.lr}", "e.g. 0.7")
     _require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
              "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")

@@ -25,7 +25,7 @@ def plan_for(cfg: Config) -> CommPlan:
     topo = build_topology(cfg, grid, cfg.launcher.nproc, distributed)
     counts = {m: grid.param_count(m) for m in grid.module_ids}
     return topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
-                     **codec_kwargs(cfg.diloco))
+                     lossy_exchange=cfg.diloco.lossy_exchange, **codec_kwargs(cfg.diloco))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -17,7 +17,7 @@ from dipaco.checkpoint import write_json
 from dipaco.config import Config
 from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_dataset
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense, warmup_steps
-from dipaco.run_dir import RunDir
+from dipaco.run_dir import RunDir, RunDirError
 from router import Router, routing_report, write_shards
 
 # The tokenizer is trained on at most this many characters of training text: enough
@@ -134,7 +134,10 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     r = cfg.router
     featurizer_fn = lm_featurizer(warm_grid) if r.featurizer == "lm" else None
     if (run.router / "manifest.json").exists():
-        router = Router.load(run.router, expected_grid=list(cfg.grid.levels), featurizer_fn=featurizer_fn)
+        try:
+            router = Router.load(run.router, expected_grid=list(cfg.grid.levels), featurizer_fn=featurizer_fn)
+        except ValueError as e:  # another grid, a corrupt array, a missing file: the user's to fix
+            raise RunDirError(f"cannot reuse {run.router}: {e}") from None
     else:
         router = _fit_router(cfg, train_ids, featurizer_fn)
         router.save(run.router)

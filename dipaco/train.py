@@ -245,7 +245,7 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
     topo = build_topology(cfg, grid, result["world_size"], cfg.launcher.name != "local")
     counts = {m: grid.param_count(m) for m in grid.module_ids}
     plan = topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
-                     **codec_kwargs(cfg.diloco))
+                     lossy_exchange=cfg.diloco.lossy_exchange, **codec_kwargs(cfg.diloco))
     rounds_done = result["rounds"] - result["start_round"]
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
     routed_ppl = routed["once"]["ppl"]

@@ -119,7 +119,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         codec=d.codec, codec_kw=codec_kwargs(cfg.diloco), error_feedback=d.error_feedback,
         outer={"name": d.outer.name, "lr": d.outer.lr, "momentum": d.outer.momentum,
                "nesterov": d.outer.nesterov},
-        sharing_rescale=d.sharing_rescale, process_groups=pgroups,
+        sharing_rescale=d.sharing_rescale, process_groups=pgroups, lossy_exchange=d.lossy_exchange,
     )
 
     G = topo.group_size if distributed else 1
@@ -143,6 +143,8 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         if latest is not None:
             start_round = _load_checkpoint(latest, grid, sync, learners, my_modules, topo, rank)
             _log(rank, f"resumed from {latest.name} (round {start_round})")
+        if rank is None or rank == 0:
+            _truncate_metrics(run, start_round)
     if start_round == 0:
         # DESIGN contract 4: all copies of a module start from the same weights.
         sync.check_identical_start()
@@ -228,6 +230,18 @@ def _module_stats(round_stats: RoundStats) -> dict[str, dict]:
     return out
 
 
+def _truncate_metrics(run: RunDir, keep_rounds: int) -> None:
+    """Drop metrics of rounds past the checkpoint we resume from: they are re-run."""
+    if not run.metrics.exists():
+        return
+    lines = [x for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()]
+    kept = [x for x in lines if json.loads(x).get("round", 0) <= keep_rounds]
+    if len(kept) != len(lines):
+        from dipaco.checkpoint import atomic_write_text
+
+        atomic_write_text(run.metrics, "".join(x + "\n" for x in kept))
+
+
 def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
     """One line per round: per-path loss, per-module sync stats, bytes, time split."""
     paths: dict[str, dict] = {}
@@ -264,10 +278,17 @@ def _save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid,
     _barrier(distributed)
     part = ckpts.partial_dir(round_idx)
     for mid in my_modules:
-        if distributed and min(topo.module_ranks(mid)) != rank:
-            continue
-        save_state(part / "modules" / f"{mid}.safetensors", grid.module_state_dict(mid))
-        save_state(part / "outer" / f"{mid}.safetensors", sync.syncs[mid].state_dict())
+        outer = sync.syncs[mid].state_dict()
+        if not distributed or min(topo.module_ranks(mid)) == rank:
+            save_state(part / "modules" / f"{mid}.safetensors", grid.module_state_dict(mid))
+            save_state(part / "outer" / f"{mid}.safetensors", outer)
+        else:
+            # Error-feedback residuals are per rank (its worker group's, and the chunk it
+            # owns in the two-phase exchange): the other holders save theirs too, or an
+            # exact resume would lose them.
+            mine = {k: v for k, v in outer.items() if k.startswith("residual.")}
+            if mine:
+                save_state(part / "outer" / f"{mid}.rank{rank}.safetensors", mine)
     if not distributed or topo.local_rank(rank) == 0:
         for p, learner in learners.items():
             save_state(part / "paths" / f"path_{p}.safetensors", learner.state_dict())
@@ -309,6 +330,9 @@ def _load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: d
     for mid in my_modules:
         grid.load_module_state_dict(mid, load_state(path / "modules" / f"{mid}.safetensors"))
         outer = load_state(path / "outer" / f"{mid}.safetensors")
+        own = path / "outer" / f"{mid}.rank{rank}.safetensors"
+        if rank is not None and own.exists():
+            outer.update(load_state(own))
         if regrouped:
             outer = {k: v for k, v in outer.items() if not k.startswith("residual.")}
         # restores the live weights from the module's global copy as well

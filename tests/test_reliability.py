@@ -403,8 +403,6 @@ def test_router_from_a_different_grid_is_refused(base_run: Path, tmp_path: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="dipaco/prepare.py lets Router.load's ValueError escape to the CLI "
-                   "(not a user-error type): a raw traceback; see docs/reliability.md, open items")
 def test_router_from_a_different_grid_is_one_line_in_the_cli(base_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
