@@ -130,12 +130,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap = base_parser(__doc__ or "")
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="seeds (default: 0 in quick mode, 0 1 in full mode)")
+    ap.add_argument("--grids", nargs="+", default=None, metavar="K,K",
+                    help="grids to run, e.g. 2,2 4,4 (default: the mode's grids)")
     ap.add_argument("--reroute-every", type=int, default=64, help="W, tokens between re-routings")
     ap.add_argument("--keep-runs", action="store_true", help="keep the run directories")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     load0 = load_average()
-    size = SIZES[args.mode]
+    size = dict(SIZES[args.mode])
+    if args.grids:
+        size["grids"] = [[int(k) for k in g.split(",")] for g in args.grids]
     seeds = args.seeds or ([0] if args.mode == "quick" else [0, 1])
     root = work_dir("quality", args.work_dir)
     rows = []

@@ -1,0 +1,117 @@
+"""Run the benchmarks: ``python -m benchmarks [--quick|--full] [--only NAME ...]``.
+
+Each benchmark runs in its own process (fresh memory high-water marks, fresh torch
+thread pools, no Hydra global state carried over), prints its table and writes
+``benchmarks/results/<name>.json``. At the end a summary lists each benchmark's headline
+figure, its target and the wall time it took. Quick mode is sized for about 10 minutes
+in all on 2 idle cores; on a loaded host it takes longer, but the reported figures are
+ratios measured side by side and stay comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from benchmarks.common import RESULTS_DIR, fmt, load_average, print_table
+
+HERE = Path(__file__).resolve().parent
+
+
+def _module(name: str) -> Callable[[str], list[str]]:
+    return lambda mode: [sys.executable, "-m", f"benchmarks.bench_{name}", f"--{mode}"]
+
+
+def _script(name: str) -> Callable[[str], list[str]]:
+    # bench_routing / bench_infer are standalone scripts with their own flags: --quick or nothing
+    return lambda mode: [sys.executable, str(HERE / f"bench_{name}.py"), *(["--quick"] if mode == "quick" else [])]
+
+
+def _get(path: Sequence[Any]) -> Callable[[dict], Any]:
+    def read(d: dict) -> Any:
+        for key in path:
+            d = d[key]
+        return d
+    return read
+
+
+def _quality(d: dict) -> str:
+    return ", ".join(f"{r['grid']}: {fmt(r['routed_vs_dense_equal_steps'])}" for r in d["rows"])
+
+
+def _comm(d: dict) -> str:
+    rows = [r for r in d["planned"] if r["codec"] == "int8"]
+    return ", ".join(f"{r['grid']}: 1/{r['one_over_ratio']:.0f}" for r in rows)
+
+
+def _routing(d: dict) -> str:
+    secs = {r["method"]: r["seconds"] for r in d["kmeans"]}
+    faiss = secs.get("faiss (all points, random init)")
+    skl = next((v for k, v in secs.items() if k.startswith("sklearn KMeans")), None)
+    return f"sklearn/faiss k-means time {skl / faiss:.1f}x" if faiss and skl else "see routing.json"
+
+
+# name → (command for a mode, headline figure from the JSON, what the figure is, target)
+BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], str, str]] = {
+    "quality": (_module("quality"), _quality, "routed ppl / dense ppl (equal steps)", "<= 0.85"),
+    "comm": (_module("comm"), _comm, "DiPaCo int8 bytes / DDP bytes, H=50", "<= 1/200"),
+    "overhead": (_module("overhead"), _get(["ratio"]), "dipaco tokens/s / bare PyTorch", ">= 0.95"),
+    "sync_share": (_module("sync_share"), _get(["sync_share"]), "sync / wall, 4 gloo ranks, H=100", "<= 0.02"),
+    "memory": (_module("memory"), _get(["growth_largest_vs_smallest"]),
+               "one path's peak RSS, [8,8] / [1,1] grid", "~1 (flat)"),
+    "routing": (_script("routing"), _routing, "k-means time, sklearn / faiss", "> 1"),
+    "infer": (_script("infer"), lambda d: "see infer.json", "generate memory, KV-cache speed-up", "see bench_infer"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="small sizes, about 10 minutes in all (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="full sizes (each benchmark up to about 15 minutes)")
+    ap.set_defaults(mode="quick")
+    ap.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME", default=None,
+                    help=f"run only these: {', '.join(BENCHMARKS)}")
+    args = ap.parse_args(argv)
+    names = args.only or list(BENCHMARKS)
+    rows: list[dict[str, Any]] = []
+    failed = []
+    t_all = time.perf_counter()
+    for name in names:
+        cmd_of, headline, what, target = BENCHMARKS[name]
+        script = HERE / f"bench_{name}.py"
+        if not script.exists():
+            print(f"== {name}: {script.name} not found, skipped", flush=True)
+            rows.append({"benchmark": name, "figure": what, "value": "missing", "target": target})
+            continue
+        cmd = cmd_of(args.mode)
+        print(f"\n== {name}: {' '.join(cmd[1:])} (load {load_average():.2f})", flush=True)
+        t0 = time.perf_counter()
+        code = subprocess.call(cmd, cwd=HERE.parent)
+        seconds = time.perf_counter() - t0
+        value: Any = f"FAILED (exit {code})"
+        if code == 0:
+            try:
+                value = headline(json.loads((RESULTS_DIR / f"{name}.json").read_text()))
+            except (OSError, KeyError, TypeError, ValueError) as e:  # a script changed its JSON
+                value = f"unreadable result ({type(e).__name__}: {e})"
+        else:
+            failed.append(name)
+        rows.append({"benchmark": name, "figure": what, "value": fmt(value), "target": target,
+                     "seconds": round(seconds)})
+    print()
+    print_table(rows, ["benchmark", "figure", "value", "target", "seconds"],
+                title=f"benchmarks ({args.mode}), {time.perf_counter() - t_all:.0f} s in all; "
+                      f"results in {RESULTS_DIR}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
