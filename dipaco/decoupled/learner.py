@@ -145,6 +145,8 @@ class Learner:
                 continue
             lease = Lease(self.store, f"path_{p}", self.id, self.dcfg.lease_s)
             if lease.acquire():
+                if lease.took_over_from:
+                    self.event({"e": "takeover", "path": p, "from": lease.took_over_from, "epoch": lease.epoch})
                 return lease, False
         return None, False
 
@@ -217,10 +219,11 @@ class Learner:
                 self.event({"e": "chaos_delay", "path": p, "phase": phase, "s": delay})
                 self._sleep_alive(lease, delay)
             last_end[0] = time.time()
+            # one line per step: a killed phase's wasted steps are known exactly
+            self.event({"e": "progress", "path": p, "phase": phase, "steps": done_steps[0]})
             if time.time() - last_beat[0] >= self.dcfg.heartbeat_s:
                 lease.renew()  # raises LeaseLost → the phase is abandoned
                 last_beat[0] = time.time()
-                self.event({"e": "progress", "path": p, "phase": phase, "steps": done_steps[0]})
 
         try:
             stats = pl.train_steps(H, on_step=on_step)

@@ -31,7 +31,7 @@ from dipaco.config import Config, ConfigError
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.learner import learner_main, path_state_key
 from dipaco.decoupled.metrics import compute_metrics, load_events
-from dipaco.decoupled.store import Store, open_store
+from dipaco.decoupled.store import Lease, Store, open_store
 from dipaco.decoupled.synchronizer import (ModuleSynchronizer, SyncService, archive, inbox, module_key,
                                            progress_key, write_module)
 
@@ -201,8 +201,12 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
             # chaos: SIGKILL a random live learner (no clean-up runs in it: the point)
             if now >= next_kill and kills < dcfg.chaos_max_kills:
                 alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
+                # prefer a learner in the middle of a phase (holding a path lease): killing
+                # one that is starting up or idle tests little
+                holders = {Lease.holder(store, f"path_{p}") for p in range(P)}
+                busy = [s for s in alive if any(h and h.startswith(f"L{s.index}.{s.incarnation}-") for h in holders)]
                 if alive:
-                    victim = rng.choice(alive)
+                    victim = rng.choice(busy or alive)
                     os.kill(victim.proc.pid, signal.SIGKILL)
                     kills += 1
                     sup_event({"e": "kill", "slot": victim.index, "incarnation": victim.incarnation,
@@ -266,6 +270,8 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
         "compute_s": compute_s,
         "sync_s": max(0.0, train_s - compute_s),
         "checkpoint": str(ckpt),
+        # for the summary's DDP-bytes plan: one worker group per learner, at most one per path
+        "world_size": min(n_learners, P) * cfg.launcher.group_size,
         "decoupled": {k: v for k, v in metrics.items() if k != "ledger"},
     }
 

@@ -269,6 +269,17 @@ class Lease:
     owner: str
     lease_s: float
     epoch: int = 0
+    took_over_from: Optional[str] = None
+
+    @staticmethod
+    def holder(store: Store, name: str, now: Optional[float] = None) -> Optional[str]:
+        """The owner of a live (unreleased, unexpired) lease on ``name``, else None."""
+        probe = Lease(store, name, "", 0.0)
+        epochs = probe._epochs()
+        info = store.get_json(probe._key(epochs[-1])) if epochs else None
+        if not info or info.get("released") or float(info["expires_at"]) < (now or time.time()):
+            return None
+        return str(info["owner"])
 
     @property
     def _folder(self) -> str:
@@ -313,6 +324,8 @@ class Lease:
         if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
             return False  # another learner won the race for this epoch
         self.epoch = top + 1
+        # taken from a holder that never released it (died or stalled past its expiry)
+        self.took_over_from = info.get("owner") if epochs and not info.get("released") else None
         for e in epochs[:-1]:  # keep the previous epoch for post-mortems, drop older ones
             self.store.delete(self._key(e))
         return True
