@@ -17,7 +17,7 @@ from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
 LAUNCHERS = ("local", "spawn", "torchrun")
-ROUTER_METHODS = ("product", "flat")
+ROUTER_METHODS = ("product", "flat", "random")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
 
@@ -76,7 +76,7 @@ class RouterConfig:
     """How documents are assigned to paths (router/ package)."""
 
     prefix_tokens: int = 32
-    method: str = "product"  # product (k-means per level) | flat (one k-means of P)
+    method: str = "product"  # product (k-means per level) | flat (one k-means of P) | random (control)
     featurizer: str = "tfidf"  # tfidf (sklearn) | lm (mean hidden state of the warm-up model)
     feature_dim: int = 64
     top_k: int = 1

@@ -22,6 +22,7 @@ METRICS = (
     ("dense_ppl", "dense ppl"),
     ("ratio_vs_dense", "ratio vs dense"),
     ("rerouted_ppl", "re-routed ppl"),
+    ("wrong_path_ppl", "wrong-path ppl"),
     ("bytes_ratio_vs_ddp", "bytes / DDP"),
     ("tokens_per_s", "tokens/s"),
     ("wall_s", "wall s"),

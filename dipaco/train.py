@@ -234,6 +234,11 @@ def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str,
                   reroute_windows=prep.router.reroute_windows, batch_size=t.eval_batch_size,
                   progress=t.progress)
     out = {"once": evaluate_routed(prep.val_ids, get_model, **common)}
+    if grid.num_paths > 1:
+        # Control: every document scored by the next path over, not its own. If the
+        # specialists are real this is clearly worse than routed.
+        wrong = dict(common, route_batch=lambda d: (prep.router.route_batch(d) + 1) % grid.num_paths)
+        out["wrong_path"] = evaluate_routed(prep.val_ids, get_model, **wrong)
     if r.reroute_every:
         out["rerouted"] = evaluate_routed(prep.val_ids, get_model, reroute_every=r.reroute_every, **common)
     return out
@@ -255,6 +260,7 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "dense_ppl": dense_ppl,
         "ratio_vs_dense": routed_ppl / dense_ppl if dense_ppl and math.isfinite(dense_ppl) else None,
         "rerouted_ppl": routed.get("rerouted", {}).get("ppl"),
+        "wrong_path_ppl": routed.get("wrong_path", {}).get("ppl"),
         "per_path": routed["once"]["per_path"],
         "eval_tokens": routed["once"]["num_tokens"],
         "bytes_sent": result["bytes_sent"],

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,7 +40,9 @@ from .kmeans import fit_kmeans, squared_distances
 from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
 
 ROUTER_FORMAT_VERSION = 1
-METHODS = ("product", "flat")
+# "random" is a control: a path drawn from a hash of the prefix tokens, so routing is
+# deterministic but carries no information about the document's content.
+METHODS = ("product", "flat", "random")
 _MANIFEST = "manifest.json"
 _FILES = {"kmeans": "kmeans.npz", "featurizer": "featurizer.npz", "discriminative": "discriminative.npz"}
 
@@ -165,7 +168,9 @@ class Router:
             featurizer.fit(nonempty)
         feats = featurizer.transform(nonempty)
         rotation = None
-        if method == "flat":
+        if method == "random":
+            centroids = [np.zeros((1, featurizer.dim), np.float32)]
+        elif method == "flat":
             centroids = [fit_kmeans(feats, p, niter=niter, seed=seed)]
         else:
             rotation = _random_rotation(featurizer.dim, seed)
@@ -192,7 +197,8 @@ class Router:
             rotation=rotation,
             fallback_order=np.arange(p),
         )
-        counts = np.bincount(router._kmeans_costs(feats).argmin(axis=1), minlength=p)
+        fit_costs = router._random_costs(prefixes) if method == "random" else router._kmeans_costs(feats)
+        counts = np.bincount(fit_costs.argmin(axis=1), minlength=p)
         router.fallback_order = np.lexsort((np.arange(p), -counts))
         return router
 
@@ -257,10 +263,18 @@ class Router:
         """Path costs float32 ``[N, P]``, lower is better (classifier −log p if fitted, else k-means)."""
         return self._costs(docs, use_head=True)
 
+    def _random_costs(self, prefixes: list[np.ndarray]) -> np.ndarray:
+        """Costs from a seeded hash of each prefix: the "random" routing control."""
+        out = np.empty((len(prefixes), self.num_paths), np.float32)
+        for i, x in enumerate(prefixes):
+            key = zlib.crc32(np.asarray(x, np.int64).tobytes()) ^ (self.seed * 2654435761 & 0xFFFFFFFF)
+            out[i] = np.random.default_rng(key).random(self.num_paths)
+        return out
+
     def _costs(self, docs: Docs, *, use_head: bool) -> np.ndarray:
         prefixes = self.prefixes(docs)
         feats = self.featurizer.transform(prefixes)
-        out = self._kmeans_costs(feats)
+        out = self._random_costs(prefixes) if self.method == "random" else self._kmeans_costs(feats)
         if use_head and self.head is not None:
             out = self.head.costs(feats, tie_break=out)
         empty = np.fromiter((x.size == 0 for x in prefixes), bool, count=len(prefixes))
@@ -440,7 +454,7 @@ class Router:
             if h is None:
                 raise ValueError(f"{mpath} says discriminative but lists no {_FILES['discriminative']}")
             head = DiscriminativeHead(h["coef"], h["intercept"], h["classes"], int(np.prod(grid)))
-        n_cent = 1 if m["method"] == "flat" else len(grid)
+        n_cent = 1 if m["method"] in ("flat", "random") else len(grid)
         try:
             centroids = [km[f"centroids_{l}"] for l in range(n_cent)]
         except KeyError as e:

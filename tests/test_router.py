@@ -257,3 +257,17 @@ def test_callable_featurizer_is_passed_again_on_load(tmp_path, corpus):
     np.testing.assert_array_equal(loaded.route_batch(docs), r.route_batch(docs))
     with pytest.raises(ValueError, match="expected"):
         CallableFeaturizer(lambda ps: np.zeros((len(ps), 3)), 8).transform(docs[:2])
+
+
+def test_random_routing_control_ignores_content() -> None:
+    """method="random": deterministic per prefix, spread over paths, blind to topics."""
+    from router.synthetic import topic_corpus
+
+    docs, topics = topic_corpus(4, docs_per_topic=100, seed=0)
+    r = Router.fit(docs, [2, 2], prefix_tokens=16, method="random", seed=0)
+    paths = r.route_batch(docs)
+    assert np.array_equal(paths, r.route_batch(docs))
+    assert np.bincount(paths, minlength=4).min() > 60  # roughly uniform over 4 paths
+    from sklearn.metrics import normalized_mutual_info_score
+
+    assert normalized_mutual_info_score(topics, paths) < 0.1

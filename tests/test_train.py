@@ -53,6 +53,7 @@ def test_local_run_writes_every_output(local_run: tuple[Path, dict]) -> None:
     assert on_disk["routed_ppl"] == pytest.approx(summary["routed_ppl"])
     # a tiny model after 8 steps is far from uniform over 512 tokens but not trained
     assert 1.0 < summary["routed_ppl"] < 512
+    assert summary["wrong_path_ppl"] > 1.0
     assert summary["bytes_sent"] > 0
     # communication is H times rarer than DDP (H=4 here) and fp32 pseudo-gradients
     assert summary["bytes_sent"] < summary["ddp_bytes_equivalent"] / 2
