@@ -50,7 +50,8 @@ def plan_for(grid: Sequence[int], codec: str, inner_steps: int, model: str = "sm
     mgrid = build_grid(cfg)
     topo = Topology.from_grid(mgrid, mgrid.num_paths, 1)
     counts = {m: mgrid.param_count(m) for m in mgrid.module_ids}
-    plan = topo.plan(counts, codec=codec, inner_steps=inner_steps, **codec_kwargs(cfg.diloco))
+    plan = topo.plan(counts, codec=codec, inner_steps=inner_steps, lossy_exchange=cfg.diloco.lossy_exchange,
+                     **codec_kwargs(cfg.diloco))
     return plan, topo, cfg
 
 
@@ -117,7 +118,8 @@ def measured_rows(grid: Sequence[int], rounds: int, inner_steps: int, root: Path
         mgrid = build_grid(cfg)
         topo = build_topology(cfg, mgrid, 1, False)
         counts = {m: mgrid.param_count(m) for m in mgrid.module_ids}
-        plan = topo.plan(counts, codec=codec, inner_steps=inner_steps, **codec_kwargs(cfg.diloco))
+        plan = topo.plan(counts, codec=codec, inner_steps=inner_steps, lossy_exchange=cfg.diloco.lossy_exchange,
+                     **codec_kwargs(cfg.diloco))
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         per_module_ok = all(
             line["modules"][m.module_id]["bytes_sent"] == m.bytes_total
