@@ -67,6 +67,12 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
     "infer": (_script("infer"), lambda d: "see infer.json", "generate memory, KV-cache speed-up", "see bench_infer"),
 }
 
+# Scripts added later by others run too (as standalone scripts taking --quick), so the
+# entry point never silently leaves a benchmark out; give them a headline above.
+for _path in sorted(HERE.glob("bench_*.py")):
+    _name = _path.stem.removeprefix("bench_")
+    BENCHMARKS.setdefault(_name, (_script(_name), lambda d, _n=_name: f"see {_n}.json", "(its own table)", "-"))
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,

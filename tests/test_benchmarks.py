@@ -36,3 +36,4 @@ def test_entry_point_knows_every_script() -> None:
 
     scripts = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
     assert scripts <= set(BENCHMARKS), scripts - set(BENCHMARKS)
+    assert {"routing", "infer", *OWN} <= set(BENCHMARKS)
