@@ -131,7 +131,7 @@ def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
     second.resume = True
     rest = launch(run_rank, second, str(run.root))
     # one result for the whole run: traffic, tokens and time of both launches
-    for key in ("tokens", "bytes_sent", "compute_s", "sync_s"):
+    for key in ("tokens", "bytes_sent", "compute_s", "wait_s", "sync_s"):
         rest[key] += result[key]
     rest["start_round"] = result["start_round"]
     return rest
@@ -269,7 +269,11 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "tokens_per_s": result["tokens"] / max(rounds_s, 1e-9),
         "train_tokens": result["tokens"],
         "compute_s": result["compute_s"],
-        "sync_s": result["sync_s"],
+        "wait_s": result.get("wait_s", 0.0),  # waiting at the round barrier for the slowest group
+        "sync_s": result["sync_s"],  # the exchange and outer step themselves
+        # of the rounds' time (compute + wait + sync), launch and evaluation excluded
+        "sync_share": result["sync_s"] / max(result["compute_s"] + result.get("wait_s", 0.0)
+                                             + result["sync_s"], 1e-9),
         "rounds_s": rounds_s,
         "wall_s": wall_s,
         "rounds": result["rounds"],

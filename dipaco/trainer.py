@@ -150,7 +150,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         sync.check_identical_start()
 
     H, R = cfg.diloco.inner_steps, cfg.trainer.rounds
-    train_s = sync_s = 0.0
+    train_s = wait_s = sync_s = 0.0
     tokens = bytes_sent = 0
     last_ckpt: Optional[Path] = None
     bar = None
@@ -174,15 +174,20 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
                              "dropped_modules": sorted(m for m, ok in accepted.items() if not ok)}
             tokens += stats.tokens
         t1 = time.perf_counter()
+        # Waiting for the slowest worker group is not communication: a barrier first
+        # separates that wait from the exchange and outer step that follow.
+        _barrier(distributed)
+        tb = time.perf_counter()
         round_stats = sync.finish_round()
         t2 = time.perf_counter()
         train_s += t1 - t0
-        sync_s += t2 - t1
+        wait_s += tb - t1
+        sync_s += t2 - tb
         module_stats = _module_stats(round_stats)
         sent = sum(int(m.get("bytes_sent", 0)) for m in module_stats.values())
         bytes_sent += sent
         record = {"paths": path_stats, "modules": module_stats, "bytes_sent": sent,
-                  "compute_s": t1 - t0, "sync_s": t2 - t1}
+                  "compute_s": t1 - t0, "wait_s": tb - t1, "sync_s": t2 - tb}
         everyone = _gather(record, distributed)
         if rank is None or rank == 0:
             _append_metrics(run, r + 1, everyone)
@@ -199,7 +204,8 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         bar.close()
     if last_ckpt is None and start_round >= R:
         last_ckpt = ckpts.latest_valid()
-    totals = _gather({"tokens": tokens, "bytes_sent": bytes_sent, "train_s": train_s, "sync_s": sync_s},
+    totals = _gather({"tokens": tokens, "bytes_sent": bytes_sent, "train_s": train_s, "wait_s": wait_s,
+                      "sync_s": sync_s},
                      distributed)
     return {
         "rounds": R,
@@ -209,6 +215,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         "tokens": sum(t["tokens"] for t in totals),
         "bytes_sent": sum(t["bytes_sent"] for t in totals),
         "compute_s": max(t["train_s"] for t in totals),
+        "wait_s": max(t["wait_s"] for t in totals),
         "sync_s": max(t["sync_s"] for t in totals),
         "checkpoint": str(last_ckpt) if last_ckpt else None,
     }
@@ -256,6 +263,7 @@ def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
         "modules": modules,
         "bytes_sent": sum(r["bytes_sent"] for r in records),
         "compute_s": max(r["compute_s"] for r in records),
+        "wait_s": max(r["wait_s"] for r in records),
         "sync_s": max(r["sync_s"] for r in records),
     }
     with open(run.metrics, "a", encoding="utf-8") as f:
