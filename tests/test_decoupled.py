@@ -128,8 +128,7 @@ def test_grace_window_fires_and_adapts() -> None:
     assert s.due(6.9) is None and s.due(7.0) == "grace"
     rec = s.step(7.0, "grace")
     assert rec.trigger == "grace" and rec.paths == [0]
-    widened = s.grace_s()
-    assert widened > 2.0  # quorum did not fill in time: the window widens
+    assert s.grace_s() == 2.0  # no fill time observed yet: still the initial window
     # quorum now fills fast, repeatedly: the window shrinks towards grace_factor × fill time
     for k in range(30):
         t = 100.0 + k
@@ -138,6 +137,15 @@ def test_grace_window_fires_and_adapts() -> None:
         assert s.due(t + 0.05) == "quorum"
         s.step(t + 0.05)
     assert s.grace_s() == pytest.approx(0.1, abs=0.02)  # 2 × 0.05 = 0.1, the floor
+
+
+def test_quorum_is_capped_by_the_paths_still_running() -> None:
+    s = sync_of(paths=(0, 1, 2, 3), quorum=1.0, grace_init_s=100)
+    s.offer(upd("a", 0, [1.0, 1.0]), 0.0)
+    assert s.due(1.0) is None
+    assert s.due(1.0, done={1, 2, 3}) == "quorum"  # the others have finished their budget
+    # path 0 finished, path 1 still running: 0's last update waits for 1's
+    assert s.due(1.0, done={0, 2, 3}) is None
 
 
 def test_staleness_discount_and_drop() -> None:

@@ -35,7 +35,7 @@ class DecoupledConfig:
     grace_min_s: float = 0.1
     grace_max_s: float = 30.0
     # staleness s = module version now − version the update started from
-    max_staleness: int = 4  # s > this: dropped (reason "stale")
+    max_staleness: int = 8  # s > this: dropped (reason "stale")
     staleness_power: float = 0.5  # kept updates weigh tokens · (1 + s)^(−power)
     # delayed Nesterov (Liu et al. 2024): momentum is updated and applied every N outer
     # steps with the mean of the buffered pseudo-gradients; between activations the step

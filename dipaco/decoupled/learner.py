@@ -103,6 +103,9 @@ class Learner:
         # set-up without heartbeats expires and gets taken over.
         for p in range(self.grid.num_paths):
             self._path_learner(p)
+        self.sps: Optional[float] = None  # own seconds per inner step (EMA)
+        self.last_path: Optional[int] = None
+        self.avoid_until: Optional[float] = None
 
     # ------------------------------------------------------------------ events
     def event(self, obj: dict) -> None:
@@ -130,8 +133,34 @@ class Learner:
         prog = self.store.get_json(progress_key(p))
         return 0 if prog is None else int(prog.get("phases_done", 0))
 
+    # ---------------------------------------------------------------- scheduling
+    def _publish_speed(self, seconds: float, steps: int) -> None:
+        sps = seconds / max(1, steps)
+        self.sps = sps if self.sps is None else 0.5 * self.sps + 0.5 * sps
+        self.store.put_json(f"speed/learner_{self.index}.json", {"s_per_step": self.sps, "t": time.time()})
+
+    def _others_sps(self) -> tuple[Optional[float], int]:
+        """Median seconds per inner step of the other learner slots active in the last
+        minute (None: no data yet), and how many there are."""
+        vals = []
+        for name in self.store.list("speed"):
+            if name != f"learner_{self.index}.json":
+                got = self.store.get_json(f"speed/{name}")
+                if got is not None and time.time() - float(got["t"]) < 60.0:
+                    vals.append(float(got["s_per_step"]))
+        return (float(np.median(vals)) if vals else None), len(vals)
+
     def pick(self) -> tuple[Optional[Lease], bool]:
-        """Lease the least-advanced free unfinished path: ``(lease, all_finished)``."""
+        """Lease a free unfinished path: ``(lease, all_finished)``.
+
+        A path's phases are sequential (phase k+1 starts from phase k's inner state), so
+        a path held by a slow learner falls behind unless paths change hands. Normal
+        learners take the least-advanced free path. A learner that is markedly slower
+        than the others (> 1.5× their median time per step) takes the MOST advanced free
+        path instead, and after a phase it leaves its path for others for a short while
+        (two of their phases) unless nothing else frees up: the lagging path goes to a
+        fast learner and the slow one works where there is slack.
+        """
         R = self.cfg.trainer.rounds
         todo = []
         for p in range(self.grid.num_paths):
@@ -140,13 +169,28 @@ class Learner:
                 todo.append((k, self.rng.random(), p))
         if not todo:
             return None, True
-        for _, _, p in sorted(todo):
+        others, n_others = self._others_sps()
+        slow = others is not None and self.sps is not None and self.sps > 1.5 * others
+        if slow:
+            # the tail: when the others can finish the remaining phases in about the time
+            # one phase takes me, taking one would only make me the last one to finish
+            remaining = sum(R - k for k, _, _ in todo)
+            if remaining <= n_others * (self.sps / others):
+                return None, False
+        order = sorted(todo, key=lambda x: (-x[0], x[1]) if slow else (x[0], x[1]))
+        if slow and self.last_path is not None and len(todo) > 1:
+            if self.avoid_until is None:
+                self.avoid_until = time.time() + 2.0 * self.cfg.diloco.inner_steps * float(others)
+            if time.time() < self.avoid_until:
+                order = [x for x in order if x[2] != self.last_path]
+        for _, _, p in order:
             if not Lease.is_free(self.store, f"path_{p}"):
                 continue
             lease = Lease(self.store, f"path_{p}", self.id, self.dcfg.lease_s)
             if lease.acquire():
                 if lease.took_over_from:
                     self.event({"e": "takeover", "path": p, "from": lease.took_over_from, "epoch": lease.epoch})
+                self.avoid_until = None
                 return lease, False
         return None, False
 
@@ -254,6 +298,8 @@ class Learner:
         self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": seconds,
                     "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes})
         lease.release()
+        self.last_path = p
+        self._publish_speed(seconds, stats.steps)
         return True
 
     def _sleep_alive(self, lease: Lease, seconds: float) -> None:
@@ -265,6 +311,13 @@ class Learner:
     def serve(self) -> None:
         """Phases until every path has its budget; idle-poll while all free paths are taken."""
         self.event({"e": "hello", "index": self.index, "incarnation": self.incarnation, "pid": os.getpid()})
+        self.store.put_json(f"control/ready_{self.index}", {"learner": self.id})
+        if self.incarnation == 0:
+            # start line: the first learners begin together once all are built (process
+            # start-up takes seconds and varies); a restarted learner never waits here
+            deadline = time.time() + 120.0
+            while self.store.get("control/start") is None and time.time() < deadline:
+                time.sleep(self.dcfg.poll_s)
         while True:
             lease, finished = self.pick()
             if finished:

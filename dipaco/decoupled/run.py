@@ -190,11 +190,15 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     next_kill = math.inf
     chaos_armed = not dcfg.chaos_kill_every_s or dcfg.chaos_max_kills <= 0
     deadline = t0 + dcfg.timeout_s
+    started = False
     try:
         while True:
             now = time.time()
             if now > deadline:
                 raise DecoupledError(f"decoupled phase exceeded diloco.decoupled.timeout_s={dcfg.timeout_s}s")
+            if not started and len(store.list("control")) >= n_learners:
+                store.put_json("control/start", {"t": now})  # every first learner is built: go
+                started = True
             if not chaos_armed and store.list("paths"):
                 chaos_armed = True
                 next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)

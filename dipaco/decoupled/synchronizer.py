@@ -210,11 +210,23 @@ class ModuleSynchronizer:
         base = c.grace_init_s if self.fill_ema is None else c.grace_factor * self.fill_ema
         return min(c.grace_max_s, max(c.grace_min_s, base))
 
-    def due(self, now: float) -> Optional[str]:
-        """Why a step is due now ("quorum" / "grace"), or None."""
+    def due(self, now: float, done: Optional[set[int]] = None) -> Optional[str]:
+        """Why a step is due now ("quorum" / "grace"), or None.
+
+        ``done``: paths that finished their budget. They send nothing more, so the
+        quorum is capped at the number of sharing paths still running (waiting for a
+        path that has finished would only ever end by the grace window).
+        """
         if not self.pending:
             return None
-        if self.pending_paths() >= self.quorum:
+        quorum = self.quorum
+        if done:
+            # paths that can still count: those running, and finished ones whose last
+            # update is pending (a finished path's last update must not step alone while
+            # the others' updates of the same phase are still coming)
+            can = {p for p in self.sharing_paths if p not in done} | {u.path_id for u in self.pending}
+            quorum = max(1, min(quorum, len(can)))
+        if self.pending_paths() >= quorum:
             return "quorum"
         if now - float(self.first_pending_at) >= self.grace_s():
             return "grace"
@@ -236,9 +248,8 @@ class ModuleSynchronizer:
         if trigger == "quorum" and self.first_pending_at is not None:
             fill = now - self.first_pending_at
             self.fill_ema = fill if self.fill_ema is None else 0.7 * self.fill_ema + 0.3 * fill
-        elif trigger == "grace":
-            # quorum did not fill in time: widen the window a little for next time
-            self.fill_ema = 1.5 * (self.fill_ema if self.fill_ema is not None else self.cfg.grace_init_s / 2)
+        # (a grace expiry leaves the EMA alone: widening it would make every learner that
+        # waits for this module wait longer whenever one sharing path is slow)
         keep: list[Update] = []
         for u in self.pending:
             if self.version - u.base_version > self.cfg.max_staleness:
@@ -438,7 +449,7 @@ class SyncService:
             events: list[dict] = []
             changed = self._intake(m, events)
             now = self.clock()
-            trigger = s.due(now)
+            trigger = s.due(now, done)
             # every sharing path finished: nothing more can arrive, step at once
             if trigger is None and s.pending and done is not None and set(s.sharing_paths) <= done:
                 trigger = "flush"
