@@ -288,6 +288,7 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "timings": prep.timings,
         "launcher": cfg.launcher.name,
         "codec": cfg.diloco.codec,
+        "decoupled": result.get("decoupled"),  # goodput, staleness, drops (diloco.mode=decoupled)
         "tag": cfg.tag,
         "seed": cfg.seed,
     }
