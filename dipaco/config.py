@@ -70,6 +70,10 @@ class GridConfig:
     levels: List[int] = field(default_factory=lambda: [2, 2])
     private_embed: bool = False
     private_head: bool = False
+    # R copies of every path, each trained by its own worker group on a random R-th of
+    # the path's shard and synchronised with DiLoCo (R=4 on grid=dense is flat DiLoCo
+    # with 4 workers: the baseline a DiPaCo grid is compared with)
+    replicas: int = 1
 
 
 @dataclass
@@ -249,6 +253,9 @@ def validate_config(cfg: Config) -> None:
              f"a grid needs at least one level and K >= 1 per level, got {list(g.levels)}",
              "pass e.g. grid.levels=[2,2]")
     num_paths = math.prod(int(k) for k in g.levels)
+    _require(g.replicas >= 1, "grid.replicas", f"must be >= 1, got {g.replicas}", "e.g. grid.replicas=4")
+    _require(g.replicas == 1 or dl.mode == "sync", "grid.replicas",
+             "replicas are trained by the synchronous rounds only", "use diloco.mode=sync")
     _require(dl.inner_steps > 0, "diloco.inner_steps", f"H must be > 0, got {dl.inner_steps}",
              "pass diloco.inner_steps=50 (or any positive number)")
     _require(dl.mode in MODES, "diloco.mode", f"unknown mode {dl.mode!r}", f"use one of {MODES}")
@@ -292,9 +299,10 @@ def validate_config(cfg: Config) -> None:
         _require(la.nproc % la.group_size == 0, "launcher.nproc",
                  f"world size {la.nproc} is not a multiple of launcher.group_size={la.group_size}",
                  f"use launcher.nproc={la.group_size * max(1, la.nproc // la.group_size)}")
-        _require(la.nproc // la.group_size <= num_paths, "launcher.nproc",
-                 f"{la.nproc // la.group_size} worker groups for {num_paths} paths would leave ranks idle",
-                 f"use at most launcher.nproc={num_paths * la.group_size}")
+        trained = num_paths * g.replicas
+        _require(la.nproc // la.group_size <= trained, "launcher.nproc",
+                 f"{la.nproc // la.group_size} worker groups for {trained} paths would leave ranks idle",
+                 f"use at most launcher.nproc={trained * la.group_size}")
     _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              "use a batch size that is a multiple of the group size")

@@ -18,6 +18,7 @@ from dipaco.config import Config
 from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_dataset
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense, warmup_steps
 from dipaco.run_dir import RunDir, RunDirError
+from dipaco.trainer import expand_replicas
 from router import Router, routing_report, write_shards
 
 # The tokenizer is trained on at most this many characters of training text: enough
@@ -143,7 +144,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         router.save(run.router)
     assignments = router.assign(train_ids)
     with progress_bars(t.progress):
-        write_shards(train_tok, assignments, router.num_paths, run.shards)
+        write_shards(train_tok, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
+                     router.num_paths * cfg.grid.replicas, run.shards)
     best = router.route_batch(val_ids) if val_ids else np.zeros(0, dtype=np.int64)
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     report = routing_report(np.asarray([a[0] for a in assignments]), num_paths=router.num_paths,

@@ -22,7 +22,7 @@ from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.launch import launch
 from dipaco.prepare import Prepared, prepare
 from dipaco.run_dir import RunDir
-from dipaco.trainer import build_grid, build_topology, run_rank
+from dipaco.trainer import build_grid, build_topology, expand_replicas, run_rank
 from modules import PathModel
 
 
@@ -163,7 +163,8 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
         from dipaco.data import progress_bars
 
         with progress_bars(cfg.trainer.progress):
-            write_shards(prep.train_dataset, assignments, grid.num_paths, run.shards)
+            write_shards(prep.train_dataset, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
+                         grid.num_paths * cfg.grid.replicas, run.shards)
         best = losses[keep].argmin(axis=1)
         info["agreement_with_kmeans"] = float(np.mean(prep.router.kmeans_costs(
             [d for d, ok in zip(sample, keep) if ok]).argmin(axis=1) == best))

@@ -54,10 +54,26 @@ def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: 
     group per path would send them (and so that, with the same number of groups, the
     local and torch backends partition contributions identically).
     """
+    R = cfg.grid.replicas
+    # training path t = p·R + r is replica r of grid path p: same modules, own data
+    path_modules = [grid.module_ids_of_path(t // R) for t in range(grid.num_paths * R)]
     if distributed:
-        return Topology.from_grid(grid, world_size, cfg.launcher.group_size)
-    groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else grid.num_paths
-    return Topology.from_grid(grid, min(groups, grid.num_paths), 1)
+        return Topology(grid.module_ids, path_modules, world_size, cfg.launcher.group_size)
+    groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else len(path_modules)
+    return Topology(grid.module_ids, path_modules, min(groups, len(path_modules)), 1)
+
+
+def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> list[list[int]]:
+    """Grid-path assignments → training-path assignments (``t = p·R + r``).
+
+    Each document goes to one replica of each of its paths, drawn from a seeded hash of
+    its row, so the replicas of a path split its shard into R disjoint random parts.
+    """
+    if replicas == 1:
+        return assignments
+    rng = np.random.default_rng(seed + 7919)
+    draws = rng.integers(0, replicas, size=len(assignments))
+    return [[p * replicas + int(r) for p in paths] for paths, r in zip(assignments, draws)]
 
 
 @dataclass
@@ -98,7 +114,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     else:
         local_rank, my_groups = 0, list(range(topo.num_groups))
     my_paths = sorted(p for g in my_groups for p in topo.paths_of_group(g))
-    my_modules = [m for m in grid.module_ids if any(m in grid.module_ids_of_path(p) for p in my_paths)]
+    my_modules = [m for m in grid.module_ids if any(m in topo.path_modules[p] for p in my_paths)]
 
     n_warm = warmup_steps(cfg)
     if n_warm > 0:
@@ -133,7 +149,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         grad_sync = None
         if G > 1:
             grad_sync = (lambda params, _pg=worker_pg: allreduce_gradients(params, _pg, G))
-        learners[p] = PathLearner(p, PathModel(grid, p), stream, cfg.trainer, total,
+        learners[p] = PathLearner(p, PathModel(grid, p // cfg.grid.replicas), stream, cfg.trainer, total,
                                   grad_sync=grad_sync, step_offset=n_warm)
 
     ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last)
@@ -166,7 +182,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
             sync.begin_path(p)
             stats = learners[p].train_steps(H, on_step=(lambda _l: bar.update(1)) if bar else None)
             faults.inject("after_inner", round_idx=r + 1, rank=rank, path=p, grid=grid,
-                          module_ids=grid.module_ids_of_path(p))
+                          module_ids=list(topo.path_modules[p]))
             accepted = sync.end_path(p, stats.tokens)
             path_stats[p] = {"loss": stats.loss, "tokens": stats.tokens, "seconds": stats.seconds,
                              # non-finite updates: skipped inner steps, dropped pseudo-gradients

@@ -199,3 +199,27 @@ def test_torchrun_ranks_match_local_backend(local_run: tuple[Path, dict], tmp_pa
     assert_same_weights(module_weights(run_dir, 2), module_weights(tmp_path, 2))
     spawned = json.loads((tmp_path / "summary.json").read_text())
     assert spawned["routed_ppl"] == pytest.approx(summary["routed_ppl"], rel=1e-5)
+
+
+def test_replicas_make_flat_diloco_topology() -> None:
+    """grid.replicas=R: R training paths per grid path, same modules, disjoint data."""
+    from dipaco.trainer import build_grid, build_topology, expand_replicas
+
+    cfg = compose_config(["grid=dense", "grid.replicas=4"])
+    validate_config(cfg)
+    grid = build_grid(cfg)
+    topo = build_topology(cfg, grid, 1, distributed=False)
+    assert topo.num_paths == 4 and topo.num_groups == 4
+    assert len({tuple(m) for m in topo.path_modules}) == 1  # every replica holds every module
+    assignments = expand_replicas([[0]] * 1000, 4, seed=0)
+    counts = [sum(1 for a in assignments if a == [r]) for r in range(4)]
+    assert sum(counts) == 1000 and min(counts) > 200
+
+
+@pytest.mark.slow
+def test_flat_diloco_baseline_trains(tmp_path: Path) -> None:
+    summary = train(compose_config(SMOKE + ["grid=dense", "grid.replicas=4"], tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert set(lines[-1]["paths"]) == {"0", "1", "2", "3"}
+    assert lines[-1]["modules"]["L0.0"]["contributions"] == 4
+    assert summary["bytes_sent"] > 0 and summary["num_paths"] == 1
