@@ -185,7 +185,6 @@ class Config:
     run_dir: Optional[str] = None
     # free-form tag stored in summary.json (sweeps use it to label rows)
     tag: Optional[str] = None
-    extra: Any = None
 
 
 def register_configs() -> None:

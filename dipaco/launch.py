@@ -134,7 +134,3 @@ def _supports_prefix() -> bool:
 
     return "log_line_prefix_template" in inspect.signature(LaunchConfig).parameters
 
-
-def is_rank0(rank: Optional[int]) -> bool:
-    """True in the local backend and on global rank 0."""
-    return rank is None or rank == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,18 +73,6 @@ def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> l
     rng = np.random.default_rng(seed + 7919)
     draws = rng.integers(0, replicas, size=len(assignments))
     return [[p * replicas + int(r) for p in paths] for paths, r in zip(assignments, draws)]
-
-
-@dataclass
-class RankResult:
-    """What a rank reports back to the launching process."""
-
-    rounds: int
-    train_seconds: float
-    sync_seconds: float
-    tokens: int
-    bytes_sent: int
-    checkpoint: Optional[str]
 
 
 def _gather(obj: Any, distributed: bool) -> list[Any]:

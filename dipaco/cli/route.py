@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dipaco.cli.errors import report_user_errors
@@ -20,13 +19,12 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> None:
-    from dipaco.config import to_config, validate_config
+    from dipaco.cli.hydra_app import config_from_hydra
+    from dipaco.config import validate_config
     from dipaco.prepare import prepare
     from dipaco.run_dir import RunDir
 
-    conf = to_config(cfg)
-    if conf.run_dir is None:
-        conf.run_dir = HydraConfig.get().runtime.output_dir
+    conf = config_from_hydra(cfg)
     validate_config(conf)
     run = RunDir.at(conf.run_dir)
     run.root.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ A thin ``@hydra.main`` over :func:`dipaco.train.train`, which tests call directl
 from __future__ import annotations
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dipaco.cli.errors import report_user_errors
@@ -17,12 +16,10 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> float:
-    from dipaco.config import to_config
+    from dipaco.cli.hydra_app import config_from_hydra
     from dipaco.train import train
 
-    conf = to_config(cfg)
-    if conf.run_dir is None:
-        conf.run_dir = HydraConfig.get().runtime.output_dir
+    conf = config_from_hydra(cfg)
     summary = train(conf)
     # Returned for Hydra sweepers that optimise an objective.
     return float(summary.get("routed_ppl", float("nan")))
