@@ -1,7 +1,7 @@
 """Synchronous rounds vs decoupled mode with one artificially slow learner (3× slower).
 
-    python -m benchmarks.bench_decoupled --quick   # model=tiny, [2,2], 6 phases of H=96
-    python -m benchmarks.bench_decoupled --full    # 12 phases of H=128
+    python -m benchmarks.bench_decoupled --quick   # model=tiny, [2,2], 6 phases of H=256
+    python -m benchmarks.bench_decoupled --full    # 12 phases of H=384
 
 Both sides train the same 4 paths for the same number of inner steps (``trainer.rounds``
 phases of H steps each) on one prepared run directory (same tokenizer, router, shards),
@@ -11,7 +11,12 @@ with 4 single-threaded worker processes:
   sleeps after each inner step for twice the step's duration (3× slower);
 * **decoupled**: ``run_decoupled`` with 4 learners and 1 synchroniser; learner 0 is 3×
   slower in the same way. Learners are not bound to paths, so the fast ones take over
-  the phases the slow one does not get to.
+  the phases the slow one does not get to. Two rows: the defaults (dynamic local
+  updates: the slow learner runs ~H/3 steps per phase), and fixed H for every phase
+  (``dynamic_steps=false``, the waiting cap off), to show what dynamic steps buy.
+
+Phases are ~2–3 s here (H=256 steps of the tiny model on a shared core): shorter ones
+would measure store and process-scheduling overheads that real phases (minutes) hide.
 
 Goodput (both sides, same formula) = Σ seconds spent in inner phases whose update was
 used ÷ (4 worker slots × the training window, first phase start → last phase end). In
@@ -35,8 +40,8 @@ NAME = "decoupled"
 TARGET_GOODPUT = 0.8
 SLOW_FACTOR = 3.0
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {"rounds": 6, "inner_steps": 96},
-    "full": {"rounds": 12, "inner_steps": 128},
+    "quick": {"rounds": 6, "inner_steps": 256},
+    "full": {"rounds": 12, "inner_steps": 384},
 }
 
 
@@ -59,7 +64,7 @@ def slow_run_rank(cfg: Any, run_dir: str, rank: Optional[int], world: int, slow_
     original = learner_mod.PathLearner.train_steps
     log = Path(times_dir) / f"rank{rank}.jsonl"
 
-    def train_steps(self: Any, n: int, on_step: Any = None) -> Any:
+    def train_steps(self: Any, n: int, on_step: Any = None, **kw: Any) -> Any:
         last = [time.time()]
 
         def hook(loss: float) -> None:
@@ -70,7 +75,7 @@ def slow_run_rank(cfg: Any, run_dir: str, rank: Optional[int], world: int, slow_
                 on_step(loss)
 
         t0 = time.time()
-        stats = original(self, n, on_step=hook)
+        stats = original(self, n, on_step=hook, **kw)
         stats.seconds = time.time() - t0
         with open(log, "a") as f:
             f.write(json.dumps({"start": t0, "end": time.time(), "path": self.path_id}) + "\n")
@@ -122,7 +127,7 @@ def run_sync(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
             "routed_loss": _routed_loss(cfg, run_dir, Path(result["checkpoint"]))}
 
 
-def run_dec(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
+def run_dec(run_dir: Path, size: dict[str, Any], side: str = "decoupled", **settings: Any) -> dict[str, Any]:
     from dipaco.config import compose_config
     from dipaco.decoupled.config import DecoupledConfig
     from dipaco.decoupled.run import run_decoupled
@@ -130,10 +135,11 @@ def run_dec(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
     _reset(run_dir)
     cfg = compose_config(overrides(size) + ["diloco.mode=decoupled"], run_dir)
     t0 = time.time()
-    res = run_decoupled(cfg, str(run_dir), DecoupledConfig(learners=4, slow_learners=[0], slow_factor=SLOW_FACTOR))
+    res = run_decoupled(cfg, str(run_dir),
+                        DecoupledConfig(learners=4, slow_learners=[0], slow_factor=SLOW_FACTOR, **settings))
     wall = time.time() - t0
     m = res["decoupled"]
-    return {"side": "decoupled", "wall_s": wall, "train_window_s": m["wall_s"], "goodput": m["goodput"],
+    return {"side": side, "wall_s": wall, "train_window_s": m["wall_s"], "goodput": m["goodput"],
             "step_goodput": m["step_goodput"], "inner_steps": m["useful_inner_steps"],
             "staleness_histogram": m["staleness_histogram"], "module_versions": m["module_versions"],
             "dropped": m["dropped"], "ledger_ok": m["ledger_ok"],
@@ -152,8 +158,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_dir = work_dir(NAME, args.work_dir) / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare(compose_config(overrides(size), run_dir), RunDir.at(run_dir))  # tokenizer, router, shards once
-    rows = [run_sync(run_dir, size), run_dec(run_dir, size)]
-    sync, dec = rows
+    rows = [run_sync(run_dir, size), run_dec(run_dir, size),
+            run_dec(run_dir, size, "decoupled, fixed H", dynamic_steps=False, pull_wait_fraction=None)]
+    sync, dec, fixed = rows
     print_table(rows, ["side", "wall_s", "train_window_s", "goodput", "inner_steps", "routed_loss"],
                 title=f"\none learner {SLOW_FACTOR:g}x slower, 4 paths x {size['rounds']} phases x H={size['inner_steps']}")
     headline = {
@@ -162,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "window_speedup": sync["train_window_s"] / dec["train_window_s"],
         "wall_speedup": sync["wall_s"] / dec["wall_s"],
         "loss_difference_nats": dec["routed_loss"] - sync["routed_loss"],
+        "fixed_h_goodput": fixed["goodput"],
         "target_goodput": TARGET_GOODPUT,
         "verdict": verdict(dec["goodput"], TARGET_GOODPUT, at_most=False),
     }

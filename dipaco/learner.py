@@ -91,8 +91,13 @@ class PathLearner:
         # warm-started path continues where the warm-up left it.
         self.step_offset = step_offset
 
-    def train_steps(self, n: int, on_step: Optional[Callable[[float], None]] = None) -> InnerStats:
-        """Run ``n`` inner steps; return tokens (α), mean loss and time."""
+    def train_steps(self, n: int, on_step: Optional[Callable[[float], None]] = None,
+                    should_stop: Optional[Callable[[], bool]] = None) -> InnerStats:
+        """Run ``n`` inner steps; return tokens (α), mean loss and time.
+
+        ``on_step(loss)`` runs after each applied step; ``should_stop()`` after each step
+        ends the phase early when it returns True (decoupled mode's dynamic steps).
+        """
         stats = InnerStats()
         self.model.train()
         t0 = time.perf_counter()
@@ -124,6 +129,8 @@ class PathLearner:
             stats.loss_sum += value
             if on_step is not None:
                 on_step(value)
+            if should_stop is not None and should_stop():
+                break
         stats.seconds = time.perf_counter() - t0
         return stats
 

@@ -315,3 +315,36 @@ def test_validate_decoupled_names_the_key() -> None:
     probs = validate_decoupled(DecoupledConfig(quorum=0.0, lease_s=1.0, heartbeat_s=1.0))
     keys = [k for k, _, _ in probs]
     assert "diloco.decoupled.quorum" in keys and "diloco.decoupled.lease_s" in keys
+
+
+def _bare_learner(dcfg: DecoupledConfig, my_sps: float | None, others_sps: float | None, H: int = 48):
+    """A Learner with only what its scheduling rules read (no grid, shards or store)."""
+    from types import SimpleNamespace
+
+    from dipaco.decoupled.learner import Learner
+
+    lr = Learner.__new__(Learner)
+    lr.cfg = SimpleNamespace(diloco=SimpleNamespace(inner_steps=H), trainer=SimpleNamespace(rounds=4))
+    lr.dcfg, lr.sps = dcfg, my_sps
+    lr._others_sps = lambda: (others_sps, 3 if others_sps is not None else 0)
+    return lr
+
+
+def test_dynamic_local_updates_shorten_only_a_markedly_slow_learners_phase() -> None:
+    d = DecoupledConfig()
+    assert _bare_learner(d, None, None).phase_steps(1000) == 48  # no speed data yet: H
+    assert _bare_learner(d, 0.012, 0.010).phase_steps(1000) == 48  # 1.2x: within noise, H
+    assert _bare_learner(d, 0.030, 0.010).phase_steps(1000) == 16  # 3x slower: H / 3
+    assert _bare_learner(d, 1.0, 0.010).phase_steps(1000) == d.min_phase_steps  # floor
+    assert _bare_learner(d, 0.030, 0.010).phase_steps(5) == 5  # never past the path's budget
+    assert _bare_learner(DecoupledConfig(dynamic_steps=False), 0.030, 0.010).phase_steps(1000) == 48
+
+
+def test_path_progress_counts_steps_and_reads_old_files() -> None:
+    from dipaco.decoupled.synchronizer import path_finished, path_steps_done
+
+    assert path_steps_done(None, 50) == 0
+    assert path_steps_done({"phases_done": 3}, 50) == 150  # written before dynamic steps
+    assert path_steps_done({"phases_done": 5, "steps_done": 170}, 50) == 170
+    assert not path_finished({"phases_done": 5, "steps_done": 170}, 4, 50)
+    assert path_finished({"phases_done": 6, "steps_done": 200}, 4, 50)

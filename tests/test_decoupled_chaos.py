@@ -35,10 +35,12 @@ R, H = 6, 8
 SMOKE = ["experiment=smoke", "data.max_documents=200", f"trainer.rounds={R}", f"diloco.inner_steps={H}",
          "trainer.dense_baseline=false", "trainer.progress=false"]
 # |ln ppl_decoupled − ln ppl_sync| = difference of mean validation loss in nats. How much
-# staleness the kills and stalls cause depends on the host's load: 0.10 was seen at load
-# ~5 and 0.41 with a training sweep running beside the suite. The bound is 0.6 nats; the
-# ledger assertions above are what catch lost or doubly applied updates.
-LOSS_TOL = 0.6
+# staleness the kills and stalls cause depends on the host's load. With delayed Nesterov
+# (momentum_every=4, the default) the chaos run landed 0.09 and 0.13 nats BELOW the sync
+# run on an otherwise idle 2-core host; with plain Nesterov it was 0.10 above at load ~5
+# and 0.41 with a training sweep beside the suite. The ledger assertions above are what
+# catch lost or doubly applied updates; the bound leaves room for a loaded CI host.
+LOSS_TOL = 0.4
 
 
 def routed_loss(run_dir: Path, ckpt: Path) -> float:
@@ -92,9 +94,9 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict]) -
         assert set(state["dropped"].values()) <= set(DROP_REASONS), state["dropped"]
         # each applied id went into exactly one version, versions 1..V all used
         assert set(state["applied"].values()) == set(range(1, meta["version"] + 1)), mid
-    for p in range(4):
-        assert store.get_json(progress_key(p))["phases_done"] == R
-    # the work that counted: every path's R phases, once each, in every module of the path
+    for p in range(4):  # phases may be shorter than H (dynamic steps for stalled learners)
+        assert store.get_json(progress_key(p))["steps_done"] == R * H
+    # the work that counted: every path's R·H steps, once each, in every module of the path
     assert m["useful_inner_steps"] >= 4 * R * H - 1e-6
     assert 0 < m["step_goodput"] <= 1.0
 
@@ -108,8 +110,9 @@ def test_full_quorum_and_waiting_learners_reproduce_sync(sync_run: tuple[Path, f
     run_dir, sync_loss, sync_weights = sync_run
     _fresh(run_dir)
     cfg = compose_config(SMOKE, run_dir)
-    dcfg = DecoupledConfig(learners=4, quorum=1.0, pull_wait_s=120, grace_init_s=120, grace_min_s=120,
-                           grace_max_s=120, timeout_s=200)
+    dcfg = DecoupledConfig(learners=4, quorum=1.0, pull_wait_s=120, pull_wait_fraction=None, grace_init_s=120,
+                           grace_min_s=120, grace_max_s=120, dynamic_steps=False, momentum_every=1,
+                           timeout_s=200)
     res = run_decoupled(cfg, str(run_dir), dcfg)
     # one outer step per module per round, every update fresh: the synchronous schedule
     assert set(res["decoupled"]["staleness_histogram"]) == {"0"}

@@ -2,8 +2,9 @@
 
 The outer optimiser's lr/momentum/nesterov come from ``diloco.outer`` as in sync mode;
 the codec from ``diloco.codec``; the budget from ``trainer.rounds`` × ``diloco.inner_steps``
-(every path runs ``trainer.rounds`` inner phases of H steps, as many inner steps as a
-sync run, so the two compare at equal steps).
+(every path runs ``trainer.rounds`` × H inner steps, as many as a sync run, so the two
+compare at equal steps; phases have H steps, fewer for a slow learner with
+``dynamic_steps``).
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ class DecoupledConfig:
     staleness_power: float = 0.5  # kept updates weigh tokens · (1 + s)^(−power)
     # delayed Nesterov (Liu et al. 2024): momentum is updated and applied every N outer
     # steps with the mean of the buffered pseudo-gradients; between activations the step
-    # is −lr·(g + momentum_scale·β·m). N=1 is plain Nesterov (= torch SGD nesterov).
-    momentum_every: int = 1
+    # is −lr·(g + momentum_scale·β·m). N=1 is plain Nesterov (= torch SGD nesterov), which
+    # diverged with stale updates in benchmarks/bench_decoupled.py (routed loss 5.9 and 7.4
+    # against 3.8–4.0 with N=4; docs/decoupled.md), as Liu et al. report for async Nesterov.
+    momentum_every: int = 4
     momentum_scale: float = 0.0
 
     # ---- learners
@@ -51,6 +54,18 @@ class DecoupledConfig:
     # that miss the path's own last contribution. The synchroniser's grace window bounds
     # the actual wait; 0: never wait, pull whatever is latest (more staleness).
     pull_wait_s: float = 10.0
+    # ... and at most this share of the learner's own expected phase time (None: only
+    # pull_wait_s bounds it). Waiting longer than a sliver of a phase costs more goodput
+    # than the staleness it saves: the path's own update still lands, one version later.
+    pull_wait_fraction: Optional[float] = 0.1
+    # Dynamic local updates (DyLU, Liu et al. 2024): a learner markedly slower than the
+    # others (> slow_threshold × their median time per step) runs proportionally fewer
+    # inner steps per phase (at least min_phase_steps), so its phases end about when the
+    # fast learners' do and the path it holds does not fall behind. A path's budget stays
+    # trainer.rounds × H inner steps; its updates weigh by their tokens as always.
+    dynamic_steps: bool = True
+    min_phase_steps: int = 4
+    slow_threshold: float = 1.5
     poll_s: float = 0.05
 
     # ---- supervisor
@@ -96,6 +111,10 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
          f"the lease ({d.lease_s}s) must outlast two heartbeats ({d.heartbeat_s}s)",
          "e.g. lease_s=10 heartbeat_s=1")
     need(d.poll_s > 0 and d.pull_wait_s >= 0, "poll_s", "must be > 0 (pull_wait_s >= 0)", "e.g. poll_s=0.05")
+    need(d.pull_wait_fraction is None or d.pull_wait_fraction >= 0, "pull_wait_fraction",
+         "must be >= 0 or null", "e.g. pull_wait_fraction=0.1")
+    need(d.min_phase_steps >= 1, "min_phase_steps", "must be >= 1", "e.g. min_phase_steps=4")
+    need(d.slow_threshold > 1, "slow_threshold", "must be > 1", "e.g. slow_threshold=1.5")
     need(d.timeout_s > 0, "timeout_s", "must be > 0", "e.g. timeout_s=3600")
     need(d.slow_factor >= 1, "slow_factor", "must be >= 1", "e.g. slow_factor=3")
     need(0 <= d.chaos_delay_prob <= 1, "chaos_delay_prob", "must lie in [0, 1]", "e.g. 0.2")

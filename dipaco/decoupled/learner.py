@@ -1,21 +1,24 @@
 """The learner process loop: lease a path, pull its modules, train H steps, push, repeat.
 
 A learner is not bound to a path. Each turn it leases the unfinished path with the
-fewest completed phases that nobody holds, so a slow learner simply completes fewer
+fewest completed inner steps that nobody holds, so a slow learner simply completes fewer
 phases and the fast ones pick up the rest, and a dead learner's path is picked up by
 another once its lease expires. The path's inner state (AdamW moments, step count, data
-position, phases done) travels through the store with the path, not with the learner.
+position, phases and steps done) travels through the store with the path, not with the
+learner. A path's budget is ``trainer.rounds × H`` inner steps; a phase has H of them,
+or fewer when a markedly slow learner runs it (dynamic local updates, below).
 
 One phase of path p:
 
 1. acquire the lease of p (``leases/path_p``), load ``paths/path_p.st`` (if any);
 2. pull the latest version of each of p's modules (optionally waiting up to
    ``pull_wait_s`` for the versions to include p's previous update);
-3. H inner steps (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts
+3. H inner steps, or ``H × (others' time per step ÷ mine)`` for a slow learner (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts
    the phase and its work is discarded, counted as wasted steps);
 4. push, per module, ``Δ = θ_pulled − θ_path`` encoded with ``diloco.codec``, tagged with
    the version it started from, its tokens (α), path and phase, under a unique id;
-5. save the path state with ``phases_done + 1``, then the small progress file; release.
+5. save the path state with ``phases_done + 1`` and the new ``steps_done``, then the small
+   progress file; release.
 
 Crash windows: killed in 3 → the phase is redone by whoever takes p next (from the same
 data position, so with the same batches). Killed between 4 and 5 → the phase is redone
@@ -38,7 +41,7 @@ import torch
 from dipaco.config import Config, codec_kwargs
 from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.store import Lease, LeaseLost, Store, open_store
-from dipaco.decoupled.synchronizer import inbox, module_key, progress_key
+from dipaco.decoupled.synchronizer import inbox, module_key, path_steps_done, progress_key
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.module_sync import flatten_params, pseudo_gradient
 
@@ -130,11 +133,12 @@ class Learner:
         return self.learners[p]
 
     def _progress(self, p: int) -> int:
-        prog = self.store.get_json(progress_key(p))
-        return 0 if prog is None else int(prog.get("phases_done", 0))
+        """Inner steps path ``p`` has completed (its progress file)."""
+        return path_steps_done(self.store.get_json(progress_key(p)), self.cfg.diloco.inner_steps)
 
     # ---------------------------------------------------------------- scheduling
     def _publish_speed(self, seconds: float, steps: int) -> None:
+        """Publish my seconds per inner step (an EMA over phases and heartbeats)."""
         sps = seconds / max(1, steps)
         self.sps = sps if self.sps is None else 0.5 * self.sps + 0.5 * sps
         self.store.put_json(f"speed/learner_{self.index}.json", {"s_per_step": self.sps, "t": time.time()})
@@ -150,37 +154,68 @@ class Learner:
                     vals.append(float(got["s_per_step"]))
         return (float(np.median(vals)) if vals else None), len(vals)
 
+    def _slowness(self) -> tuple[Optional[float], int]:
+        """``(my time per step ÷ the others' median, number of others)``; None: unknown."""
+        others, n_others = self._others_sps()
+        if others is None or self.sps is None or others <= 0:
+            return None, n_others
+        return self.sps / others, n_others
+
+    def phase_steps(self, remaining: int) -> int:
+        """Inner steps of my next phase on a path with ``remaining`` steps to go.
+
+        Dynamic local updates (Liu et al. 2024): a learner markedly slower than the
+        others runs ``H ÷ slowness`` steps (at least ``min_phase_steps``), so its phase
+        takes about as long as theirs and the path it holds keeps pace.
+        """
+        H = self.cfg.diloco.inner_steps
+        n = H
+        ratio, _ = self._slowness()
+        if self.dcfg.dynamic_steps and ratio is not None and ratio > self.dcfg.slow_threshold:
+            n = max(min(self.dcfg.min_phase_steps, H), int(round(H / ratio)))
+        return max(1, min(n, remaining))
+
     def pick(self) -> tuple[Optional[Lease], bool]:
         """Lease a free unfinished path: ``(lease, all_finished)``.
 
         A path's phases are sequential (phase k+1 starts from phase k's inner state), so
         a path held by a slow learner falls behind unless paths change hands. Normal
         learners take the least-advanced free path. A learner that is markedly slower
-        than the others (> 1.5× their median time per step) takes the MOST advanced free
-        path instead, and after a phase it leaves its path for others for a short while
-        (two of their phases) unless nothing else frees up: the lagging path goes to a
-        fast learner and the slow one works where there is slack.
+        than the others (> ``slow_threshold``× their median time per step) takes the MOST
+        advanced free path instead, and after a phase it leaves its last path to others
+        for a short while (half of their phase; two without dynamic steps) unless nothing
+        else frees up: the lagging path goes to a fast learner and the slow one works where
+        there is slack, so every path spends about as long in the slow slot.
         """
-        R = self.cfg.trainer.rounds
+        H = self.cfg.diloco.inner_steps
+        budget = self.cfg.trainer.rounds * H
         todo = []
         for p in range(self.grid.num_paths):
             k = self._progress(p)
-            if k < R:
+            if k < budget:
                 todo.append((k, self.rng.random(), p))
         if not todo:
             return None, True
-        others, n_others = self._others_sps()
-        slow = others is not None and self.sps is not None and self.sps > 1.5 * others
+        ratio, n_others = self._slowness()
+        slow = ratio is not None and ratio > self.dcfg.slow_threshold
+        others = None if ratio is None else self.sps / ratio
         if slow:
-            # the tail: when the others can finish the remaining phases in about the time
-            # one phase takes me, taking one would only make me the last one to finish
-            remaining = sum(R - k for k, _, _ in todo)
-            if remaining <= n_others * (self.sps / others):
+            # The tail: when the others can finish what is left in about the time one of
+            # my phases takes, taking one would only make me the last one to finish (or,
+            # with dynamic steps, leave a remainder that someone must run after me).
+            remaining = sum(budget - k for k, _, _ in todo)
+            my_phase = H if self.dcfg.dynamic_steps else H * ratio  # in the others' steps
+            if remaining <= n_others * my_phase:
                 return None, False
         order = sorted(todo, key=lambda x: (-x[0], x[1]) if slow else (x[0], x[1]))
+        # The path a slow learner just held lags (it advanced at my pace, even with dynamic
+        # steps); leave it to a fast learner for a while so that paths rotate through the
+        # slow slot, unless nothing else frees up. Without dynamic steps my phases last
+        # `ratio` of theirs, so the lag is bigger and the wait worth longer.
         if slow and self.last_path is not None and len(todo) > 1:
             if self.avoid_until is None:
-                self.avoid_until = time.time() + 2.0 * self.cfg.diloco.inner_steps * float(others)
+                phases = 0.5 if self.dcfg.dynamic_steps else 2.0
+                self.avoid_until = time.time() + phases * H * float(others)
             if time.time() < self.avoid_until:
                 order = [x for x in order if x[2] != self.last_path]
         for _, _, p in order:
@@ -194,14 +229,15 @@ class Learner:
                 return lease, False
         return None, False
 
-    def _pull(self, p: int, wait_for: dict[str, str], lease: Lease) -> dict[str, tuple[int, torch.Tensor]]:
+    def _pull(self, p: int, wait_for: dict[str, str], lease: Lease,
+              max_wait_s: float) -> dict[str, tuple[int, torch.Tensor]]:
         """Latest version of each of p's modules: ``{module: (version, flat weights)}``.
 
-        With ``pull_wait_s > 0``, wait (polling, heartbeating) up to that long until each
+        With ``max_wait_s > 0``, wait (polling, heartbeating) up to that long until each
         module's ledger accounts for p's previous update (applied or dropped), so that
         the phase starts from weights that include the path's own last contribution.
         """
-        deadline = time.time() + self.dcfg.pull_wait_s
+        deadline = time.time() + max_wait_s
         while True:
             out, fresh = {}, True
             for m in self.grid.module_ids_of_path(p):
@@ -220,13 +256,15 @@ class Learner:
     def run_phase(self, lease: Lease) -> bool:
         """Train one phase of the leased path; True if its update was pushed."""
         p = int(lease.name.split("_")[1])
-        H, R = self.cfg.diloco.inner_steps, self.cfg.trainer.rounds
+        H = self.cfg.diloco.inner_steps
+        budget = self.cfg.trainer.rounds * H
         pl = self._path_learner(p)
         got = self.store.get_state(path_state_key(p))
-        phase, last_ids = 0, {}
+        phase, steps_done, last_ids = 0, 0, {}
         if got is not None:
             state, meta = got
             phase = int(meta["phases_done"])
+            steps_done = path_steps_done(meta, H)
             last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
             pl.load_state_dict(state)
         else:  # first phase of p anywhere: fresh inner optimiser, data from batch 0
@@ -235,25 +273,31 @@ class Learner:
             pl.optimizer = make_inner_optimizer(pl.model, self.cfg.trainer)
             pl.step = 0
             pl.stream.load_state_dict({"step": 0})
-        if phase >= R:
+        if steps_done >= budget:
             lease.release()
             return False
+        n = self.phase_steps(budget - steps_done)
         # chaos: this phase stalls for U(0, chaos_delay_s) after a random inner step
         delay_at, delay = -1, 0.0
         if self.dcfg.chaos_delay_prob > 0 and self.rng.random() < self.dcfg.chaos_delay_prob:
-            delay_at, delay = self.rng.randrange(1, H + 1), self.rng.uniform(0, self.dcfg.chaos_delay_s)
+            delay_at, delay = self.rng.randrange(1, n + 1), self.rng.uniform(0, self.dcfg.chaos_delay_s)
         lease.renew()  # set-up above may have taken a while
-        pulled = self._pull(p, last_ids if self.dcfg.pull_wait_s > 0 else {}, lease)
+        max_wait = self.dcfg.pull_wait_s
+        if self.dcfg.pull_wait_fraction is not None and self.sps is not None:
+            max_wait = min(max_wait, self.dcfg.pull_wait_fraction * self.sps * n)
+        pulled = self._pull(p, last_ids if max_wait > 0 else {}, lease, max_wait)
         base = {}
         for m, (version, flat) in pulled.items():
             _load_flat(self.grid.module(m), flat)
             base[m] = flat
-        self.event({"e": "begin", "path": p, "phase": phase,
+        self.event({"e": "begin", "path": p, "phase": phase, "steps": n,
                     "versions": {m: v for m, (v, _) in pulled.items()}})
         t0 = time.time()
         last_beat = [t0]
         last_end = [t0]
         done_steps = [0]
+        stop_at = [n]
+        stalled = [0.0]  # chaos delays: not the learner's speed
 
         def on_step(_loss: float) -> None:
             done_steps[0] += 1
@@ -262,15 +306,22 @@ class Learner:
             if done_steps[0] == delay_at:
                 self.event({"e": "chaos_delay", "path": p, "phase": phase, "s": delay})
                 self._sleep_alive(lease, delay)
+                stalled[0] += delay
             last_end[0] = time.time()
             # one line per step: a killed phase's wasted steps are known exactly
             self.event({"e": "progress", "path": p, "phase": phase, "steps": done_steps[0]})
             if time.time() - last_beat[0] >= self.dcfg.heartbeat_s:
                 lease.renew()  # raises LeaseLost → the phase is abandoned
                 last_beat[0] = time.time()
+                if self.dcfg.dynamic_steps:
+                    # Speed is measured during the phase too, so a slow learner finds out
+                    # in its FIRST phase (not after it) and ends it early: otherwise the
+                    # path it holds falls a whole slow phase behind at the start.
+                    self._publish_speed(time.time() - t0 - stalled[0], done_steps[0])
+                    stop_at[0] = max(done_steps[0], min(stop_at[0], self.phase_steps(n)))
 
         try:
-            stats = pl.train_steps(H, on_step=on_step)
+            stats = pl.train_steps(n, on_step=on_step, should_stop=lambda: done_steps[0] >= stop_at[0])
             lease.check()  # narrow (not close) the window for a zombie push
         except LeaseLost as e:
             self.event({"e": "abort", "path": p, "phase": phase, "steps": done_steps[0], "why": str(e)})
@@ -291,15 +342,17 @@ class Learner:
             nbytes += self.codec.payload_nbytes(payload)
         # The path state goes AFTER the pushes: "phases_done = k+1" implies the updates of
         # phase k exist (the synchronisers' end-of-run drain relies on this order).
+        steps_done += stats.steps + stats.skipped  # skipped (non-finite) steps consumed data too
         self.store.put_state(path_state_key(p), pl.state_dict(),
-                             meta={"phases_done": phase + 1, "last_ids": ids,
+                             meta={"phases_done": phase + 1, "steps_done": steps_done, "last_ids": ids,
                                    "base_versions": {m: v for m, (v, _) in pulled.items()}, "learner": self.id})
-        self.store.put_json(progress_key(p), {"phases_done": phase + 1, "learner": self.id})
+        self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": steps_done,
+                                              "learner": self.id})
         self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": seconds,
                     "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes})
         lease.release()
         self.last_path = p
-        self._publish_speed(seconds, stats.steps)
+        self._publish_speed(seconds - stalled[0], stats.steps)
         return True
 
     def _sleep_alive(self, lease: Lease, seconds: float) -> None:

@@ -33,7 +33,7 @@ from dipaco.decoupled.learner import learner_main, path_state_key
 from dipaco.decoupled.metrics import compute_metrics, load_events
 from dipaco.decoupled.store import Lease, Store, open_store
 from dipaco.decoupled.synchronizer import (ModuleSynchronizer, SyncService, archive, inbox, module_key,
-                                           progress_key, write_module)
+                                           path_steps_done, progress_key, write_module)
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
 
@@ -69,11 +69,11 @@ def outer_settings(cfg: Config) -> dict[str, Any]:
 
 
 def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int]], rounds: int,
-              dcfg_dict: dict, outer: dict, name: str) -> None:
+              dcfg_dict: dict, outer: dict, name: str, inner_steps: int) -> None:
     """Entry point of a spawned synchroniser process."""
     torch.set_num_threads(1)
     SyncService(open_store(store_url), module_ids, sharing, rounds, DecoupledConfig(**dcfg_dict), outer,
-                name=name).run()
+                name=name, inner_steps=inner_steps).run()
 
 
 # ------------------------------------------------------------------------ setup
@@ -145,8 +145,8 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
         shutil.rmtree(store_url)
     store = open_store(store_url)
     plan = init_store(cfg, run_dir, store, dcfg)
-    R, P = plan["rounds"], plan["num_paths"]
-    start_round = min(_phases_done(store, p) for p in range(P))
+    R, P, H = plan["rounds"], plan["num_paths"], plan["inner_steps"]
+    start_round = min(_rounds_done(store, p, H) for p in range(P))
     n_learners = dcfg.learners or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     dcfg_dict = dataclasses.asdict(dcfg)
@@ -165,7 +165,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
         store.delete(f"done/sync-{i}.json")
         proc = ctx.Process(target=sync_main, name=f"dipaco-sync-{i}",
                            args=(store_url, sync_mods[i], {m: plan["sharing"][m] for m in sync_mods[i]},
-                                 R, dcfg_dict, outer, f"sync-{i}"))
+                                 R, dcfg_dict, outer, f"sync-{i}", H))
         proc.start()
         return proc
 
@@ -255,7 +255,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _append_round_metrics(run, store)
     ckpt = write_checkpoint(cfg, run, store, plan)
-    done_rounds = min(_phases_done(store, p) for p in range(P))
+    done_rounds = min(_rounds_done(store, p, H) for p in range(P))
     _log(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
          f"versions {metrics['module_versions']}, dropped {metrics['dropped'] or 'none'}, "
          f"ledger {'ok' if metrics['ledger_ok'] else 'VIOLATED'}")
@@ -280,9 +280,9 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     }
 
 
-def _phases_done(store: Store, p: int) -> int:
-    prog = store.get_json(progress_key(p))
-    return 0 if prog is None else int(prog.get("phases_done", 0))
+def _rounds_done(store: Store, p: int, inner_steps: int) -> int:
+    """Whole rounds' worth of inner steps path ``p`` has done (phases may be shorter)."""
+    return path_steps_done(store.get_json(progress_key(p)), inner_steps) // inner_steps
 
 
 def _account_leftovers(store: Store, module_ids: list[str]) -> None:

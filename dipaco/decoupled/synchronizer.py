@@ -326,6 +326,21 @@ def progress_key(path_id: int) -> str:
     return f"paths/path_{path_id}.json"
 
 
+def path_steps_done(prog: Optional[dict], inner_steps: int) -> int:
+    """Inner steps a path has completed, from its progress file (None: not started).
+
+    Files written before dynamic local updates hold only ``phases_done`` (phases of H).
+    """
+    if prog is None:
+        return 0
+    return int(prog.get("steps_done", int(prog.get("phases_done", 0)) * inner_steps))
+
+
+def path_finished(prog: Optional[dict], rounds: int, inner_steps: int) -> bool:
+    """Whether a path has its whole budget of ``rounds × inner_steps`` inner steps."""
+    return path_steps_done(prog, inner_steps) >= rounds * inner_steps
+
+
 def write_module(store: Any, sync: ModuleSynchronizer) -> int:
     """Write the module's version, weights, optimiser state and ledger in ONE atomic put.
 
@@ -358,19 +373,20 @@ class SyncService:
         module_ids: the modules this process synchronises (each module has exactly one
             synchroniser: two would race on its version file).
         sharing: module id → paths that contain it.
-        rounds: inner phases per path (the budget); a path is done at this many.
+        rounds, inner_steps: a path is done at ``rounds × inner_steps`` inner steps.
         cfg, outer: see :class:`ModuleSynchronizer`.
         name: this process's name in event logs.
     """
 
     def __init__(self, store: Any, module_ids: Sequence[str], sharing: dict[str, list[int]], rounds: int,
                  cfg: DecoupledConfig, outer: dict[str, Any], name: str = "sync-0",
-                 clock: Any = None) -> None:
+                 clock: Any = None, inner_steps: int = 1) -> None:
         import time as _time
 
         self.store = store
         self.cfg = cfg
         self.rounds = int(rounds)
+        self.inner_steps = int(inner_steps)
         self.name = name
         self.clock = clock or _time.time
         self.sharing = {m: list(sharing[m]) for m in module_ids}
@@ -396,7 +412,7 @@ class SyncService:
         done = set()
         for p in {p for ps in self.sharing.values() for p in ps}:
             prog = self.store.get_json(progress_key(p))
-            if prog is not None and int(prog.get("phases_done", 0)) >= self.rounds:
+            if path_finished(prog, self.rounds, self.inner_steps):
                 done.add(p)
         return done
 
