@@ -75,6 +75,22 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
     return featurize
 
 
+def _evaluated(cfg: Config, val_tok: Any) -> list[np.ndarray]:
+    """The validation documents the run's evaluation scores (the first eval_max_documents)."""
+    ids = [np.asarray(x, dtype=np.int64) for x in val_tok["input_ids"]]
+    return ids if cfg.trainer.eval_max_documents is None else ids[: cfg.trainer.eval_max_documents]
+
+
+def validation_ids(cfg: Config, run: RunDir) -> list[np.ndarray]:
+    """A finished run's validation documents as token ids, exactly as its evaluation saw
+    them (same corpus split, the run's tokenizer and token cache)."""
+    run.require(run.tokenizer, "tokenizer")
+    corpus = load_corpus(cfg.data, progress=False)
+    val_tok = tokenize_dataset(corpus.split("validation"), Tokenizer.load(run.tokenizer),
+                               cache_dir=cfg.data.cache_dir or str(run.cache), progress=False)
+    return _evaluated(cfg, val_tok)
+
+
 def prepare(cfg: Config, run: RunDir) -> Prepared:
     """Run (or, on resume, reload) every step before training."""
     t = cfg.trainer
@@ -105,9 +121,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     train_tok = tokenize_dataset(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
     val_tok = tokenize_dataset(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
     train_ids = [np.asarray(x, dtype=np.int64) for x in train_tok["input_ids"]]
-    val_ids = [np.asarray(x, dtype=np.int64) for x in val_tok["input_ids"]]
-    if t.eval_max_documents is not None:
-        val_ids = val_ids[: t.eval_max_documents]
+    val_ids = _evaluated(cfg, val_tok)
     val_labels = list(val_ds["label"])[: len(val_ids)]
     timings["tokenize_s"] = time.perf_counter() - t0
     _log(f"tokens: {sum(len(x) for x in train_ids):,} train, vocabulary {tokenizer.vocab_size}")

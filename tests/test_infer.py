@@ -186,6 +186,10 @@ def test_score_equals_trainer_routed_evaluation(trained_run, corpus_texts, tmp_p
     # re-routed scoring runs and counts the same tokens
     code, stdout, _ = _cli(capsys, "score", trained_run, "--file", f, "--reroute-every", "8", "--batch-size", "3")
     assert code == 0 and json.loads(stdout)["num_tokens"] == summary["eval_tokens"]
+    # --validation: the run's own validation split, without exporting it first
+    code, stdout, err = _cli(capsys, "score", trained_run, "--validation")
+    assert code == 0, err
+    assert np.isclose(json.loads(stdout)["ppl"], summary["routed_ppl"], rtol=1e-9)
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
     dipaco-infer route    RUN_DIR (--text T [T ...] | --file F.jsonl) [--top-k K]
     dipaco-infer generate RUN_DIR --prompt P [--max-new-tokens N] [--temperature T] [--top-k K]
                           [--seed S] [--reroute-every W] [--no-kv-cache] [--json]
-    dipaco-infer score    RUN_DIR --file F.jsonl [--reroute-every W] [--batch-size B] [--out F]
+    dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--batch-size B] [--out F]
     dipaco-infer export   RUN_DIR --path P --out DIR
 
 The rules (checkpoint check, path-at-a-time loading, short prompts, re-routing, long
@@ -71,12 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                             help="hash only the module files read, not the whole checkpoint")
 
     def inputs(sp: argparse.ArgumentParser, allow_text: bool) -> None:
+        g = sp.add_mutually_exclusive_group(required=True)
         if allow_text:
-            g = sp.add_mutually_exclusive_group(required=True)
             g.add_argument("--text", nargs="+", metavar="T", help="documents given inline")
-            g.add_argument("--file", metavar="F.jsonl", help="one JSON object per line")
         else:
-            sp.add_argument("--file", metavar="F.jsonl", required=True, help="one JSON object per line")
+            g.add_argument("--validation", action="store_true",
+                           help="the run's own validation documents (as its evaluation scored them)")
+        g.add_argument("--file", metavar="F.jsonl", help="one JSON object per line")
         sp.add_argument("--text-field", default="text", help="field holding the text in --file (default: text); "
                         "malformed lines are skipped and counted on stderr")
 
@@ -268,12 +269,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_score(args: argparse.Namespace) -> None:
     run = _open(args)
-    texts, skipped = _texts(args)
+    texts, skipped = ([], 0) if args.validation else _texts(args)
     if args.seq_len is not None and args.seq_len > run.cfg.model.max_seq_len:
         fail(f"--seq-len {args.seq_len} exceeds model.max_seq_len {run.cfg.model.max_seq_len}")
-    report = run.score([run.encode(t) for t in texts], reroute_every=args.reroute_every,
-                       batch_size=args.batch_size, seq_len=args.seq_len)
-    report.update({"skipped_malformed_lines": skipped, "num_input_documents": len(texts),
+    if args.validation:
+        from dipaco.prepare import validation_ids
+
+        docs = validation_ids(run.cfg, run.run)
+    else:
+        docs = [run.encode(t) for t in texts]
+    report = run.score(docs, reroute_every=args.reroute_every, batch_size=args.batch_size, seq_len=args.seq_len)
+    report.update({"skipped_malformed_lines": skipped, "num_input_documents": len(docs),
                    "checkpoint": str(run.checkpoint), "run_dir": str(run.run.root)})
     if report["num_tokens"] == 0:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
