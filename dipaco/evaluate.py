@@ -67,6 +67,26 @@ def plan_documents(
     return planned, skipped
 
 
+def padded_batch(docs: Sequence[np.ndarray], scored: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token inputs and targets for documents of different lengths.
+
+    ``docs[b]`` holds a document's tokens; ``scored[b]`` (bool, one per target position,
+    ``len(docs[b]) - 1``) says which targets carry loss. Padding and unscored targets are
+    -100 (ignored by ``lm_loss``). Returns ``x, y`` of shape [B, T], T = longest − 1.
+    """
+    T = max(1, max(len(t) for t in docs) - 1)
+    x = torch.zeros(len(docs), T, dtype=torch.long)
+    y = torch.full((len(docs), T), -100, dtype=torch.long)
+    for b, (t, keep) in enumerate(zip(docs, scored)):
+        n = len(t) - 1
+        if n <= 0:
+            continue
+        x[b, :n] = torch.from_numpy(t[:-1])
+        y[b, :n] = torch.where(torch.from_numpy(np.asarray(keep, dtype=bool)), torch.from_numpy(t[1:]),
+                               torch.tensor(-100))
+    return x, y
+
+
 @torch.no_grad()
 def score_documents(
     planned: Sequence[ScoredDoc],
@@ -96,15 +116,8 @@ def score_documents(
         ndoc[path_id] += len(idxs)
         for start in range(0, len(idxs), batch_size):
             chunk = [planned[i] for i in idxs[start : start + batch_size]]
-            T = max(len(d.tokens) for d in chunk) - 1
-            x = torch.zeros(len(chunk), T, dtype=torch.long)
-            y = torch.full((len(chunk), T), -100, dtype=torch.long)
-            for b, d in enumerate(chunk):
-                n = len(d.tokens) - 1
-                x[b, :n] = torch.from_numpy(d.tokens[:-1])
-                # target position j-1 predicts document token j; score only this path's tokens
-                mine = torch.from_numpy(d.token_paths[1:] == path_id)
-                y[b, :n] = torch.where(mine, torch.from_numpy(d.tokens[1:]), torch.tensor(-100))
+            # target position j-1 predicts document token j; score only this path's tokens
+            x, y = padded_batch([d.tokens for d in chunk], [d.token_paths[1:] == path_id for d in chunk])
             x, y = x.to(device), y.to(device)
             losses = lm_loss(model(x), y, reduction="none")  # [B·T], 0 where ignored
             nll[path_id] += float(losses.double().sum())
@@ -187,17 +200,9 @@ def per_document_losses(
     model.eval()
     for start in range(0, len(docs), batch_size):
         chunk = [np.asarray(d[: seq_len + 1], dtype=np.int64) for d in docs[start : start + batch_size]]
-        T = max(1, max(len(t) for t in chunk) - 1)
-        x = torch.zeros(len(chunk), T, dtype=torch.long)
-        y = torch.full((len(chunk), T), -100, dtype=torch.long)
-        for b, t in enumerate(chunk):
-            n = len(t) - 1
-            if n <= 0:
-                continue
-            x[b, :n] = torch.from_numpy(t[:-1])
-            y[b, :n] = torch.from_numpy(t[1:])
-            y[b, : max(0, prefix_tokens - 1)] = -100  # the routing prefix carries no loss
-        losses = lm_loss(model(x), y, reduction="none").view(len(chunk), T)  # [B, T]
+        # the routing prefix carries no loss: targets before position prefix_tokens-1
+        x, y = padded_batch(chunk, [np.arange(max(0, len(t) - 1)) >= prefix_tokens - 1 for t in chunk])
+        losses = lm_loss(model(x), y, reduction="none").view(y.shape)  # [B, T]
         counts = (y != -100).sum(1)
         sums = losses.double().sum(1)
         for b in range(len(chunk)):
