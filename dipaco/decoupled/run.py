@@ -156,6 +156,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     def sup_event(obj: dict) -> None:
         obj.setdefault("t", time.time())
         store.append_line("events/supervisor.jsonl", json.dumps(obj))
+        store.flush()  # rare events; on object stores, publish each at once
 
     # modules dealt round-robin to synchroniser processes: exactly one owner per module
     nsync = min(dcfg.sync_procs, len(plan["module_ids"]))

@@ -504,6 +504,10 @@ class SyncService:
                 self.poll_once(done)  # flush whatever the last intake left pending
                 if all(not s.pending for s in self.syncs.values()):
                     break
+            # event logs on object stores are buffered chunks: publish this poll's lines
+            # (step/drop events) before sleeping, so a crash loses at most one poll's worth
+            self.store.flush()
             _time.sleep(self.cfg.poll_s)
+        self.store.flush()
         self.store.put_json(f"done/{self.name}.json", {"t": self.clock(),
                                                        "versions": {m: s.version for m, s in self.syncs.items()}})
