@@ -1,9 +1,14 @@
-"""Turn a multirun directory into a table (markdown) and a plot.
+"""Turn one or more multirun directories into a table (markdown) and a plot.
 
 Each run of a ``dipaco-train -m`` sweep leaves ``summary.json`` and Hydra's
-``.hydra/overrides.yaml`` in its own folder. Runs whose overrides differ only in
-``seed`` are one *setting*: the table shows the mean and the spread over seeds, so a
-claim rests on more than one seed (seed noise is ~15% at this scale, NOTES.md).
+``.hydra/`` (overrides, and the config-group choices) in its own folder. The columns
+are the keys overridden anywhere, each read as the run's *effective* value (its
+override, else its config-group choice, else its resolved config), so runs of
+different sweeps line up (a default [2,2] run shows ``grid=2x2`` beside a sweep's
+``grid=4x4``). Runs that differ only in ``seed`` are one *setting*: the table shows the
+mean and the spread over seeds, so a claim rests on more than one seed (seed noise is
+~15% at this scale, NOTES.md). Keys that do not change what is trained (``IGNORED``)
+are left out of the grouping.
 """
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ METRICS = (
 )
 
 
+# Overrides that change how a run is executed or reported, not what it trains.
+IGNORED = frozenset({"sweep", "trainer.threads", "trainer.progress", "trainer.plots", "hydra.sweep.dir"})
+
+
 @dataclass
 class RunRow:
     """One run of a sweep."""
@@ -36,29 +45,50 @@ class RunRow:
     path: Path
     overrides: dict[str, str]
     summary: dict[str, Any]
+    choices: Optional[dict[str, Any]] = None  # Hydra's config-group choices (grid: 2x2, ...)
+    config: Any = None  # the run's resolved config.yaml
+
+    def value(self, key: str) -> str:
+        """The run's effective value of ``key``: override, group choice or config value."""
+        if key in self.overrides:
+            return self.overrides[key]
+        if self.choices and key in self.choices:
+            return str(self.choices[key])
+        if self.config is not None:
+            got = OmegaConf.select(self.config, key, default=None)
+            if got is not None:
+                return str(got)
+        return ""
 
 
-def find_runs(root: Path) -> list[RunRow]:
-    """Every finished run (a folder holding ``summary.json``) below ``root``."""
+def find_runs(*roots: Path) -> list[RunRow]:
+    """Every finished run (a folder holding ``summary.json``) below any of ``roots``."""
     rows = []
-    for summary_path in sorted(root.rglob("summary.json")):
-        run = summary_path.parent
-        try:
-            summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        except ValueError:
-            continue  # an unfinished or corrupt run is not a row
-        overrides: dict[str, str] = {}
-        ov_file = run / ".hydra" / "overrides.yaml"
-        if ov_file.exists():
-            for item in OmegaConf.load(ov_file) or []:
-                key, _, value = str(item).partition("=")
-                overrides[key.lstrip("+~")] = value
-        rows.append(RunRow(run, overrides, summary))
+    for root in roots:
+        for summary_path in sorted(Path(root).rglob("summary.json")):
+            run = summary_path.parent
+            try:
+                summary = json.loads(summary_path.read_text(encoding="utf-8"))
+            except ValueError:
+                continue  # an unfinished or corrupt run is not a row
+            overrides: dict[str, str] = {}
+            ov_file = run / ".hydra" / "overrides.yaml"
+            if ov_file.exists():
+                for item in OmegaConf.load(ov_file) or []:
+                    key, _, value = str(item).partition("=")
+                    overrides[key.lstrip("+~")] = value
+            choices = None
+            hydra_file = run / ".hydra" / "hydra.yaml"
+            if hydra_file.exists():
+                sel = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.runtime.choices", default=None)
+                choices = None if sel is None else OmegaConf.to_container(sel)
+            config = OmegaConf.load(run / "config.yaml") if (run / "config.yaml").exists() else None
+            rows.append(RunRow(run, overrides, summary, choices, config))
     return rows
 
 
 def _setting(row: RunRow, varying: list[str]) -> tuple[tuple[str, str], ...]:
-    return tuple((k, row.overrides.get(k, "")) for k in varying if k != "seed")
+    return tuple((k, row.value(k)) for k in varying if k != "seed")
 
 
 def _fmt(values: list[float]) -> str:
@@ -72,10 +102,11 @@ def _fmt(values: list[float]) -> str:
     return f"{format(mean, digits)} ± {format(statistics.pstdev(vals), '.2g')}"
 
 
-def build_table(rows: list[RunRow]) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+def build_table(rows: list[RunRow], ignore: frozenset[str] = IGNORED
+                ) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """(header, table rows, per-setting records) with runs grouped over seeds."""
-    keys = sorted({k for r in rows for k in r.overrides})
-    varying = [k for k in keys if len({r.overrides.get(k, "") for r in rows}) > 1]
+    keys = sorted({k for r in rows for k in r.overrides} - set(ignore))
+    varying = [k for k in keys if len({r.value(k) for r in rows}) > 1]
     groups: dict[tuple, list[RunRow]] = defaultdict(list)
     for r in rows:
         groups[_setting(r, varying)].append(r)
@@ -126,12 +157,14 @@ def plot(records: list[dict[str, Any]], out: Path, metric: str = "ratio_vs_dense
     return out
 
 
-def write_report(root: Path, metric: str = "ratio_vs_dense") -> str:
-    """Write ``report.md`` (+ ``report.png``) in ``root``; return the markdown."""
-    rows = find_runs(root)
+def write_report(root: Path, metric: str = "ratio_vs_dense", more: tuple[Path, ...] = (),
+                 ignore: frozenset[str] = IGNORED) -> str:
+    """Write ``report.md`` (+ ``report.png``) in ``root`` from the runs under ``root`` and
+    under the directories ``more``; return the markdown."""
+    rows = find_runs(root, *more)
     if not rows:
         raise FileNotFoundError(f"no finished run (summary.json) under {root}")
-    header, table, records = build_table(rows)
+    header, table, records = build_table(rows, ignore)
     text = markdown(header, table)
     (root / "report.md").write_text(text + "\n", encoding="utf-8")
     (root / "report.json").write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")

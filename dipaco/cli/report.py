@@ -1,7 +1,8 @@
-"""``dipaco-report DIR [--metric M]``: a multirun directory → markdown table and plot.
+"""``dipaco-report DIR [DIR ...] [--metric M] [--ignore KEY ...]``: multirun directories → markdown table and plot.
 
-Writes ``DIR/report.md``, ``DIR/report.json`` and ``DIR/report.png`` and prints the
-table. Runs that differ only in ``seed`` are averaged (mean ± spread).
+Writes ``report.md``, ``report.json`` and ``report.png`` into the first DIR and prints
+the table. Runs that differ only in ``seed`` are averaged (mean ± spread); further
+DIRs add their runs (e.g. the default run beside a sweep that skipped it).
 """
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ from dipaco.cli.errors import report_user_errors
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     parser = argparse.ArgumentParser(prog="dipaco-report", description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path, help="a multirun (sweep) directory or a single run directory")
+    parser.add_argument("directories", type=Path, nargs="+", metavar="DIR",
+                        help="multirun (sweep) or single run directories; the report goes into the first")
     parser.add_argument("--metric", default="ratio_vs_dense", help="summary.json key to plot")
+    parser.add_argument("--ignore", nargs="*", default=[], metavar="KEY",
+                        help="more override keys that do not define a setting (e.g. trainer.dense_baseline)")
     args = parser.parse_args(argv)
-    if not args.directory.is_dir():
-        raise FileNotFoundError(f"no such directory: {args.directory}")
-    from dipaco.report import write_report
+    for d in args.directories:
+        if not d.is_dir():
+            raise FileNotFoundError(f"no such directory: {d}")
+    from dipaco.report import IGNORED, write_report
 
-    print(write_report(args.directory, args.metric))
+    print(write_report(args.directories[0], args.metric, more=tuple(args.directories[1:]),
+                       ignore=IGNORED | frozenset(args.ignore)))
 
 
 if __name__ == "__main__":
