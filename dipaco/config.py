@@ -220,6 +220,10 @@ def resolve_derived(cfg: Config) -> Config:
                  f"{t.total_steps} steps are not a whole number of rounds of H={H}",
                  "use a multiple of diloco.inner_steps")
         t.rounds = t.total_steps // H
+    if math.prod(cfg.grid.levels) == 1 and cfg.router.top_k > 1:
+        # One routed path takes every document whatever top_k says: the default top_k=2
+        # must not make grid=dense or the flat-DiLoCo baseline a config error.
+        cfg.router.top_k = 1
     return cfg
 
 

@@ -64,7 +64,8 @@ def test_local_run_writes_every_output(local_run: tuple[Path, dict]) -> None:
     assert set(lines[0]["paths"]) == {"0", "1", "2", "3"}
     assert set(lines[0]["modules"]) == {"embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"}
     report = json.loads((run_dir / "routing_report.json").read_text())
-    assert sum(report["shard_sizes"]) == report["num_documents"]
+    # training shards: every document in router.top_k (default 2) of them
+    assert sum(report["shard_sizes"]) == 2 * report["num_documents"]
 
 
 @pytest.mark.slow
@@ -223,3 +224,13 @@ def test_flat_diloco_baseline_trains(tmp_path: Path) -> None:
     assert set(lines[-1]["paths"]) == {"0", "1", "2", "3"}
     assert lines[-1]["modules"]["L0.0"]["contributions"] == 4
     assert summary["bytes_sent"] > 0 and summary["num_paths"] == 1
+
+
+def test_default_top_k_is_two_and_one_path_grids_route_each_document_once() -> None:
+    cfg = compose_config([])
+    validate_config(cfg)
+    assert cfg.router.top_k == 2  # overlapping shards: the default since sweep=routing
+    for grid in (["grid=dense"], ["grid=dense", "grid.replicas=4"]):
+        one = compose_config(grid)
+        validate_config(one)  # not a config error: a single path takes every document
+        assert one.router.top_k == 1
