@@ -112,7 +112,10 @@ def build_table(rows: list[RunRow], ignore: frozenset[str] = IGNORED
         groups[_setting(r, varying)].append(r)
     header = [k for k in varying if k != "seed"] + ["seeds"] + [label for _, label in METRICS]
     table, records = [], []
-    for setting, members in groups.items():
+    # fewer paths first (a sweep over grids reads left to right); stable otherwise
+    ordered = sorted(groups.items(), key=lambda kv: statistics.fmean(
+        [float(m.summary.get("num_paths") or 0) for m in kv[1]]))
+    for setting, members in ordered:
         cells = [v for _, v in setting] + [str(len(members))]
         rec: dict[str, Any] = {"setting": dict(setting), "seeds": len(members)}
         for key, _label in METRICS:

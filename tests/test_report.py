@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ def _run(root: Path, name: str, overrides: list[str], grid: str, ppl: float, thr
     (d / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(
         {"hydra": {"runtime": {"choices": {"grid": grid, "diloco": "nesterov"}}}}))
     (d / "config.yaml").write_text(yaml.safe_dump({"trainer": {"threads": threads, "rounds": 16}}))
-    (d / "summary.json").write_text(json.dumps({"routed_ppl": ppl, "dense_ppl": 2 * ppl, "ratio_vs_dense": 0.5}))
+    num_paths = math.prod(int(k) for k in grid.split("x"))  # "4x4" → 16
+    (d / "summary.json").write_text(json.dumps({"routed_ppl": ppl, "dense_ppl": 2 * ppl, "ratio_vs_dense": 0.5,
+                                                "num_paths": num_paths}))
 
 
 @pytest.fixture
@@ -40,6 +43,7 @@ def test_runs_of_two_sweeps_line_up_by_effective_value(two_sweeps: tuple[Path, P
     header, table, records = build_table(rows)
     # grid is read from the outer runs' group choice; sweep and threads do not split settings
     assert header[:2] == ["grid", "seeds"]
+    assert [r["setting"]["grid"] for r in records] == ["2x2", "4x4"]  # fewer paths first
     by_grid = {r["setting"]["grid"]: r for r in records}
     assert set(by_grid) == {"4x4", "2x2"}
     assert by_grid["4x4"]["seeds"] == 2 and by_grid["4x4"]["routed_ppl"] == pytest.approx(11.0)
