@@ -102,6 +102,14 @@ def _fmt(values: list[float]) -> str:
     return f"{format(mean, digits)} ± {format(statistics.pstdev(vals), '.2g')}"
 
 
+def _natural(value: str) -> tuple:
+    """Sort key: numbers before words, numbers by value."""
+    try:
+        return (0, float(value), "")
+    except ValueError:
+        return (1, 0.0, value)
+
+
 def build_table(rows: list[RunRow], ignore: frozenset[str] = IGNORED
                 ) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
     """(header, table rows, per-setting records) with runs grouped over seeds."""
@@ -112,9 +120,14 @@ def build_table(rows: list[RunRow], ignore: frozenset[str] = IGNORED
         groups[_setting(r, varying)].append(r)
     header = [k for k in varying if k != "seed"] + ["seeds"] + [label for _, label in METRICS]
     table, records = [], []
-    # fewer paths first (a sweep over grids reads left to right); stable otherwise
-    ordered = sorted(groups.items(), key=lambda kv: statistics.fmean(
-        [float(m.summary.get("num_paths") or 0) for m in kv[1]]))
+    # fewer paths first (a sweep over grids reads left to right), then by the settings'
+    # values, numbers as numbers (H = 10, 50, 200)
+    def order(kv: tuple) -> tuple:
+        setting, members = kv
+        paths = statistics.fmean([float(m.summary.get("num_paths") or 0) for m in members])
+        return (paths, tuple(_natural(v) for _, v in setting))
+
+    ordered = sorted(groups.items(), key=order)
     for setting, members in ordered:
         cells = [v for _, v in setting] + [str(len(members))]
         rec: dict[str, Any] = {"setting": dict(setting), "seeds": len(members)}
