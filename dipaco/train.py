@@ -168,7 +168,7 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
         best = losses[keep].argmin(axis=1)
         info["agreement_with_kmeans"] = float(np.mean(prep.router.kmeans_costs(
             [d for d, ok in zip(sample, keep) if ok]).argmin(axis=1) == best))
-        info.update(routing_report(np.asarray([a[0] for a in assignments]), num_paths=grid.num_paths))
+        info.update(routing_report(assignments, num_paths=grid.num_paths))  # training shards, overlap counted
     info["seconds"] = time.perf_counter() - t0
     report = run.read_json(run.routing_report)
     report["reshard"] = info

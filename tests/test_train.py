@@ -178,7 +178,7 @@ def test_warmup_lm_features_and_discriminative_reshard(tmp_path: Path) -> None:
     assert (tmp_path / "warmup" / "modules.safetensors").is_file()
     report = json.loads((tmp_path / "routing_report.json").read_text())
     assert report["reshard"]["fitted"] is True
-    assert sum(report["reshard"]["shard_sizes"]) == report["num_documents"]
+    assert sum(report["reshard"]["shard_sizes"]) == 2 * report["num_documents"]  # top_k=2: two shards each
     manifest = json.loads((tmp_path / "router" / "manifest.json").read_text())
     assert manifest["featurizer"]["kind"] == "callable" and manifest["discriminative"] is True
     assert (tmp_path / "router" / "discriminative.npz").is_file()
