@@ -13,8 +13,9 @@ One phase of path p:
 1. acquire the lease of p (``leases/path_p``), load ``paths/path_p.st`` (if any);
 2. pull the latest version of each of p's modules (optionally waiting up to
    ``pull_wait_s`` for the versions to include p's previous update);
-3. H inner steps, or ``H × (others' time per step ÷ mine)`` for a slow learner (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts
-   the phase and its work is discarded, counted as wasted steps);
+3. H inner steps, or ``H × (others' time per step ÷ mine)`` for a slow learner
+   (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts the phase and
+   its work is discarded, counted as wasted steps);
 4. push, per module, ``Δ = θ_pulled − θ_path`` encoded with ``diloco.codec``, tagged with
    the version it started from, its tokens (α), path and phase, under a unique id;
 5. save the path state with ``phases_done + 1`` and the new ``steps_done``, then the small
