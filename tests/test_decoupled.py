@@ -268,7 +268,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
     cfg = DecoupledConfig(quorum=1.0, poll_s=0.01, grace_init_s=60)
     write_module(st, ModuleSynchronizer("m", torch.zeros(4), [0, 1], cfg, AVG))
     write_module(st, ModuleSynchronizer("p", torch.zeros(4), [1], cfg, AVG))
-    svc = SyncService(st, ["m", "p"], {"m": [0, 1], "p": [1]}, rounds=1, cfg=cfg, outer=AVG)
+    svc = SyncService(st, ["m", "p"], {"m": [0, 1], "p": [1]}, rounds=1, cfg=cfg, outer=AVG, inner_steps=1)
     _push(st, "m", "u0", 0, 0, 0, [1.0, 1.0, 1.0, 1.0], codec="fp16")
     assert svc.poll_once() == 0  # quorum 2 of m's paths: waiting
     _push(st, "m", "u1", 1, 0, 0, [3.0, 3.0, 3.0, 3.0])
@@ -281,7 +281,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
     # crash window: the version is written but the files were not archived yet
     st.move(f"{archive('m')}/u0.st", f"{inbox('m')}/u0.st")
     _push(st, "m", "u0-rerun", 0, 0, 0, [9.0, 9.0, 9.0, 9.0])  # the phase redone by another learner
-    svc2 = SyncService(st, ["m", "p"], {"m": [0, 1], "p": [1]}, rounds=1, cfg=cfg, outer=AVG)
+    svc2 = SyncService(st, ["m", "p"], {"m": [0, 1], "p": [1]}, rounds=1, cfg=cfg, outer=AVG, inner_steps=1)
     svc2.poll_once()
     state, meta = st.get_state(module_key("m"))
     assert meta["version"] == 1 and state["dropped"] == {"u0-rerun": "duplicate_phase"}

@@ -380,7 +380,7 @@ class SyncService:
 
     def __init__(self, store: Any, module_ids: Sequence[str], sharing: dict[str, list[int]], rounds: int,
                  cfg: DecoupledConfig, outer: dict[str, Any], name: str = "sync-0",
-                 clock: Any = None, inner_steps: int = 1) -> None:
+                 clock: Any = None, *, inner_steps: int) -> None:
         import time as _time
 
         self.store = store
