@@ -42,7 +42,7 @@ SIZES: dict[str, dict[str, Any]] = {
 def plan_for(grid: Sequence[int], codec: str, inner_steps: int, model: str = "small") -> tuple[Any, Any, Any]:
     """(plan, topology, config) for one worker group per path, as the trainer builds them."""
     from dipaco.config import codec_kwargs, compose_config
-    from dipaco.trainer import build_grid
+    from dipaco.build import build_grid
     from dipaco.topology import Topology
 
     cfg = compose_config([f"model={model}", f"grid.levels=[{','.join(map(str, grid))}]",
@@ -98,7 +98,7 @@ def measured_rows(grid: Sequence[int], rounds: int, inner_steps: int, root: Path
     """Real short runs per codec: measured bytes vs the plan of the same config."""
     from dipaco.config import codec_kwargs, compose_config
     from dipaco.train import train
-    from dipaco.trainer import build_grid, build_topology
+    from dipaco.build import build_grid, build_topology
 
     rows = []
     first: Optional[Path] = None

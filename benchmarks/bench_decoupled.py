@@ -59,7 +59,7 @@ def slow_run_rank(cfg: Any, run_dir: str, rank: Optional[int], world: int, slow_
     same kind of timestamps as decoupled mode's phase events.
     """
     from dipaco import learner as learner_mod
-    from dipaco.trainer import run_rank
+    from dipaco.rounds import run_rank
 
     original = learner_mod.PathLearner.train_steps
     log = Path(times_dir) / f"rank{rank}.jsonl"

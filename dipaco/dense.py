@@ -18,27 +18,13 @@ from dipaco.checkpoint import load_state, save_state, write_json
 from dipaco.config import Config
 from dipaco.data import TokenStream
 from dipaco.learner import InnerStats, PathLearner
+from dipaco.schedule import total_inner_steps
 from modules import ModuleGrid, PathModel
 
 # Streams of different models must not see the same batches: the dense streams use
 # path ids past every real path.
 WARMUP_STREAM_ID = 1_000_001
 BASELINE_STREAM_ID = 1_000_002
-
-
-def total_inner_steps(cfg: Config) -> int:
-    """Steps of one path over the whole run, warm-up included (sets the LR schedule)."""
-    return warmup_steps(cfg) + cfg.trainer.rounds * cfg.diloco.inner_steps
-
-
-def warmup_steps(cfg: Config) -> int:
-    """Dense warm-up steps: ``warmup_fraction`` of a path's total inner steps."""
-    f = cfg.trainer.warmup_fraction
-    if f <= 0:
-        return 0
-    main = cfg.trainer.rounds * cfg.diloco.inner_steps
-    # f of the total: W = f·(W + main)  ⇒  W = f·main / (1 − f)
-    return max(1, int(round(f * main / (1.0 - f))))
 
 
 def dense_grid(cfg: Config) -> ModuleGrid:

@@ -134,7 +134,7 @@ class InferenceRun:
 
     def new_grid(self) -> ModuleGrid:
         """An empty lazy grid shaped like the run's (builds nothing until asked)."""
-        from dipaco.trainer import build_grid
+        from dipaco.build import build_grid
 
         return build_grid(self.cfg)
 

@@ -9,7 +9,6 @@ global weights before every turn.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dipaco.config import TrainerConfig
+from dipaco.schedule import lr_at
 
 
 @dataclass
@@ -34,16 +34,6 @@ class InnerStats:
     @property
     def loss(self) -> float:
         return self.loss_sum / max(1, self.steps)
-
-
-def lr_at(step: int, total_steps: int, cfg: TrainerConfig) -> float:
-    """Linear warm-up for ``cfg.warmup_steps``, then cosine to ``min_lr_ratio · lr``."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 def make_inner_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:

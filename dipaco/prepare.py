@@ -16,9 +16,10 @@ import torch
 from dipaco.checkpoint import write_json
 from dipaco.config import Config
 from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_dataset
-from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense, warmup_steps
+from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
+from dipaco.schedule import warmup_steps
 from dipaco.run_dir import RunDir, RunDirError
-from dipaco.trainer import expand_replicas
+from router import expand_replicas
 from router import Router, routing_report, write_shards
 
 # The tokenizer is trained on at most this many characters of training text: enough

@@ -16,13 +16,14 @@ from omegaconf import OmegaConf
 
 from dipaco.checkpoint import load_state, write_json
 from dipaco.config import Config, ConfigError, codec_kwargs, validate_config
-from dipaco.dense import (BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense,
-                          warmup_steps)
+from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.launch import launch
 from dipaco.prepare import Prepared, prepare
 from dipaco.run_dir import RunDir
-from dipaco.trainer import build_grid, build_topology, expand_replicas, run_rank
+from dipaco.build import build_grid, build_topology
+from dipaco.rounds import run_rank
+from router import expand_replicas
 from modules import PathModel
 
 

@@ -18,7 +18,7 @@ from .features import CallableFeaturizer, TokenTfidfFeaturizer
 from .kmeans import fit_kmeans, search, squared_distances
 from .report import routing_report
 from .router import METHODS, ROUTER_FORMAT_VERSION, Router
-from .shards import load_shard, read_shards_manifest, write_shards
+from .shards import expand_replicas, load_shard, read_shards_manifest, write_shards
 
 __all__ = [
     "Router",
@@ -34,6 +34,7 @@ __all__ = [
     "fit_discriminative",
     "DiscriminativeHead",
     "write_shards",
+    "expand_replicas",
     "load_shard",
     "read_shards_manifest",
     "routing_report",

@@ -137,3 +137,16 @@ def load_shard(out_dir: str | os.PathLike, path_id: int) -> "datasets.Dataset":
 
 
 __all__ = ["write_shards", "load_shard", "read_shards_manifest", "SHARDS_FORMAT_VERSION"]
+
+
+def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> list[list[int]]:
+    """Grid-path assignments → training-path assignments (``t = p·R + r``).
+
+    Each document goes to one replica of each of its paths, drawn from a seeded hash of
+    its row, so the replicas of a path split its shard into R disjoint random parts.
+    """
+    if replicas == 1:
+        return assignments
+    rng = np.random.default_rng(seed + 7919)
+    draws = rng.integers(0, replicas, size=len(assignments))
+    return [[p * replicas + int(r) for p in paths] for paths, r in zip(assignments, draws)]

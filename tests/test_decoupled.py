@@ -321,7 +321,7 @@ def _bare_learner(dcfg: DecoupledConfig, my_sps: float | None, others_sps: float
     """A Learner with only what its scheduling rules read (no grid, shards or store)."""
     from types import SimpleNamespace
 
-    from dipaco.decoupled.learner import Learner
+    from dipaco.decoupled.worker import Learner
 
     lr = Learner.__new__(Learner)
     lr.cfg = SimpleNamespace(diloco=SimpleNamespace(inner_steps=H), trainer=SimpleNamespace(rounds=4))

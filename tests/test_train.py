@@ -204,7 +204,8 @@ def test_torchrun_ranks_match_local_backend(local_run: tuple[Path, dict], tmp_pa
 
 def test_replicas_make_flat_diloco_topology() -> None:
     """grid.replicas=R: R training paths per grid path, same modules, disjoint data."""
-    from dipaco.trainer import build_grid, build_topology, expand_replicas
+    from dipaco.build import build_grid, build_topology
+    from router import expand_replicas
 
     cfg = compose_config(["grid=dense", "grid.replicas=4"])
     validate_config(cfg)

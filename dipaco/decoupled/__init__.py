@@ -2,7 +2,7 @@
 synchronisers that meet only through a shared store.
 
 * :mod:`~dipaco.decoupled.store`: the store (a shared directory, atomic writes) and leases;
-* :mod:`~dipaco.decoupled.learner`: the learner process loop;
+* :mod:`~dipaco.decoupled.worker`: the decoupled worker process loop;
 * :mod:`~dipaco.decoupled.synchronizer`: per-module quorum, grace window, staleness,
   delayed Nesterov and the applied-id ledger;
 * :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run_dir)``;

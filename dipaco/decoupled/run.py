@@ -29,7 +29,7 @@ import torch
 
 from dipaco.config import Config, ConfigError
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
-from dipaco.decoupled.learner import learner_main, path_state_key
+from dipaco.decoupled.worker import learner_main, path_state_key
 from dipaco.decoupled.metrics import compute_metrics, load_events
 from dipaco.decoupled.store import Lease, Store, open_store
 from dipaco.decoupled.synchronizer import (ModuleSynchronizer, SyncService, archive, inbox, module_key,
@@ -81,10 +81,11 @@ def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int
 
 def init_store(cfg: Config, run_dir: str, store: Store, dcfg: DecoupledConfig) -> dict[str, Any]:
     """Write the plan and version 0 of every module (kept as is when resuming)."""
-    from dipaco.dense import load_dense_state, warmup_steps
+    from dipaco.dense import load_dense_state
+    from dipaco.schedule import warmup_steps
     from dipaco.run_dir import RunDir
     from dipaco.sync.module_sync import flatten_params
-    from dipaco.trainer import build_grid
+    from dipaco.build import build_grid
 
     grid = build_grid(cfg)
     if warmup_steps(cfg) > 0:
@@ -326,8 +327,8 @@ def _append_round_metrics(run: Any, store: Store) -> None:
 def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
     """The final versions as an ordinary checkpoint ``round_<R>`` (modules, outer, paths)."""
     from dipaco.checkpoint import CheckpointManager, save_state
-    from dipaco.decoupled.learner import _load_flat
-    from dipaco.trainer import build_grid
+    from dipaco.decoupled.worker import _load_flat
+    from dipaco.build import build_grid
 
     grid = build_grid(cfg)
     R = int(plan["rounds"])

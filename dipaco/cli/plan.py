@@ -1,25 +1,25 @@
-"""``python -m dipaco.plan [overrides]``: print the communication plan of a config.
+"""``dipaco-plan [overrides]``: print the communication plan of a config.
 
 Per module: the paths that share it, the worker groups that hold it, its parameters and
 the bytes it sends per round with the configured codec; and the bytes a data-parallel
 (DDP) run of one path's model over the same ranks would send in the same H steps.
 Takes the same overrides as ``dipaco-train``, so a plan can be read before launching::
 
-    python -m dipaco.plan grid=4x4 diloco.codec=int8 diloco.inner_steps=100
+    dipaco-plan grid=4x4 diloco.codec=int8 diloco.inner_steps=100
 """
 from __future__ import annotations
 
 import sys
 from typing import Optional
 
+from dipaco.build import build_grid, build_topology
+from dipaco.cli.errors import report_user_errors
 from dipaco.config import Config, codec_kwargs, compose_config, validate_config
 from dipaco.topology import CommPlan, format_plan
 
 
 def plan_for(cfg: Config) -> CommPlan:
     """The communication plan of ``cfg`` (no data, no training: module sizes only)."""
-    from dipaco.trainer import build_grid, build_topology
-
     grid = build_grid(cfg)
     distributed = cfg.launcher.name != "local"
     topo = build_topology(cfg, grid, cfg.launcher.nproc, distributed)
@@ -30,8 +30,6 @@ def plan_for(cfg: Config) -> CommPlan:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Print the plan for ``argv`` (Hydra-style overrides)."""
-    from dipaco.cli.errors import report_user_errors
-
     @report_user_errors
     def run(overrides: list[str]) -> None:
         if any(a in ("-h", "--help") for a in overrides):

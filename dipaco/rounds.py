@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from dipaco import faults
 from dipaco.checkpoint import CheckpointManager, load_state, save_state
+from dipaco.build import build_grid, build_topology
 from dipaco.config import Config, codec_kwargs
 from dipaco.data import TokenStream
-from dipaco.dense import load_dense_state, total_inner_steps, warmup_steps
+from dipaco.dense import load_dense_state
+from dipaco.schedule import total_inner_steps, warmup_steps
 from dipaco.learner import PathLearner
 from dipaco.run_dir import RunDir
 from dipaco.sync.data_parallel import allreduce_gradients
@@ -36,43 +37,6 @@ from router import load_shard
 def _log(rank: Optional[int], msg: str) -> None:
     if rank is None or rank == 0:
         print(f"[dipaco] {msg}", flush=True)
-
-
-def build_grid(cfg: Config) -> ModuleGrid:
-    """The run's module grid (modules are built lazily, on first use)."""
-    g = cfg.grid
-    return ModuleGrid(cfg.model, list(g.levels), private_embed=g.private_embed,
-                      private_head=g.private_head, seed=cfg.seed)
-
-
-def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: bool) -> Topology:
-    """Ranks ↔ worker groups ↔ paths ↔ modules.
-
-    The local backend simulates one worker group per path unless ``launcher.nproc``
-    asks for fewer, so that bytes on the wire are counted as a real deployment with one
-    group per path would send them (and so that, with the same number of groups, the
-    local and torch backends partition contributions identically).
-    """
-    R = cfg.grid.replicas
-    # training path t = p·R + r is replica r of grid path p: same modules, own data
-    path_modules = [grid.module_ids_of_path(t // R) for t in range(grid.num_paths * R)]
-    if distributed:
-        return Topology(grid.module_ids, path_modules, world_size, cfg.launcher.group_size)
-    groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else len(path_modules)
-    return Topology(grid.module_ids, path_modules, min(groups, len(path_modules)), 1)
-
-
-def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> list[list[int]]:
-    """Grid-path assignments → training-path assignments (``t = p·R + r``).
-
-    Each document goes to one replica of each of its paths, drawn from a seeded hash of
-    its row, so the replicas of a path split its shard into R disjoint random parts.
-    """
-    if replicas == 1:
-        return assignments
-    rng = np.random.default_rng(seed + 7919)
-    draws = rng.integers(0, replicas, size=len(assignments))
-    return [[p * replicas + int(r) for p in paths] for paths, r in zip(assignments, draws)]
 
 
 def _gather(obj: Any, distributed: bool) -> list[Any]:

@@ -79,9 +79,10 @@ class Learner:
 
     def __init__(self, cfg: Config, run_dir: str, store: Store, index: int, incarnation: int,
                  dcfg: DecoupledConfig) -> None:
-        from dipaco.dense import load_dense_state, total_inner_steps, warmup_steps
+        from dipaco.dense import load_dense_state
+        from dipaco.schedule import total_inner_steps, warmup_steps
         from dipaco.run_dir import RunDir
-        from dipaco.trainer import build_grid
+        from dipaco.build import build_grid
 
         self.cfg, self.dcfg, self.store = cfg, dcfg, store
         self.run = RunDir.at(run_dir)

@@ -1,0 +1,35 @@
+"""Builders shared by every stage of a run: the module grid and the rank topology.
+
+Training (:mod:`dipaco.rounds`, :mod:`dipaco.decoupled`), inference, planning and the
+benchmarks all build the same objects from a :class:`~dipaco.config.Config`; keeping the
+builders here, below all of them, means none of them imports the rank loop.
+"""
+from __future__ import annotations
+
+from dipaco.config import Config
+from dipaco.topology import Topology
+from modules import ModuleGrid
+
+
+def build_grid(cfg: Config) -> ModuleGrid:
+    """The run's module grid (modules are built lazily, on first use)."""
+    g = cfg.grid
+    return ModuleGrid(cfg.model, list(g.levels), private_embed=g.private_embed,
+                      private_head=g.private_head, seed=cfg.seed)
+
+
+def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: bool) -> Topology:
+    """Ranks ↔ worker groups ↔ paths ↔ modules.
+
+    The local backend simulates one worker group per path unless ``launcher.nproc``
+    asks for fewer, so that bytes on the wire are counted as a real deployment with one
+    group per path would send them (and so that, with the same number of groups, the
+    local and torch backends partition contributions identically).
+    """
+    R = cfg.grid.replicas
+    # training path t = p·R + r is replica r of grid path p: same modules, own data
+    path_modules = [grid.module_ids_of_path(t // R) for t in range(grid.num_paths * R)]
+    if distributed:
+        return Topology(grid.module_ids, path_modules, world_size, cfg.launcher.group_size)
+    groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else len(path_modules)
+    return Topology(grid.module_ids, path_modules, min(groups, len(path_modules)), 1)
