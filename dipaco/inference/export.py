@@ -1,0 +1,107 @@
+"""One path of a run as a standalone model directory, and loading it back."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dipaco.checkpoint import MANIFEST, CheckpointError, CheckpointManager, load_tensors, save_tensors, sha256_file, write_json
+from dipaco.data import Tokenizer
+from dipaco.inference.run import InferenceRun
+from modules import ModelConfig, ModuleGrid, PathModel
+
+EXPORT_FORMAT = "dipaco-path"
+EXPORT_VERSION = 1
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_path(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,
+                overwrite: bool = False) -> Path:
+    """Write path ``path_id`` as a standalone model directory; return it.
+
+    Layout: ``model.safetensors`` (keys ``<module_id>/<param>``), ``config.json``
+    (ModelConfig, the path, module ids, grid shape, source run and checkpoint),
+    ``tokenizer.json`` and ``manifest.json`` (sha256 + size of each, the checkpoint
+    format, so :meth:`CheckpointManager.verify` checks it). Written into a temporary
+    sibling directory, then renamed: never half-written.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty (pass --force to replace it)")
+    grid = run.new_grid()
+    module_ids = grid.module_ids_of_path(int(path_id))
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for mid in module_ids:
+        run.load_module_into(grid, mid)
+        for name, t in grid.module_state_dict(mid).items():
+            tensors[f"{mid}/{name}"] = t
+    save_tensors(tmp / "model.safetensors", tensors, meta={"format": EXPORT_FORMAT, "module_ids": module_ids})
+    shutil.copyfile(run.run.tokenizer, tmp / "tokenizer.json")
+    g = run.cfg.grid
+    write_json(tmp / "config.json", {
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "model": run.cfg.model.to_dict() if hasattr(run.cfg.model, "to_dict") else dict(vars(run.cfg.model)),
+        "path_id": int(path_id),
+        "path": list(grid.path_of(int(path_id))),
+        "module_ids": module_ids,
+        "grid": {"levels": list(g.levels), "private_embed": bool(g.private_embed),
+                 "private_head": bool(g.private_head)},
+        "seed": int(run.cfg.seed),
+        "prefix_tokens": run.prefix_tokens,
+        "source": {"run_dir": str(run.run.root), "checkpoint": run.checkpoint.name,
+                   "module_sha256": {mid: run.manifest["files"][f"modules/{mid}.safetensors"]["sha256"]
+                                     for mid in module_ids}},
+    })
+    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    write_json(tmp / MANIFEST, {"files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                                          for p in files}})
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def load_exported_path(directory: str | os.PathLike) -> tuple[PathModel, Any]:
+    """Load a directory written by :func:`export_path` (or ``dipaco-infer export``).
+
+    Checks every file against ``manifest.json`` first, then builds a lazy grid of the
+    source run's shape in which only the exported path's modules are built and loaded.
+    No router is needed. Returns ``(PathModel in eval mode, Tokenizer)``; raises
+    :class:`CheckpointError` naming the file when anything is missing or corrupt.
+    """
+    d = Path(directory).expanduser().resolve()
+    if not d.is_dir():
+        raise CheckpointError(f"exported path directory {d} does not exist")
+    CheckpointManager.verify(d)
+    try:
+        info = json.loads((d / "config.json").read_text(encoding="utf-8"))
+        if info.get("format") != EXPORT_FORMAT or info.get("version") != EXPORT_VERSION:
+            raise ValueError(f"format {info.get('format')!r} v{info.get('version')!r} is not "
+                             f"{EXPORT_FORMAT!r} v{EXPORT_VERSION}")
+        cfg = ModelConfig(**info["model"])
+        g = info["grid"]
+        grid = ModuleGrid(cfg, g["levels"], private_embed=g["private_embed"],
+                          private_head=g["private_head"], seed=int(info.get("seed", 0)))
+        path_id = int(info["path_id"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"unreadable {d / 'config.json'}: {e}") from None
+    tensors, _ = load_tensors(d / "model.safetensors")
+    for mid in grid.module_ids_of_path(path_id):
+        state = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.split("/", 1)[0] == mid}
+        try:
+            grid.load_module_state_dict(mid, state)
+        except ValueError as e:
+            raise CheckpointError(f"{d / 'model.safetensors'}: {e}") from None
+    model = PathModel(grid, path_id).eval()
+    model.grid = grid
+    return model, Tokenizer.load(str(d / "tokenizer.json"))

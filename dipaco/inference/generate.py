@@ -1,0 +1,159 @@
+"""Routed generation: one path decodes at a time, re-routed every W tokens if asked."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from modules import PathModel
+
+if TYPE_CHECKING:
+    from dipaco.inference.run import InferenceRun, PathLoader
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    """The result of :func:`generate_routed`.
+
+    Attributes:
+        prompt: prompt token ids.
+        tokens: generated token ids (eos included when generation stopped on it).
+        window_paths: the path of each window of ``reroute_every`` tokens over
+            ``prompt + tokens`` (``router.reroute_windows``'s rule); without re-routing, ``[path]``.
+        switches: ``(sequence position, path)`` each time generation started using a path.
+        stopped_at_eos: generation ended on the eos token.
+    """
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    window_paths: list[int] = field(default_factory=list)
+    switches: list[tuple[int, int]] = field(default_factory=list)
+    stopped_at_eos: bool = False
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt followed by the generated tokens."""
+        return self.prompt + self.tokens
+
+
+class _PathDecoder:
+    """Next-token logits of one path over a growing sequence, with or without KV cache."""
+
+    def __init__(self, model: PathModel, use_kv_cache: bool) -> None:
+        self.model = model
+        self.max_len = model.cfg.max_seq_len
+        self.cache = model.new_kv_cache(1, self.max_len) if use_kv_cache else None
+        self.start = 0  # sequence position of the cache's first token
+
+    @torch.no_grad()
+    def next_logits(self, seq: list[int]) -> torch.Tensor:
+        """Logits ``[V]`` for the token after ``seq`` (seeing its last ``max_seq_len`` tokens)."""
+        if self.cache is None:
+            window = seq[-self.max_len:]
+            return self.model(torch.tensor([window], dtype=torch.long))[0, -1]
+        new = seq[self.start + self.cache.length:]
+        if self.cache.length + len(new) > self.max_len or not new:
+            # The window slid (rotary positions shift) or nothing is new: re-encode it.
+            self.cache.reset()
+            self.start = max(0, len(seq) - self.max_len)
+            new = seq[self.start:]
+        return self.model(torch.tensor([new], dtype=torch.long), self.cache)[0, -1]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
+            generator: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    scaled = logits.double() / temperature
+    if top_k is not None:
+        kth = torch.topk(scaled, min(int(top_k), scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return int(torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator))
+
+
+def generate_routed(
+    run: InferenceRun,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    seed: int = 0,
+    reroute_every: Optional[int] = None,
+    use_kv_cache: bool = True,
+    stop_at_eos: bool = True,
+    loader: Optional[PathLoader] = None,
+    on_token: Optional[Callable[[int], None]] = None,
+) -> Generation:
+    """Continue ``prompt_ids`` with the path its prefix routes to (re-routing every W tokens).
+
+    Args:
+        temperature: 0 is greedy; otherwise softmax sampling at this temperature.
+        top_k: sample among the ``top_k`` likeliest tokens only.
+        seed: seeds the sampler (a private generator; the global RNG is untouched).
+        reroute_every: W; ``None`` routes once by the prompt.
+        use_kv_cache: ``False`` re-runs the whole context each step (slow; same tokens).
+        stop_at_eos: stop after generating the eos token.
+        loader: a :class:`PathLoader` to use (default: a fresh one, one path in memory).
+        on_token: called with each generated token id as soon as it is chosen.
+    """
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if reroute_every is not None and reroute_every < 1:
+        raise ValueError(f"reroute_every must be >= 1 token, got {reroute_every}")
+    loader = loader or run.loader()
+    generator = torch.Generator().manual_seed(int(seed))
+    eos = run.tokenizer.eos_id
+    out = Generation(prompt=prompt)
+    seq = list(prompt)
+    P = run.prefix_tokens
+    window_path: dict[int, int] = {}
+
+    def path_at(pos: int) -> int:
+        """Path generating sequence position ``pos`` (reroute_windows's rule)."""
+        j = 0 if reroute_every is None else pos // reroute_every
+        if j not in window_path:
+            if reroute_every is None:
+                ctx = prompt
+            elif j == 0:
+                ctx = seq[:P]
+            else:
+                ctx = seq[max(0, j * reroute_every - P): j * reroute_every]
+            window_path[j] = run.route(ctx)
+        return window_path[j]
+
+    decoder: Optional[_PathDecoder] = None
+    for _ in range(max_new_tokens):
+        p = path_at(len(seq))
+        if decoder is None or decoder.model.path_id != p:
+            decoder = None  # release the old path's cache before loading the new path
+            decoder = _PathDecoder(loader.get(p), use_kv_cache)
+            out.switches.append((len(seq), p))
+        tok = _sample(decoder.next_logits(seq), temperature, top_k, generator)
+        seq.append(tok)
+        out.tokens.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if stop_at_eos and tok == eos:
+            out.stopped_at_eos = True
+            break
+    if reroute_every is None:
+        out.window_paths = [path_at(0)]
+    else:
+        # Windows that hold only prompt tokens were never needed for generating; fill them
+        # (and a window the last token opened) in by the same rule, for the record.
+        n_windows = -(-len(seq) // reroute_every)
+        out.window_paths = [path_at(j * reroute_every) for j in range(n_windows)]
+    return out
