@@ -49,7 +49,7 @@ def train_dense(
         for mid, sd in init.items():
             grid.load_module_state_dict(mid, sd)
     model = PathModel(grid, 0)
-    stream = TokenStream(list(docs), seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
+    stream = TokenStream(docs, seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
                          seed=cfg.seed, path_id=stream_id, eos_id=eos_id)
     learner = PathLearner(0, model, stream, cfg.trainer, total_inner_steps(cfg), step_offset=step_offset)
     bar = None

@@ -15,16 +15,20 @@ import torch
 
 from dipaco.checkpoint import write_json
 from dipaco.config import Config
-from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_dataset
+from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_to_docs
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
 from dipaco.schedule import warmup_steps
 from dipaco.run_dir import RunDir, RunDirError
-from router import expand_replicas
-from router import Router, routing_report, write_shards
+from router import Router, TokenDocs, assign_in_batches, expand_replicas, routing_report, write_shards
 
 # The tokenizer is trained on at most this many characters of training text: enough
 # for a few-thousand-token BPE, and seconds on 2 cores (NOTES.md: 10 MB in ~3 s).
 TOKENIZER_TRAIN_CHARS = 20_000_000
+# The router's featurizer and k-means are fitted on at most this many training documents
+# (evenly spaced over the corpus); every document is then routed, in batches. The TF-IDF
+# fit holds its documents' prefixes in memory, so an uncapped fit would grow with the
+# corpus; faiss already samples at most 256 points per centroid for k-means.
+ROUTER_FIT_MAX_DOCUMENTS = 262_144
 
 
 @dataclass
@@ -32,13 +36,13 @@ class Prepared:
     """What the preparation phase produced (all also on disk in the run directory)."""
 
     tokenizer: Any
-    train_ids: list[np.ndarray]
-    val_ids: list[np.ndarray]
+    train_ids: TokenDocs  # memory-mapped token ids of the training documents
+    val_ids: TokenDocs
     val_labels: list[Optional[str]]
     router: Any
     report: dict
     warmup_steps: int = 0
-    train_dataset: Any = None  # tokenized training rows (HF Dataset), for re-sharding
+    train_dataset: Any = None  # the rows write_shards copies when re-sharding (== train_ids)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -76,18 +80,17 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
     return featurize
 
 
-def _evaluated(cfg: Config, val_tok: Any) -> list[np.ndarray]:
+def _evaluated(cfg: Config, val_ids: TokenDocs) -> TokenDocs:
     """The validation documents the run's evaluation scores (the first eval_max_documents)."""
-    ids = [np.asarray(x, dtype=np.int64) for x in val_tok["input_ids"]]
-    return ids if cfg.trainer.eval_max_documents is None else ids[: cfg.trainer.eval_max_documents]
+    return val_ids if cfg.trainer.eval_max_documents is None else val_ids[: cfg.trainer.eval_max_documents]
 
 
-def validation_ids(cfg: Config, run: RunDir) -> list[np.ndarray]:
+def validation_ids(cfg: Config, run: RunDir) -> TokenDocs:
     """A finished run's validation documents as token ids, exactly as its evaluation saw
     them (same corpus split, the run's tokenizer and token cache)."""
     run.require(run.tokenizer, "tokenizer")
     corpus = load_corpus(cfg.data, progress=False)
-    val_tok = tokenize_dataset(corpus.split("validation"), Tokenizer.load(run.tokenizer),
+    val_tok = tokenize_to_docs(corpus.split("validation"), Tokenizer.load(run.tokenizer),
                                cache_dir=cfg.data.cache_dir or str(run.cache), progress=False)
     return _evaluated(cfg, val_tok)
 
@@ -113,19 +116,18 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     if run.tokenizer.exists():
         tokenizer = Tokenizer.load(run.tokenizer)
     else:
-        tokenizer = Tokenizer.train(_capped_texts(train_ds["text"], TOKENIZER_TRAIN_CHARS),
+        tokenizer = Tokenizer.train(_capped_texts(train_ds, TOKENIZER_TRAIN_CHARS),
                                     vocab_size=cfg.model.vocab_size)
         tokenizer.save(run.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens > model.vocab_size {cfg.model.vocab_size}")
     cache_dir = cfg.data.cache_dir or str(run.cache)
-    train_tok = tokenize_dataset(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
-    val_tok = tokenize_dataset(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
-    train_ids = [np.asarray(x, dtype=np.int64) for x in train_tok["input_ids"]]
-    val_ids = _evaluated(cfg, val_tok)
+    # memory-mapped: from here on documents are read by offset, never held in memory
+    train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
+    val_ids = _evaluated(cfg, tokenize_to_docs(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress))
     val_labels = list(val_ds["label"])[: len(val_ids)]
     timings["tokenize_s"] = time.perf_counter() - t0
-    _log(f"tokens: {sum(len(x) for x in train_ids):,} train, vocabulary {tokenizer.vocab_size}")
+    _log(f"tokens: {train_ids.num_tokens:,} train, vocabulary {tokenizer.vocab_size}")
 
     # Dense warm-up: the paper initialises every path from a dense model.
     n_warm = warmup_steps(cfg)
@@ -157,11 +159,11 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     else:
         router = _fit_router(cfg, train_ids, featurizer_fn)
         router.save(run.router)
-    assignments = router.assign(train_ids)
+    assignments = assign_in_batches(router, train_ids)
     with progress_bars(t.progress):
-        write_shards(train_tok, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
+        write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                      router.num_paths * cfg.grid.replicas, run.shards)
-    best = router.route_batch(val_ids) if val_ids else np.zeros(0, dtype=np.int64)
+    best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, dtype=np.int64)
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     # per-document path lists: shard sizes and imbalance are the training shards' (every
     # membership counts, as the balanced assignment caps them); NMI uses the best path
@@ -173,12 +175,15 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
-                    router=router, report=report, warmup_steps=n_warm, train_dataset=train_tok,
+                    router=router, report=report, warmup_steps=n_warm, train_dataset=train_ids,
                     timings=timings)
 
 
-def _fit_router(cfg: Config, train_ids: list[np.ndarray], featurizer_fn: Optional[Callable]) -> Any:
+def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Callable]) -> Any:
     r = cfg.router
+    docs = train_ids.prefixes(r.prefix_tokens)  # views: no document is copied whole
+    if len(docs) > ROUTER_FIT_MAX_DOCUMENTS:
+        docs = docs.select(np.linspace(0, len(docs) - 1, ROUTER_FIT_MAX_DOCUMENTS).astype(np.int64))
     featurizer = None
     if featurizer_fn is not None:
         from router import CallableFeaturizer
@@ -188,16 +193,19 @@ def _fit_router(cfg: Config, train_ids: list[np.ndarray], featurizer_fn: Optiona
         from router import TokenTfidfFeaturizer
 
         featurizer = TokenTfidfFeaturizer(dim=r.feature_dim, seed=cfg.seed)
-    return Router.fit(train_ids, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, method=r.method,
+    return Router.fit(docs, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, method=r.method,
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,
                       featurizer=featurizer, niter=r.niter)
 
 
-def _capped_texts(texts: list[str], max_chars: int) -> list[str]:
+def _capped_texts(ds: Any, max_chars: int) -> list[str]:
+    """The first documents' texts, up to ``max_chars`` characters, read in batches (the
+    text column of a large corpus is never loaded whole)."""
     out, n = [], 0
-    for text in texts:
-        if n >= max_chars:
-            break
-        out.append(text)
-        n += len(text)
+    for batch in ds.select_columns(["text"]).iter(batch_size=1024):
+        for text in batch["text"]:
+            if n >= max_chars:
+                return out
+            out.append(text)
+            n += len(text)
     return out

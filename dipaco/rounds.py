@@ -94,8 +94,8 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     total = total_inner_steps(cfg)
     learners: dict[int, PathLearner] = {}
     for p in my_paths:
-        docs = [np.asarray(x, dtype=np.int64) for x in load_shard(run.shards, p)["input_ids"]]
-        stream = TokenStream(docs, seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
+        # memory-mapped: batches are read from the shard's token file by offset
+        stream = TokenStream(load_shard(run.shards, p), seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
                              seed=cfg.seed, path_id=p, eos_id=eos, rank=local_rank, world=G)
         grad_sync = None
         if G > 1:

@@ -143,7 +143,7 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
     import numpy as np
 
     from dipaco.evaluate import per_document_losses
-    from router import routing_report, write_shards
+    from router import assign_in_batches, routing_report, write_shards
 
     t0 = time.perf_counter()
     grid = load_grid_from_checkpoint(cfg, ckpt)
@@ -160,7 +160,7 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
     info: dict[str, Any] = {"documents": int(keep.sum()), "fitted": bool(fitted)}
     if fitted:
         prep.router.save(run.router)
-        assignments = prep.router.assign(prep.train_ids)
+        assignments = assign_in_batches(prep.router, prep.train_ids)
         from dipaco.data import progress_bars
 
         with progress_bars(cfg.trainer.progress):

@@ -8,7 +8,8 @@ Typical use::
 
     r = Router.fit(token_docs, grid=[4, 4], prefix_tokens=32)
     shards = r.assign(token_docs)            # balanced, top-k, for training
-    write_shards(ds, shards, r.num_paths, "out/shards")
+    write_shards(token_docs, shards, r.num_paths, "out/shards")
+    load_shard("out/shards", 3)              # path 3's documents, memory-mapped (TokenDocs)
     r.route(prompt_ids)                      # evaluation / inference: best path
     r.save("out/router"); Router.load("out/router", expected_grid=[4, 4])
 """
@@ -18,7 +19,8 @@ from .features import CallableFeaturizer, TokenTfidfFeaturizer
 from .kmeans import fit_kmeans, search, squared_distances
 from .report import routing_report
 from .router import METHODS, ROUTER_FORMAT_VERSION, Router
-from .shards import expand_replicas, load_shard, read_shards_manifest, write_shards
+from .shards import assign_in_batches, expand_replicas, load_shard, read_shards_manifest, write_shards
+from .tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs, write_token_docs
 
 __all__ = [
     "Router",
@@ -34,6 +36,12 @@ __all__ = [
     "fit_discriminative",
     "DiscriminativeHead",
     "write_shards",
+    "assign_in_batches",
+    "TokenDocs",
+    "TokenDocsWriter",
+    "TokenFileError",
+    "open_token_docs",
+    "write_token_docs",
     "expand_replicas",
     "load_shard",
     "read_shards_manifest",

@@ -1,61 +1,88 @@
-"""Shards on disk: one HF dataset of the training rows + per-path row indices.
+"""Shards on disk: the training rows' tokens once, memory-mapped, + per-path row indices.
 
 Layout of ``out_dir``::
 
-    data/              datasets.Dataset.save_to_disk of every row assigned to >= 1 path
+    tokens/            every row assigned to >= 1 path, as a token directory
+                       (router.tokens: tokens.bin int32 memmap + offsets.npy)
     shard_index.npz    CSR over paths: rows[offsets[p]:offsets[p+1]] are path p's rows
-                       (indices into data/; overlapping when top_k > 1)
+                       (indices into tokens/; overlapping when top_k > 1)
     shards.json        manifest: documents and tokens per path, imbalance, warnings,
                        router format version, sha256 of shard_index.npz
 
-Storing the rows once (not once per path) keeps disk use at 1x even with top-k overlap.
+Storing the rows once (not once per path) keeps disk use at 1x even with top-k overlap,
+and :func:`load_shard` returns a :class:`~router.tokens.TokenDocs` view over the memmap:
+loading a shard costs 16 bytes per document, whatever the corpus size.
 """
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .assign import balanced_assign
 from .router import ROUTER_FORMAT_VERSION
 from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
+from .tokens import TokenDocs, TokenDocsWriter, open_token_docs
 
 if TYPE_CHECKING:  # datasets is imported lazily: `import router` stays fast
     import datasets
 
-SHARDS_FORMAT_VERSION = 1
-_DATA, _INDEX, _MANIFEST = "data", "shard_index.npz", "shards.json"
+    from .router import Router
+
+# 2: tokens/ memmap (1 stored an HF dataset under data/)
+SHARDS_FORMAT_VERSION = 2
+_TOKENS, _INDEX, _MANIFEST = "tokens", "shard_index.npz", "shards.json"
+# Rows copied / routed per batch: bounds memory on corpora larger than RAM.
+BATCH_ROWS = 65_536
+_REWRITE = "route again (dipaco-route, or dipaco-train resume=false into a new run dir)"
+
+
+def _batches_of_rows(docs: Any, rows: np.ndarray, token_column: str):
+    """Token ids of ``rows`` of ``docs`` (TokenDocs, HF dataset or list), in bounded batches."""
+    for lo in range(0, rows.size, BATCH_ROWS):
+        chunk = rows[lo : lo + BATCH_ROWS]
+        if isinstance(docs, TokenDocs):
+            yield docs.gather(chunk)
+        elif hasattr(docs, "column_names"):  # an HF dataset: read only this batch's column
+            yield docs.select(chunk.tolist())[token_column]
+        else:
+            yield [docs[int(i)] for i in chunk]
 
 
 def write_shards(
-    dataset: "datasets.Dataset",
+    docs: "TokenDocs | datasets.Dataset | Sequence[Sequence[int]]",
     assignments: Sequence[Sequence[int]],
     num_paths: int,
     out_dir: str | os.PathLike,
     *,
     token_column: str = "input_ids",
 ) -> dict[str, Any]:
-    """Write the shards of ``dataset`` given each row's paths (``Router.assign`` output).
+    """Write the shards of ``docs`` given each row's paths (``Router.assign`` output).
 
-    Rows assigned to no path are left out. Empty shards do not fail: they are listed in
-    the manifest's ``empty_shards`` with a message in ``warnings`` (and a Python warning).
-    Returns the manifest (also written to ``out_dir/shards.json``).
+    ``docs`` is a :class:`TokenDocs` (e.g. a memory-mapped corpus), an HF dataset with a
+    ``token_column`` or a list of token id sequences; rows are copied in batches, so
+    memory stays bounded whatever the corpus size. Rows assigned to no path are left out.
+    Empty shards do not fail: they are listed in the manifest's ``empty_shards`` with a
+    message in ``warnings`` (and a Python warning). Returns the manifest (also written
+    to ``out_dir/shards.json``).
     """
     num_paths = int(num_paths)
     if num_paths < 1:
         raise ValueError(f"num_paths must be >= 1, got {num_paths}")
-    if len(assignments) != len(dataset):
+    if len(assignments) != len(docs):
         raise ValueError(
-            f"assignments has {len(assignments)} entries but the dataset has {len(dataset)} rows; "
+            f"assignments has {len(assignments)} entries but the dataset has {len(docs)} rows; "
             "pass one list of paths per row"
         )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    kept_rows = [i for i, a in enumerate(assignments) if len(a)]
-    position = {row: pos for pos, row in enumerate(kept_rows)}
+    kept_rows = np.array([i for i, a in enumerate(assignments) if len(a)], np.int64)
+    position = np.full(len(assignments), -1, np.int64)
+    position[kept_rows] = np.arange(kept_rows.size)
     per_path: list[list[int]] = [[] for _ in range(num_paths)]
     for row, paths in enumerate(assignments):
         if len(set(paths)) != len(paths):
@@ -63,28 +90,22 @@ def write_shards(
         for p in paths:
             if not 0 <= int(p) < num_paths:
                 raise ValueError(f"assignments[{row}] has path {p} outside [0, {num_paths})")
-            per_path[int(p)].append(position[row])
+            per_path[int(p)].append(int(position[row]))
     sizes = np.array([len(r) for r in per_path], np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     rows = np.array([r for rs in per_path for r in rs], np.int64)
 
-    subset = dataset.select(kept_rows)
-    tokens = None
-    if token_column in subset.column_names:
-        lengths = np.array([len(x) for x in subset[token_column]], np.int64)
-        tokens = [int(lengths[np.asarray(r, np.int64)].sum()) if r else 0 for r in per_path]
-
-    # Save next to the target, then swap in: a reader never sees a half-written data/.
-    tmp = out / f".{_DATA}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    # num_proc=None: in datasets 5.x even num_proc=1 starts a spawn pool that re-imports
-    # __main__ (a script without a main guard would run again); None writes in-process.
-    subset.save_to_disk(str(tmp), num_proc=None)
-    final = out / _DATA
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    # The writer fills a temporary directory and renames it into place: a reader never
+    # sees a half-written tokens/.
+    writer = TokenDocsWriter(out / _TOKENS)
+    try:
+        for batch in _batches_of_rows(docs, kept_rows, token_column):
+            writer.append(batch)
+    except BaseException:
+        writer.abort()
+        raise
+    lengths = writer.close().lengths
+    tokens = [int(lengths[np.asarray(r, np.int64)].sum()) if r else 0 for r in per_path]
 
     index_sha = atomic_write_npz(out / _INDEX, {"offsets": offsets, "rows": rows})
     empty = np.flatnonzero(sizes == 0).tolist()
@@ -99,7 +120,7 @@ def write_shards(
         "version": SHARDS_FORMAT_VERSION,
         "router_version": ROUTER_FORMAT_VERSION,
         "num_paths": num_paths,
-        "num_rows": len(kept_rows),
+        "num_rows": int(kept_rows.size),
         "documents_per_path": sizes.tolist(),
         "tokens_per_path": tokens,
         "imbalance": float(sizes.max() / mean) if mean > 0 else None,
@@ -112,31 +133,57 @@ def write_shards(
 
 
 def read_shards_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
-    """The ``shards.json`` of ``out_dir`` (ValueError naming the file when missing)."""
-    import json
-
+    """The ``shards.json`` of ``out_dir`` (ValueError naming the file when missing or old)."""
     path = Path(out_dir) / _MANIFEST
     if not path.is_file():
         raise ValueError(f"missing {path}: not a shards directory (write_shards creates it)")
-    return json.loads(path.read_text())
+    manifest = json.loads(path.read_text())
+    if manifest.get("version") != SHARDS_FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has shards format {manifest.get('version')}, this version reads "
+            f"{SHARDS_FORMAT_VERSION}. Fix: {_REWRITE}")
+    return manifest
 
 
-def load_shard(out_dir: str | os.PathLike, path_id: int) -> "datasets.Dataset":
-    """The rows of shard ``path_id`` (may be an empty dataset for an empty shard)."""
-    import datasets
+def load_shard(out_dir: str | os.PathLike, path_id: int) -> TokenDocs:
+    """The documents of shard ``path_id``, memory-mapped (may be empty for an empty shard).
 
+    A missing or corrupt token file raises a ValueError naming the file and the fix.
+    """
     out = Path(out_dir)
     manifest = read_shards_manifest(out)
     p = int(path_id)
     if not 0 <= p < manifest["num_paths"]:
         raise ValueError(f"path_id must be in [0, {manifest['num_paths']}), got {path_id}")
     index = load_npz_checked(out / _INDEX, manifest["files"][_INDEX])
-    data = datasets.load_from_disk(str(out / _DATA))
+    data = open_token_docs(out / _TOKENS, fix=_REWRITE)
+    if len(data) != manifest["num_rows"]:
+        raise ValueError(
+            f"corrupt {out / _TOKENS}: {len(data)} documents, {out / _MANIFEST} lists "
+            f"{manifest['num_rows']}. Fix: {_REWRITE}")
     offsets, rows = index["offsets"], index["rows"]
-    return data.select(rows[offsets[p] : offsets[p + 1]].tolist())
+    return data.select(rows[offsets[p] : offsets[p + 1]])
 
 
-__all__ = ["write_shards", "load_shard", "read_shards_manifest", "SHARDS_FORMAT_VERSION"]
+def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int]]", *,
+                      batch_size: int = BATCH_ROWS) -> list[list[int]]:
+    """``router.assign(docs)`` with costs computed ``batch_size`` documents at a time.
+
+    Featurization memory is bounded by the batch; what is kept for all documents is the
+    cost matrix ``[N, P]`` (the balanced assignment needs every document's costs at once
+    to order them by confidence). Token documents are cut to their routing prefix as a
+    view first, so no document is copied whole.
+    """
+    n = len(docs)
+    if isinstance(docs, TokenDocs):
+        docs = docs.prefixes(router.prefix_tokens)
+    if n == 0:
+        return []
+    costs = np.concatenate([router.costs(docs[lo : lo + batch_size]) for lo in range(0, n, batch_size)])
+    return balanced_assign(costs, top_k=router.top_k, capacity_factor=router.capacity_factor)
+
+
+__all__ = ["write_shards", "load_shard", "read_shards_manifest", "assign_in_batches", "SHARDS_FORMAT_VERSION"]
 
 
 def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> list[list[int]]:

@@ -27,6 +27,7 @@ from dipaco.data import (
     split_source,
     stdlib_root,
     tokenize_dataset,
+    tokenize_to_docs,
     tokens_in_batch,
 )
 from dipaco.data.splits import id_unit_interval
@@ -436,3 +437,64 @@ def test_eval_batches_cover_every_target_once() -> None:
     assert sum(tokens_in_batch(y) for _, y in batches) == total
     assert all(x.shape[1] == 16 for x, _ in batches)
     assert list(iter_eval_batches([], 16, 3, 0)) == []
+
+
+# --------------------------------------------------------------------------- memory-mapped tokens
+
+
+def test_tokenize_to_docs_is_cached_memmap_equal_to_tokenize_dataset(
+        tmp_path, small_tokenizer: Tokenizer, stdlib_corpus: Corpus) -> None:
+    ds = stdlib_corpus.dataset.select(range(60))
+    want = tokenize_dataset(ds, small_tokenizer, progress=False)["input_ids"]
+    hits = CACHE_STATS["hits"]
+    a = tokenize_to_docs(ds, small_tokenizer, cache_dir=str(tmp_path), progress=False, batch_size=16)
+    assert isinstance(a.tokens, np.memmap) and [d.tolist() for d in a] == want
+    b = tokenize_to_docs(ds, small_tokenizer, cache_dir=str(tmp_path), progress=False)
+    assert CACHE_STATS["hits"] == hits + 1 and np.array_equal(a.starts, b.starts)
+    # a damaged cache entry is rebuilt, not trusted
+    (entry,) = [p for p in tmp_path.iterdir() if p.name.startswith("tokens-")]
+    (entry / "tokens.bin").write_bytes(b"\0" * 4)
+    c = tokenize_to_docs(ds, small_tokenizer, cache_dir=str(tmp_path), progress=False)
+    assert [d.tolist() for d in c] == want
+    assert [d.tolist() for d in tokenize_to_docs(ds, small_tokenizer, progress=False)] == want
+
+
+def test_memmapped_shards_route_train_and_score_like_in_memory_data(tmp_path) -> None:
+    """Acceptance (issue 19, item 1): routing, training and perplexity from memory-mapped
+    shards give exactly the numbers the same documents give from in-memory lists."""
+    from dipaco.evaluate import evaluate_single
+    from dipaco.learner import lm_loss
+    from modules import ModelConfig, ModuleGrid, PathModel
+    from router import Router, assign_in_batches, load_shard, write_shards, write_token_docs
+    from router.synthetic import topic_corpus
+
+    docs, _ = topic_corpus(4, docs_per_topic=20, seed=0)
+    docs = [d % 60 for d in docs]  # token ids inside the tiny vocabulary
+    train, val = docs[:64], docs[64:]
+    td = write_token_docs(tmp_path / "corpus", train)
+    fit = dict(method="flat", seed=0, prefix_tokens=8)
+    mem_router = Router.fit(train, [2, 2], **fit)
+    map_router = Router.fit(td.prefixes(8), [2, 2], **fit)
+    mem_assign = mem_router.assign(train)
+    assert assign_in_batches(map_router, td, batch_size=10) == mem_assign
+    write_shards(td, mem_assign, 4, tmp_path / "shards")
+
+    def train_path(shard) -> tuple[list[float], float]:
+        model = PathModel(ModuleGrid(ModelConfig(vocab_size=64, d_model=16, n_heads=2, layers_per_level=1,
+                                                 max_seq_len=32), [1], seed=0), 0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        stream = TokenStream(shard, seq_len=16, batch_size=4, seed=0, path_id=1, eos_id=63)
+        losses = []
+        for _ in range(4):
+            x, y = stream.next_batch()
+            loss = lm_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, evaluate_single(val if isinstance(shard, list) else write_token_docs(
+            tmp_path / "val", val), model, seq_len=16, prefix_tokens=8)["ppl"]
+
+    in_memory = train_path([train[i] for i, paths in enumerate(mem_assign) if 1 in paths])
+    mapped = train_path(load_shard(tmp_path / "shards", 1))
+    assert in_memory == mapped and np.isfinite(in_memory[1])

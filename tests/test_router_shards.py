@@ -1,4 +1,4 @@
-"""Shards on disk (HF datasets) and the routing report."""
+"""Shards on disk (memory-mapped token files) and the routing report."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ import datasets
 import numpy as np
 import pytest
 
-from router import Router, load_shard, routing_report, write_shards
+from router import (Router, TokenFileError, assign_in_batches, load_shard, open_token_docs, routing_report,
+                    write_shards, write_token_docs)
 from router.synthetic import topic_corpus
 
 
@@ -30,8 +31,8 @@ def test_shards_round_trip_with_top2_overlap(tmp_path, routed):
     for p in range(router.num_paths):
         shard = load_shard(tmp_path / "s", p)
         expect = [i for i, s in enumerate(shards) if p in s]
-        assert shard["input_ids"] == [ds[i]["input_ids"] for i in expect]
-        assert shard["label"] == [ds[i]["label"] for i in expect]
+        assert isinstance(shard.tokens, np.memmap)  # read by offset, not loaded
+        assert [d.tolist() for d in shard] == [ds[i]["input_ids"] for i in expect]
         assert manifest["documents_per_path"][p] == len(expect)
         assert manifest["tokens_per_path"][p] == sum(len(docs[i]) for i in expect)
         total += len(shard)
@@ -86,3 +87,67 @@ def test_routing_report_fields():
     json.dumps(rep)
     with pytest.raises(ValueError, match="path ids"):
         routing_report([5], num_paths=4)
+
+
+# --------------------------------------------------------------------------- token files
+
+
+def test_token_docs_round_trip_and_views(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, size=int(n)) for n in rng.integers(0, 20, size=50)]
+    td = write_token_docs(tmp_path / "t", iter(docs), batch_size=7)  # several batches
+    assert isinstance(td.tokens, np.memmap) and len(td) == 50
+    assert [d.tolist() for d in td] == [d.tolist() for d in docs]
+    assert td.num_tokens == sum(len(d) for d in docs)
+    assert [d.tolist() for d in td.select([4, 4, 0])] == [docs[i].tolist() for i in (4, 4, 0)]
+    assert [d.tolist() for d in td.prefixes(3)] == [d[:3].tolist() for d in docs]
+    assert [d.tolist() for d in td[10:13]] == [d.tolist() for d in docs[10:13]]
+    assert len(write_token_docs(tmp_path / "e", [])) == 0  # an empty corpus opens too
+
+
+@pytest.mark.parametrize("damage", ["missing_tokens", "missing_offsets", "truncated", "garbage_offsets"])
+def test_bad_token_files_get_one_line_naming_the_file(tmp_path, damage):
+    write_token_docs(tmp_path / "t", [[1, 2, 3], [4, 5]])
+    tokens, offsets = tmp_path / "t" / "tokens.bin", tmp_path / "t" / "offsets.npy"
+    if damage == "missing_tokens":
+        tokens.unlink()
+    elif damage == "missing_offsets":
+        offsets.unlink()
+    elif damage == "truncated":
+        tokens.write_bytes(tokens.read_bytes()[:-4])
+    else:
+        offsets.write_bytes(b"not a numpy file")
+    before = sorted(p.name for p in (tmp_path / "t").iterdir())
+    with pytest.raises(TokenFileError) as err:
+        open_token_docs(tmp_path / "t", fix="rerun routing")
+    msg = str(err.value)
+    named = tokens if damage in ("missing_tokens", "truncated") else offsets
+    assert str(named) in msg and msg.endswith("Fix: rerun routing") and "\n" not in msg
+    assert sorted(p.name for p in (tmp_path / "t").iterdir()) == before  # nothing deleted
+
+
+def test_load_shard_refuses_damaged_or_old_shards(tmp_path, routed):
+    ds, router, docs = routed
+    write_shards(ds, router.assign(docs), 4, tmp_path / "s")
+    (tmp_path / "s" / "tokens" / "tokens.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(ValueError, match=r"tokens\.bin.*Fix: route again"):
+        load_shard(tmp_path / "s", 0)
+    manifest = json.loads((tmp_path / "s" / "shards.json").read_text())
+    manifest["version"] = 1  # written by the HF-dataset layout
+    (tmp_path / "s" / "shards.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="shards format 1.*Fix: route again"):
+        load_shard(tmp_path / "s", 0)
+
+
+def test_assign_in_batches_matches_assign_on_memmapped_docs(tmp_path, routed):
+    _, router, docs = routed
+    td = write_token_docs(tmp_path / "t", docs)
+    want = router.assign(docs)
+    assert assign_in_batches(router, td, batch_size=7) == want
+    assert assign_in_batches(router, list(docs), batch_size=5) == want
+    # a shard written from the memmap holds the same documents as one written from lists
+    write_shards(td, want, 4, tmp_path / "a")
+    write_shards(list(docs), want, 4, tmp_path / "b")
+    for p in range(4):
+        assert [d.tolist() for d in load_shard(tmp_path / "a", p)] == \
+            [d.tolist() for d in load_shard(tmp_path / "b", p)]

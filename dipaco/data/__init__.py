@@ -2,7 +2,8 @@
 
 raw documents → :func:`load_corpus` (a :class:`Corpus` holding an HF ``Dataset`` with
 ``id``, ``text``, ``label``, ``split``) → :class:`Tokenizer` → :func:`tokenize_dataset`
-(adds ``input_ids``, cached on disk) → :class:`TokenStream` batches for one path's shard.
+(adds ``input_ids``, cached on disk) or :func:`tokenize_to_docs` (a memory-mapped
+``router.TokenDocs``) → :class:`TokenStream` batches for one path's shard.
 
 Names are re-exported lazily (PEP 562): ``from dipaco.data import split_of`` does not pay
 for importing torch, datasets and tokenizers, which matters for CLIs that only print an
@@ -22,7 +23,7 @@ _EXPORTS = {
                        "stdlib_root"),
     "splits": ("SPLITS", "split_of"),
     "tokenize": ("CACHE_STATS", "dataset_content_hash", "dataset_token_stream", "progress_bars",
-                 "tokenize_dataset"),
+                 "tokenize_dataset", "tokenize_to_docs"),
     "tokenizer": ("EOS_TOKEN", "Tokenizer"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -51,5 +52,5 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
                                             split_source, stdlib_root)
     from dipaco.data.splits import SPLITS, split_of
     from dipaco.data.tokenize import (CACHE_STATS, dataset_content_hash, dataset_token_stream, progress_bars,
-                                      tokenize_dataset)
+                                      tokenize_dataset, tokenize_to_docs)
     from dipaco.data.tokenizer import EOS_TOKEN, Tokenizer

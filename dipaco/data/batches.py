@@ -18,6 +18,12 @@ whose padded targets are ``IGNORE_INDEX`` (-100, what ``torch.nn.functional.cros
 ignores); :func:`tokens_in_batch` counts only real targets, so α weights stay honest.
 An empty shard (no tokens at all) raises :class:`DataError`: there is nothing to train on
 and pretending otherwise would hide a routing problem.
+
+Memory-mapped shards: given a :class:`router.TokenDocs` (``load_shard``'s result), the
+stream is never built. Each window's positions are mapped to (document, offset) by a
+binary search over the documents' cumulative lengths and read from the memmap by offset,
+so a shard larger than RAM trains with memory bounded by one batch — and every batch
+equals, token for token, the one the in-memory stream of the same documents gives.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import numpy as np
 import torch
 
 from dipaco.data.errors import DataError
+from router.tokens import TokenDocs
 
 IGNORE_INDEX = -100
 _U64 = 2**64
@@ -55,7 +62,9 @@ class TokenStream:
     """Random-window training batches over one shard, reproducible and resumable.
 
     Args:
-        docs: token ids of the shard's documents (eos is appended to each here).
+        docs: token ids of the shard's documents (eos is appended to each here): a list
+            of arrays (laid into one in-memory stream) or a :class:`router.TokenDocs`
+            (read by offset, e.g. from a memory-mapped shard).
         seq_len: T, tokens per row of ``x``.
         batch_size: B, the *global* batch (rows over all ranks of the worker group).
         seed: run seed.
@@ -88,9 +97,19 @@ class TokenStream:
                 f"trainer.batch_size={batch_size} cannot be split over {world} ranks of a worker group. "
                 f"Fix: use a multiple of launcher.group_size"
             )
-        self.stream = (np.asarray(stream, dtype=np.int64).reshape(-1) if stream is not None
-                       else build_stream(docs, eos_id))
-        if self.stream.size == 0:
+        self.docs: Optional[TokenDocs] = None
+        if stream is None and isinstance(docs, TokenDocs):
+            self.docs = docs
+            # end of each document in the virtual stream (its tokens + one eos)
+            self._doc_ends = np.cumsum(docs.lengths + 1)
+            n = int(self._doc_ends[-1]) if len(docs) else 0
+            self.stream = np.zeros(0, dtype=np.int64)
+        else:
+            self.stream = (np.asarray(stream, dtype=np.int64).reshape(-1) if stream is not None
+                           else build_stream(docs, eos_id))
+            n = int(self.stream.size)
+        self._n = n
+        if n == 0:
             raise DataError(
                 f"the shard of path {path_id} is empty (no documents). Fix: use fewer paths, "
                 f"more data (data.max_documents) or router.top_k>1"
@@ -116,7 +135,21 @@ class TokenStream:
     @property
     def num_tokens(self) -> int:
         """Tokens in the shard's stream (documents plus one eos each)."""
-        return int(self.stream.size)
+        return self._n
+
+    def _read(self, idx: np.ndarray) -> np.ndarray:
+        """Stream tokens at positions ``idx`` (any shape), int64."""
+        if self.docs is None:
+            return self.stream[idx]
+        d = np.searchsorted(self._doc_ends, idx, side="right")  # document of each position
+        start = self._doc_ends[d] - (self.docs.lengths[d] + 1)
+        offset = idx - start
+        is_eos = offset == self.docs.lengths[d]
+        # eos positions read a valid dummy address (the document's start) and are masked
+        flat = self.docs.starts[d] + np.where(is_eos, 0, offset)
+        tokens = np.asarray(self.docs.tokens[np.minimum(flat, max(self.docs.tokens.size - 1, 0))],
+                            dtype=np.int64) if self.docs.tokens.size else np.zeros(idx.shape, np.int64)
+        return np.where(is_eos, self.eos_id, tokens)
 
     def _rng(self, k: int) -> np.random.Generator:
         # SeedSequence takes non-negative ints: fold negatives (path_id=-1) into uint64
@@ -124,7 +157,7 @@ class TokenStream:
 
     def batch_at(self, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Batch ``k`` (this rank's rows), without moving the position."""
-        T, n = self.seq_len, self.stream.size
+        T, n = self.seq_len, self._n
         rows = self.batch_size // self.world
         lo = self.rank * rows
         if n >= T + 1:
@@ -132,13 +165,13 @@ class TokenStream:
             # the worker group draws the same numbers
             starts = self._rng(k).integers(0, n - T, size=self.batch_size)[lo:lo + rows]
             idx = starts[:, None] + np.arange(T + 1)[None, :]
-            window = self.stream[idx]
+            window = self._read(idx)
             x = torch.from_numpy(window[:, :-1].copy())
             y = torch.from_numpy(window[:, 1:].copy())
             return x, y
         # shard shorter than one window: the whole stream, padded with eos, padding masked
         window = np.full(T + 1, self.eos_id, dtype=np.int64)
-        window[:n] = self.stream
+        window[:n] = self._read(np.arange(n))
         x = torch.from_numpy(np.tile(window[:-1], (rows, 1)))
         y = torch.from_numpy(np.tile(window[1:], (rows, 1)))
         y[:, max(n - 1, 0):] = IGNORE_INDEX

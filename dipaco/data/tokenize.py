@@ -9,6 +9,11 @@ Hashing ~12 MB of text costs well under a second; tokenizing it costs several.
 
 Entries are written to a temporary directory and renamed into place, so a crash
 mid-write leaves no half entry that a later run would trust.
+
+Two forms of entry: :func:`tokenize_dataset` keeps an HF dataset (``input_ids`` column);
+:func:`tokenize_to_docs`, what training uses, writes a flat token memmap + offsets
+(``router.tokens``) in batches, so a corpus larger than RAM is tokenized and then read
+by offset without ever being held in memory.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import datasets
 import numpy as np
 
 from dipaco.data.tokenizer import Tokenizer
+from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs
 
 # Hits and misses of this process, for tests and logs ("tokenized: cache hit").
 CACHE_STATS: Dict[str, int] = {"hits": 0, "misses": 0}
@@ -112,6 +118,62 @@ def tokenize_dataset(
             raise
         out = datasets.load_from_disk(path)
     return out
+
+
+def tokenize_to_docs(
+    ds: datasets.Dataset,
+    tokenizer: Tokenizer,
+    *,
+    cache_dir: Optional[str] = None,
+    progress: bool = True,
+    batch_size: int = 1024,
+) -> TokenDocs:
+    """Token ids of every document of ``ds`` (no eos) as :class:`router.TokenDocs`.
+
+    With ``cache_dir`` they are written once to ``tokens-<key>/`` (same key as
+    :func:`cache_path`) and memory-mapped; a later call with the same documents and
+    tokenizer maps that entry. A damaged entry is rebuilt (it is a cache: nothing is lost).
+    Without ``cache_dir`` the ids are kept in memory. Memory while tokenizing is bounded
+    by ``batch_size`` documents.
+    """
+    if "text" not in ds.column_names:
+        raise ValueError(f"tokenize_to_docs needs a 'text' column, got {ds.column_names}")
+    if not cache_dir:
+        return TokenDocs.from_arrays(_encode_batches(ds, tokenizer, batch_size, progress, flat=True))
+    path = cache_path(ds, tokenizer, cache_dir).replace("tokenized-", "tokens-")
+    if os.path.isdir(path):
+        try:
+            out = open_token_docs(path)
+            CACHE_STATS["hits"] += 1
+            return out
+        except TokenFileError:  # a damaged entry: rebuild it rather than fail
+            shutil.rmtree(path, ignore_errors=True)
+    CACHE_STATS["misses"] += 1
+    os.makedirs(cache_dir, exist_ok=True)
+    writer = TokenDocsWriter(path)
+    try:
+        for ids in _encode_batches(ds, tokenizer, batch_size, progress):
+            writer.append(ids)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def _encode_batches(ds: datasets.Dataset, tokenizer: Tokenizer, batch_size: int, progress: bool,
+                    *, flat: bool = False) -> Iterator:
+    """Token ids of ``ds``'s texts, one list per ``batch_size`` documents (or one by one if ``flat``)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(ds), desc="tokenize", unit="doc", disable=not progress)
+    for batch in ds.select_columns(["text"]).iter(batch_size=batch_size):
+        ids = tokenizer.encode_batch(["" if t is None else t for t in batch["text"]])
+        bar.update(len(ids))
+        if flat:
+            yield from ids
+        else:
+            yield ids
+    bar.close()
 
 
 def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input_ids") -> np.ndarray:

@@ -126,9 +126,9 @@ class Learner:
         from router import load_shard
 
         if p not in self.learners:
-            docs = [np.asarray(x, dtype=np.int64) for x in load_shard(self.run.shards, p)["input_ids"]]
             t = self.cfg.trainer
-            stream = TokenStream(docs, seq_len=t.seq_len, batch_size=t.batch_size, seed=self.cfg.seed,
+            # memory-mapped: batches are read from the shard's token file by offset
+            stream = TokenStream(load_shard(self.run.shards, p), seq_len=t.seq_len, batch_size=t.batch_size, seed=self.cfg.seed,
                                  path_id=p, eos_id=self.eos)
             self.learners[p] = PathLearner(p, PathModel(self.grid, p), stream, t, self.total_steps,
                                            step_offset=self.n_warm)

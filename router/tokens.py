@@ -1,0 +1,200 @@
+"""Token documents on disk: one flat memory-mapped array of token ids + document offsets.
+
+Layout of a token directory::
+
+    tokens.bin    every document's token ids end to end, raw little-endian int32
+    offsets.npy   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+
+Written once (:class:`TokenDocsWriter`, in bounded memory, renamed into place when
+complete) and read by offset through ``numpy.memmap``: opening a corpus of any size costs
+only its offsets (8 bytes per document), and a document's tokens are paged in from the
+file only when read. This is what lets routing, training and evaluation run on corpora
+many times larger than RAM.
+
+:class:`TokenDocs` is the read side: a sequence of documents (``len``, ``docs[i]`` → a 1-D
+int32 view, ``docs[a:b]`` → a ``TokenDocs``) over any flat array (a memmap or an in-memory
+array), plus the two views routing needs without copying: :meth:`TokenDocs.select` (a
+shard's rows) and :meth:`TokenDocs.prefixes` (each document cut to its routing prefix).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+TOKEN_DTYPE = np.dtype("<i4")
+TOKENS_FILE, OFFSETS_FILE = "tokens.bin", "offsets.npy"
+
+
+class TokenFileError(ValueError):
+    """A token directory is missing a file or holds an inconsistent one (message: file + fix)."""
+
+
+class TokenDocs(Sequence[np.ndarray]):
+    """Documents as ``[starts[i], ends[i])`` ranges of one flat token array.
+
+    Args:
+        tokens: the flat int array (``numpy.memmap`` for on-disk corpora).
+        starts, ends: int64 ``[N]`` range of each document in ``tokens``.
+    """
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.tokens = tokens
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.ends = np.asarray(ends, dtype=np.int64)
+        if self.starts.shape != self.ends.shape or self.starts.ndim != 1:
+            raise ValueError(f"starts {self.starts.shape} and ends {self.ends.shape} must be equal 1-D shapes")
+
+    @classmethod
+    def from_offsets(cls, tokens: np.ndarray, offsets: np.ndarray) -> "TokenDocs":
+        """Documents laid end to end: document i is ``tokens[offsets[i]:offsets[i+1]]``."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        return cls(tokens, offsets[:-1], offsets[1:])
+
+    @classmethod
+    def from_arrays(cls, docs: Iterable[Sequence[int]]) -> "TokenDocs":
+        """In-memory documents (lists or arrays of token ids), copied into one flat array."""
+        arrays = [np.asarray(d, dtype=TOKEN_DTYPE).reshape(-1) for d in docs]
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, TOKEN_DTYPE)
+        return cls.from_offsets(flat.astype(TOKEN_DTYPE, copy=False), offsets)
+
+    # ------------------------------------------------------------------ sequence
+    def __len__(self) -> int:
+        return int(self.starts.size)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return TokenDocs(self.tokens, self.starts[i], self.ends[i])
+        i = int(i)
+        return self.tokens[self.starts[i] : self.ends[i]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for s, e in zip(self.starts.tolist(), self.ends.tolist()):
+            yield self.tokens[s:e]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per document, int64 ``[N]``."""
+        return self.ends - self.starts
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in all documents (no eos counted)."""
+        return int(self.lengths.sum())
+
+    # ------------------------------------------------------------------ views
+    def select(self, rows: Sequence[int] | np.ndarray) -> "TokenDocs":
+        """The documents ``rows`` (in that order, repeats allowed), sharing the flat array."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return TokenDocs(self.tokens, self.starts[rows], self.ends[rows])
+
+    def prefixes(self, n: int) -> "TokenDocs":
+        """Each document cut to its first ``n`` tokens (a view: nothing is copied)."""
+        return TokenDocs(self.tokens, self.starts, np.minimum(self.ends, self.starts + int(n)))
+
+    def gather(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Documents ``rows`` as int64 arrays in memory (for a bounded batch of rows)."""
+        return [np.asarray(self.tokens[s:e], dtype=np.int64)
+                for s, e in zip(self.starts[rows].tolist(), self.ends[rows].tolist())]
+
+
+def as_token_docs(docs: "TokenDocs | Sequence[Sequence[int]]") -> TokenDocs:
+    """``docs`` as :class:`TokenDocs` (already one: returned as is; else copied into memory)."""
+    return docs if isinstance(docs, TokenDocs) else TokenDocs.from_arrays(docs)
+
+
+class TokenDocsWriter:
+    """Append documents to a token directory, in bounded memory; :meth:`close` publishes it.
+
+    Everything is written under ``<directory>.tmp`` and renamed to ``directory`` only when
+    complete, so a crash never leaves a directory a later reader would trust.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self._tmp = self.directory.with_name(f".{self.directory.name}.tmp")
+        if self._tmp.exists():
+            shutil.rmtree(self._tmp)
+        self._tmp.mkdir(parents=True)
+        self._file = open(self._tmp / TOKENS_FILE, "wb")
+        self._lengths: list[np.ndarray] = []
+
+    def append(self, docs: Iterable[Sequence[int]]) -> None:
+        """Write a batch of documents (token id sequences)."""
+        arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in docs]
+        if not arrays:
+            return
+        flat = np.concatenate(arrays)
+        if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(TOKEN_DTYPE).max):
+            raise ValueError(f"token ids must lie in [0, 2**31), got [{flat.min()}, {flat.max()}]")
+        self._file.write(flat.astype(TOKEN_DTYPE).tobytes())
+        self._lengths.append(np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays)))
+
+    def close(self) -> TokenDocs:
+        """Finish the files, move them into place and return the documents, memory-mapped."""
+        self._file.close()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        np.save(self._tmp / OFFSETS_FILE, offsets)
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        os.replace(self._tmp, self.directory)
+        return open_token_docs(self.directory)
+
+    def abort(self) -> None:
+        """Drop what was written (the published directory, if any, is left untouched)."""
+        self._file.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def write_token_docs(directory: str | os.PathLike, docs: Iterable[Sequence[int]],
+                     batch_size: int = 4096) -> TokenDocs:
+    """Write ``docs`` (any iterable of token id sequences) as a token directory; return it mapped."""
+    writer = TokenDocsWriter(directory)
+    try:
+        batch: list[Sequence[int]] = []
+        for d in docs:
+            batch.append(d)
+            if len(batch) == batch_size:
+                writer.append(batch)
+                batch = []
+        writer.append(batch)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the directory and rerun") -> TokenDocs:
+    """Memory-map a token directory; :class:`TokenFileError` (one line: the file and ``fix``)
+    when a file is missing or the offsets do not match the token file."""
+    d = Path(directory)
+    tokens_path, offsets_path = d / TOKENS_FILE, d / OFFSETS_FILE
+    for p in (tokens_path, offsets_path):
+        if not p.is_file():
+            raise TokenFileError(f"missing {p}: the token files are incomplete. Fix: {fix}")
+    try:
+        offsets = np.load(offsets_path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise TokenFileError(f"corrupt {offsets_path} ({e}). Fix: {fix}") from None
+    size = tokens_path.stat().st_size
+    if (offsets.ndim != 1 or offsets.size < 1 or offsets.dtype.kind not in "iu" or offsets[0] != 0
+            or np.any(np.diff(offsets) < 0)):
+        raise TokenFileError(f"corrupt {offsets_path}: not a non-decreasing offsets array from 0. Fix: {fix}")
+    if size != int(offsets[-1]) * TOKEN_DTYPE.itemsize:
+        raise TokenFileError(
+            f"corrupt {tokens_path}: {size} bytes, but {offsets_path.name} expects "
+            f"{int(offsets[-1]) * TOKEN_DTYPE.itemsize} (truncated or overwritten). Fix: {fix}")
+    # np.memmap refuses an empty file: an empty corpus is a plain empty array
+    tokens = (np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r") if size
+              else np.zeros(0, TOKEN_DTYPE))
+    return TokenDocs.from_offsets(tokens, offsets)
+
+
+__all__ = ["TokenDocs", "TokenDocsWriter", "TokenFileError", "as_token_docs", "open_token_docs",
+           "write_token_docs", "TOKEN_DTYPE"]
