@@ -13,7 +13,9 @@ with 4 single-threaded worker processes:
   slower in the same way. Learners are not bound to paths, so the fast ones take over
   the phases the slow one does not get to. Two rows: the defaults (dynamic local
   updates: the slow learner runs ~H/3 steps per phase), and fixed H for every phase
-  (``dynamic_steps=false``, the waiting cap off), to show what dynamic steps buy.
+  (``dynamic_steps=false``, the waiting cap off), to show what dynamic steps buy (full
+  mode or ``--fixed-h`` only: a third run is a third of the time, and the suite's quick
+  budget is 10 minutes).
 
 Phases are ~2–3 s here (H=256 steps of the tiny model on a shared core): shorter ones
 would measure store and process-scheduling overheads that real phases (minutes) hide.
@@ -40,8 +42,8 @@ NAME = "decoupled"
 TARGET_GOODPUT = 0.8
 SLOW_FACTOR = 3.0
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {"rounds": 6, "inner_steps": 256},
-    "full": {"rounds": 12, "inner_steps": 384},
+    "quick": {"rounds": 6, "inner_steps": 256, "fixed_h": False},
+    "full": {"rounds": 12, "inner_steps": 384, "fixed_h": True},
 }
 
 
@@ -148,8 +150,10 @@ def run_dec(run_dir: Path, size: dict[str, Any], side: str = "decoupled", **sett
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = base_parser(__doc__)
+    ap.add_argument("--fixed-h", action="store_true", help="also run decoupled with fixed H in quick mode")
     args = ap.parse_args(argv)
-    size = SIZES[args.mode]
+    size = dict(SIZES[args.mode])
+    size["fixed_h"] = size["fixed_h"] or args.fixed_h
     load0 = load_average()
     from dipaco.config import compose_config
     from dipaco.prepare import prepare
@@ -158,9 +162,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_dir = work_dir(NAME, args.work_dir) / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare(compose_config(overrides(size), run_dir), RunDir.at(run_dir))  # tokenizer, router, shards once
-    rows = [run_sync(run_dir, size), run_dec(run_dir, size),
-            run_dec(run_dir, size, "decoupled, fixed H", dynamic_steps=False, pull_wait_fraction=None)]
-    sync, dec, fixed = rows
+    rows = [run_sync(run_dir, size), run_dec(run_dir, size)]
+    if size["fixed_h"]:
+        rows.append(run_dec(run_dir, size, "decoupled, fixed H", dynamic_steps=False, pull_wait_fraction=None))
+    sync, dec = rows[:2]
     print_table(rows, ["side", "wall_s", "train_window_s", "goodput", "inner_steps", "routed_loss"],
                 title=f"\none learner {SLOW_FACTOR:g}x slower, 4 paths x {size['rounds']} phases x H={size['inner_steps']}")
     headline = {
@@ -169,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "window_speedup": sync["train_window_s"] / dec["train_window_s"],
         "wall_speedup": sync["wall_s"] / dec["wall_s"],
         "loss_difference_nats": dec["routed_loss"] - sync["routed_loss"],
-        "fixed_h_goodput": fixed["goodput"],
+        "fixed_h_goodput": rows[2]["goodput"] if size["fixed_h"] else None,
         "target_goodput": TARGET_GOODPUT,
         "verdict": verdict(dec["goodput"], TARGET_GOODPUT, at_most=False),
     }

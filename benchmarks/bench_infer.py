@@ -1,7 +1,7 @@
 """Inference benchmark: memory of routed generation vs one path, and KV-cache speed-up.
 
     python benchmarks/bench_infer.py            # [4, 4] grid, d_model 256, 2 blocks per level
-    python benchmarks/bench_infer.py --quick    # same run, fewer tokens and repeats
+    python benchmarks/bench_infer.py --quick    # same run, 64 tokens, one process per memory case
 
 Trains a small [4, 4] run once (reused from benchmarks/results/infer_run/ afterwards), then:
 
@@ -167,7 +167,8 @@ def bench_speed(tokens: int, repeats: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    ap.add_argument("--quick", action="store_true",
+                    help="64 new tokens, memory cases once, speed best of 2 (fits the suite's 10-minute budget)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=None, help="new tokens per generation")
     args = ap.parse_args()
@@ -179,9 +180,10 @@ def main() -> None:
     t0 = time.perf_counter()
     ensure_run()
     train_s = time.perf_counter() - t0
-    tokens = args.tokens or (96 if args.quick else 224)
+    tokens = args.tokens or (64 if args.quick else 224)
     repeats = 2 if args.quick else 3
-    mem = bench_memory(tokens, repeats)
+    # each memory case is a fresh process (imports + opening the run): once in quick mode
+    mem = bench_memory(tokens, 1 if args.quick else repeats)
     speed = bench_speed(tokens, repeats)
     import torch
 

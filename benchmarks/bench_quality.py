@@ -1,6 +1,6 @@
 """Quality: validation perplexity of routed DiPaCo vs dense baselines on ``python_sources``.
 
-    python -m benchmarks.bench_quality --quick   # tiny model, [2,2] grid (~2 minutes)
+    python -m benchmarks.bench_quality --quick   # tiny model, [2,2] grid, no (b) (~2-3 minutes)
     python -m benchmarks.bench_quality --full    # tiny model, [2,2] and [4,4], longer
 
 For each grid, one ``dipaco.train.train`` run (with ``router.reroute_every``) gives:
@@ -9,7 +9,8 @@ For each grid, one ``dipaco.train.train`` run (with ``router.reroute_every``) gi
 * (a) dense of one path's size at the same inner steps as a path (the trainer's
   ``dense_ppl``; ratio ``ratio_vs_dense``): the DiPaCo claim (equal inference cost);
 * (b) dense of one path's size with the same total compute (P times the steps), trained
-  here with ``dipaco.dense.train_dense`` on the run's own tokenizer, data and split;
+  here with ``dipaco.dense.train_dense`` on the run's own tokenizer, data and split
+  (full mode only, or ``--equal-compute``: its P× steps were ~40% of the quick mode's time);
 * (c) flat DiLoCo with P worker groups: not expressible by the trainer (a grid of ones has
   one path, and paths are the unit a worker group trains), recorded as not done.
 
@@ -30,10 +31,12 @@ from benchmarks.common import base_parser, load_average, print_table, verdict, w
 TARGET_VS_DENSE = 0.85
 
 # Small enough that one model runs out of capacity within the run: that is where routing
-# to specialists pays (NOTES.md). Quick mode must stay within ~3 minutes on 2 busy cores.
+# to specialists pays (NOTES.md). Quick mode must stay within ~3 minutes on 2 idle cores
+# (the suite's budget is 10): it leaves out the equal-compute dense model (b).
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {"grids": [[2, 2]], "rounds": 4, "inner_steps": 25, "max_documents": 2000},
-    "full": {"grids": [[2, 2], [4, 4]], "rounds": 8, "inner_steps": 50, "max_documents": 6000},
+    "quick": {"grids": [[2, 2]], "rounds": 4, "inner_steps": 25, "max_documents": 2000, "equal_compute": False},
+    "full": {"grids": [[2, 2], [4, 4]], "rounds": 8, "inner_steps": 50, "max_documents": 6000,
+             "equal_compute": True},
 }
 
 FLAT_DILOCO_NOTE = ("not done: the trainer cannot express flat DiLoCo (P worker groups training one "
@@ -101,7 +104,8 @@ def run_grid(grid: Sequence[int], size: dict[str, Any], seed: int, reroute_every
     cfg = compose_config(overrides, str(run_dir))
     s = train(cfg)
     num_paths = int(s["num_paths"])
-    dense_p = dense_equal_compute(cfg, run_dir, num_paths)
+    dense_p = (dense_equal_compute(cfg, run_dir, num_paths) if size["equal_compute"]
+               else {"ppl": None, "steps": None, "seconds": 0.0})
     routed, dense = s["routed_ppl"], s["dense_ppl"]
     return {
         "grid": list(grid),
@@ -116,7 +120,7 @@ def run_grid(grid: Sequence[int], size: dict[str, Any], seed: int, reroute_every
         "dense_equal_compute_ppl": dense_p["ppl"],
         "dense_equal_compute_steps": dense_p["steps"],
         "routed_vs_dense_equal_steps": s["ratio_vs_dense"],
-        "routed_vs_dense_equal_compute": routed / dense_p["ppl"],
+        "routed_vs_dense_equal_compute": routed / dense_p["ppl"] if dense_p["ppl"] else None,
         "rerouted_vs_routed_once": (s["rerouted_ppl"] / routed) if s["rerouted_ppl"] else None,
         "flat_diloco_ppl": None,
         "target_routed_vs_dense": TARGET_VS_DENSE,
@@ -134,10 +138,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                     help="grids to run, e.g. 2,2 4,4 (default: the mode's grids)")
     ap.add_argument("--reroute-every", type=int, default=64, help="W, tokens between re-routings")
     ap.add_argument("--keep-runs", action="store_true", help="keep the run directories")
+    ap.add_argument("--equal-compute", action="store_true",
+                    help="also train the equal-compute dense model (b) in quick mode")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     load0 = load_average()
     size = dict(SIZES[args.mode])
+    size["equal_compute"] = size["equal_compute"] or args.equal_compute
     if args.grids:
         size["grids"] = [[int(k) for k in g.split(",")] for g in args.grids]
     seeds = args.seeds or ([0] if args.mode == "quick" else [0, 1])

@@ -31,7 +31,6 @@ from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
 from dipaco.topology import Topology
 from modules import ModuleGrid, PathModel, init_grid_from_dense
-from router import load_shard
 
 
 def _log(rank: Optional[int], msg: str) -> None:
@@ -95,8 +94,9 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     learners: dict[int, PathLearner] = {}
     for p in my_paths:
         # memory-mapped: batches are read from the shard's token file by offset
-        stream = TokenStream(load_shard(run.shards, p), seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
-                             seed=cfg.seed, path_id=p, eos_id=eos, rank=local_rank, world=G)
+        stream = TokenStream.from_shard(run.shards, p, seq_len=cfg.trainer.seq_len,
+                                        batch_size=cfg.trainer.batch_size, seed=cfg.seed, eos_id=eos,
+                                        rank=local_rank, world=G)
         grad_sync = None
         if G > 1:
             grad_sync = (lambda params, _pg=worker_pg: allreduce_gradients(params, _pg, G))

@@ -36,18 +36,29 @@ if TYPE_CHECKING:  # datasets is imported lazily: `import router` stays fast
 # 2: tokens/ memmap (1 stored an HF dataset under data/)
 SHARDS_FORMAT_VERSION = 2
 _TOKENS, _INDEX, _MANIFEST = "tokens", "shard_index.npz", "shards.json"
-# Rows copied / routed per batch: bounds memory on corpora larger than RAM.
+# Rows routed (prefixes featurized) per batch, and tokens copied per batch when writing
+# shards: both bound memory on corpora larger than RAM.
 BATCH_ROWS = 65_536
+BATCH_TOKENS = 4 * 2**20
 _REWRITE = "route again (dipaco-route, or dipaco-train resume=false into a new run dir)"
 
 
 def _batches_of_rows(docs: Any, rows: np.ndarray, token_column: str):
     """Token ids of ``rows`` of ``docs`` (TokenDocs, HF dataset or list), in bounded batches."""
+    if isinstance(docs, TokenDocs):
+        # batches of at most BATCH_TOKENS tokens (or one longer document)
+        ends = np.cumsum(docs.lengths[rows])
+        lo = 0
+        while lo < rows.size:
+            base = ends[lo - 1] if lo else 0
+            hi = max(lo + 1, int(np.searchsorted(ends, base + BATCH_TOKENS, side="right")))
+            yield [docs[int(i)] for i in rows[lo:hi]]  # memmap views, copied once by the writer
+            docs.release_pages()
+            lo = hi
+        return
     for lo in range(0, rows.size, BATCH_ROWS):
         chunk = rows[lo : lo + BATCH_ROWS]
-        if isinstance(docs, TokenDocs):
-            yield docs.gather(chunk)
-        elif hasattr(docs, "column_names"):  # an HF dataset: read only this batch's column
+        if hasattr(docs, "column_names"):  # an HF dataset: read only this batch's column
             yield docs.select(chunk.tolist())[token_column]
         else:
             yield [docs[int(i)] for i in chunk]
@@ -179,7 +190,14 @@ def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int
         docs = docs.prefixes(router.prefix_tokens)
     if n == 0:
         return []
-    costs = np.concatenate([router.costs(docs[lo : lo + batch_size]) for lo in range(0, n, batch_size)])
+    costs = None
+    for lo in range(0, n, batch_size):
+        batch = router.costs(docs[lo : lo + batch_size])
+        if costs is None:  # the router's dtype: a cast could reorder near-ties
+            costs = np.empty((n, batch.shape[1]), batch.dtype)
+        costs[lo : lo + batch_size] = batch
+        if isinstance(docs, TokenDocs):
+            docs.release_pages()
     return balanced_assign(costs, top_k=router.top_k, capacity_factor=router.capacity_factor)
 
 

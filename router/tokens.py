@@ -18,6 +18,7 @@ shard's rows) and :meth:`TokenDocs.prefixes` (each document cut to its routing p
 """
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -97,10 +98,18 @@ class TokenDocs(Sequence[np.ndarray]):
         """Each document cut to its first ``n`` tokens (a view: nothing is copied)."""
         return TokenDocs(self.tokens, self.starts, np.minimum(self.ends, self.starts + int(n)))
 
-    def gather(self, rows: np.ndarray) -> list[np.ndarray]:
-        """Documents ``rows`` as int64 arrays in memory (for a bounded batch of rows)."""
-        return [np.asarray(self.tokens[s:e], dtype=np.int64)
-                for s, e in zip(self.starts[rows].tolist(), self.ends[rows].tolist())]
+    def release_pages(self) -> None:
+        """Unmap the pages a pass over a memory-mapped corpus touched (no-op in memory).
+
+        Pages read through a memmap count in the process's RSS until unmapped, so one
+        sequential pass (routing every prefix, copying every shard row) would grow RSS to
+        the corpus size although the kernel may drop them at any time. MADV_DONTNEED on a
+        read-only file mapping only unmaps them: the page cache keeps them, reads stay
+        correct and the RSS reflects what the process really holds.
+        """
+        mm = getattr(self.tokens, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
 
 def as_token_docs(docs: "TokenDocs | Sequence[Sequence[int]]") -> TokenDocs:
@@ -126,14 +135,20 @@ class TokenDocsWriter:
 
     def append(self, docs: Iterable[Sequence[int]]) -> None:
         """Write a batch of documents (token id sequences)."""
-        arrays = [np.asarray(d, dtype=np.int64).reshape(-1) for d in docs]
-        if not arrays:
-            return
-        flat = np.concatenate(arrays)
-        if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(TOKEN_DTYPE).max):
-            raise ValueError(f"token ids must lie in [0, 2**31), got [{flat.min()}, {flat.max()}]")
-        self._file.write(flat.astype(TOKEN_DTYPE).tobytes())
-        self._lengths.append(np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays)))
+        arrays = [np.asarray(d).reshape(-1) for d in docs]
+        if arrays:
+            self.append_flat(np.concatenate(arrays),
+                             np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays)))
+
+    def append_flat(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Write documents given end to end: ``tokens`` split by ``lengths`` (sum = size)."""
+        tokens, lengths = np.asarray(tokens).reshape(-1), np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())}, but {tokens.size} tokens were given")
+        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
+            raise ValueError(f"token ids must lie in [0, 2**31), got [{tokens.min()}, {tokens.max()}]")
+        self._file.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        self._lengths.append(lengths)
 
     def close(self) -> TokenDocs:
         """Finish the files, move them into place and return the documents, memory-mapped."""

@@ -498,3 +498,13 @@ def test_memmapped_shards_route_train_and_score_like_in_memory_data(tmp_path) ->
     in_memory = train_path([train[i] for i, paths in enumerate(mem_assign) if 1 in paths])
     mapped = train_path(load_shard(tmp_path / "shards", 1))
     assert in_memory == mapped and np.isfinite(in_memory[1])
+
+
+def test_stream_from_a_damaged_shard_is_a_data_error(tmp_path) -> None:
+    from router import write_shards
+
+    write_shards([[1, 2, 3], [4, 5, 6, 7]], [[0], [1]], 2, tmp_path / "s")
+    assert TokenStream.from_shard(tmp_path / "s", 1, 2, 2, 0, 9).num_tokens == 5  # [4, 5, 6, 7, eos]
+    (tmp_path / "s" / "tokens" / "offsets.npy").unlink()
+    with pytest.raises(DataError, match=r"missing .*offsets\.npy.*Fix: route again"):
+        TokenStream.from_shard(tmp_path / "s", 1, 2, 2, 0, 9)

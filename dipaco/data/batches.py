@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from dipaco.data.errors import DataError
+from router import load_shard
 from router.tokens import TokenDocs
 
 IGNORE_INDEX = -100
@@ -131,6 +132,20 @@ class TokenStream:
 
         return cls([], seq_len, batch_size, seed, path_id, eos_id, rank=rank, world=world,
                    stream=dataset_token_stream(ds, eos_id))
+
+    @classmethod
+    def from_shard(cls, shards_dir: Any, path_id: int, seq_len: int, batch_size: int, seed: int,
+                   eos_id: int, *, rank: int = 0, world: int = 1) -> "TokenStream":
+        """Batches of path ``path_id``'s shard under ``shards_dir``, read from its memmap by offset.
+
+        A missing or corrupt shard file is the user's to fix (re-route): :class:`DataError`,
+        one line naming the file and the fix.
+        """
+        try:
+            docs = load_shard(shards_dir, path_id)
+        except ValueError as e:
+            raise DataError(str(e)) from None
+        return cls(docs, seq_len, batch_size, seed, path_id, eos_id, rank=rank, world=world)
 
     @property
     def num_tokens(self) -> int:

@@ -123,13 +123,12 @@ class Learner:
         from dipaco.data import TokenStream
         from dipaco.learner import PathLearner
         from modules import PathModel
-        from router import load_shard
 
         if p not in self.learners:
             t = self.cfg.trainer
             # memory-mapped: batches are read from the shard's token file by offset
-            stream = TokenStream(load_shard(self.run.shards, p), seq_len=t.seq_len, batch_size=t.batch_size, seed=self.cfg.seed,
-                                 path_id=p, eos_id=self.eos)
+            stream = TokenStream.from_shard(self.run.shards, p, seq_len=t.seq_len, batch_size=t.batch_size,
+                                            seed=self.cfg.seed, eos_id=self.eos)
             self.learners[p] = PathLearner(p, PathModel(self.grid, p), stream, t, self.total_steps,
                                            step_offset=self.n_warm)
         return self.learners[p]
