@@ -508,3 +508,19 @@ def test_stream_from_a_damaged_shard_is_a_data_error(tmp_path) -> None:
     (tmp_path / "s" / "tokens" / "offsets.npy").unlink()
     with pytest.raises(DataError, match=r"missing .*offsets\.npy.*Fix: route again"):
         TokenStream.from_shard(tmp_path / "s", 1, 2, 2, 0, 9)
+
+
+def test_stream_reads_memmapped_documents_by_offset_like_the_in_memory_stream(tmp_path) -> None:
+    from router import write_token_docs
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 50, size=int(n)) for n in rng.integers(0, 30, size=40)] + [np.zeros(0, np.int64)]
+    td = write_token_docs(tmp_path / "t", docs)
+    rows = [3, 1, 1, 7, 0, 39, 20, 40]  # repeats and an empty document, as top-k shards have
+    for in_memory, mapped in [(docs, td), ([docs[i] for i in rows], td.select(rows)),
+                              ([docs[5]], td.select([5]))]:  # the last: shorter than a window
+        a = TokenStream(list(in_memory), 16, 8, seed=0, path_id=2, eos_id=99, rank=1, world=2)
+        b = TokenStream(mapped, 16, 8, seed=0, path_id=2, eos_id=99, rank=1, world=2)
+        assert a.num_tokens == b.num_tokens
+        for k in range(10):
+            assert all(torch.equal(u, v) for u, v in zip(a.batch_at(k), b.batch_at(k)))

@@ -101,8 +101,9 @@ class TokenStream:
         self.docs: Optional[TokenDocs] = None
         if stream is None and isinstance(docs, TokenDocs):
             self.docs = docs
+            self._lengths = docs.lengths
             # end of each document in the virtual stream (its tokens + one eos)
-            self._doc_ends = np.cumsum(docs.lengths + 1)
+            self._doc_ends = np.cumsum(self._lengths + 1)
             n = int(self._doc_ends[-1]) if len(docs) else 0
             self.stream = np.zeros(0, dtype=np.int64)
         else:
@@ -157,9 +158,9 @@ class TokenStream:
         if self.docs is None:
             return self.stream[idx]
         d = np.searchsorted(self._doc_ends, idx, side="right")  # document of each position
-        start = self._doc_ends[d] - (self.docs.lengths[d] + 1)
-        offset = idx - start
-        is_eos = offset == self.docs.lengths[d]
+        length = self._lengths[d]
+        offset = idx - (self._doc_ends[d] - (length + 1))
+        is_eos = offset == length
         # eos positions read a valid dummy address (the document's start) and are masked
         flat = self.docs.starts[d] + np.where(is_eos, 0, offset)
         tokens = np.asarray(self.docs.tokens[np.minimum(flat, max(self.docs.tokens.size - 1, 0))],
