@@ -42,6 +42,10 @@ class DataConfig:
     # hub sources only: the dataset's config name and split
     hub_config: Optional[str] = None
     hub_split: str = "train"
+    # hub sources only: stream records (load_dataset(streaming=True)) instead of
+    # downloading and converting the whole dataset first; max_documents then takes the
+    # first N usable documents of the stream (a hash sample would need all of it)
+    streaming: bool = False
     text_field: str = "text"
     # a label used only to *evaluate* routing (NMI), never to route
     label_field: Optional[str] = None

@@ -184,6 +184,7 @@ def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Calla
     docs = train_ids.prefixes(r.prefix_tokens)  # views: no document is copied whole
     if len(docs) > ROUTER_FIT_MAX_DOCUMENTS:
         docs = docs.select(np.linspace(0, len(docs) - 1, ROUTER_FIT_MAX_DOCUMENTS).astype(np.int64))
+    docs = docs.in_memory()  # at most ROUTER_FIT_MAX_DOCUMENTS x prefix_tokens tokens
     featurizer = None
     if featurizer_fn is not None:
         from router import CallableFeaturizer

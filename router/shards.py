@@ -183,7 +183,8 @@ def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int
     Featurization memory is bounded by the batch; what is kept for all documents is the
     cost matrix ``[N, P]`` (the balanced assignment needs every document's costs at once
     to order them by confidence). Token documents are cut to their routing prefix as a
-    view first, so no document is copied whole.
+    view first and each batch of prefixes is read into memory, so no document is copied
+    whole and no page of the memmap stays mapped.
     """
     n = len(docs)
     if isinstance(docs, TokenDocs):
@@ -192,12 +193,11 @@ def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int
         return []
     costs = None
     for lo in range(0, n, batch_size):
-        batch = router.costs(docs[lo : lo + batch_size])
+        chunk = docs[lo : lo + batch_size]
+        batch = router.costs(chunk.in_memory() if isinstance(chunk, TokenDocs) else chunk)
         if costs is None:  # the router's dtype: a cast could reorder near-ties
             costs = np.empty((n, batch.shape[1]), batch.dtype)
         costs[lo : lo + batch_size] = batch
-        if isinstance(docs, TokenDocs):
-            docs.release_pages()
     return balanced_assign(costs, top_k=router.top_k, capacity_factor=router.capacity_factor)
 
 

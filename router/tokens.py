@@ -98,6 +98,24 @@ class TokenDocs(Sequence[np.ndarray]):
         """Each document cut to its first ``n`` tokens (a view: nothing is copied)."""
         return TokenDocs(self.tokens, self.starts, np.minimum(self.ends, self.starts + int(n)))
 
+    def in_memory(self) -> "TokenDocs":
+        """These documents copied into one in-memory array, the pages read unmapped again.
+
+        For a bounded selection, e.g. the router's fit sample or one routing batch of
+        prefixes: read through the memmap, every page touched would count in the RSS.
+        """
+        path = getattr(self.tokens, "filename", None)
+        if path is None:  # already in memory
+            return TokenDocs.from_arrays(list(self))
+        # pread, not the mapping: a fault maps the page cache's whole folio (up to MiBs on
+        # recent kernels), so sparse reads through the memmap would map most of the file
+        size, base = self.tokens.dtype.itemsize, int(getattr(self.tokens, "offset", 0))
+        with open(path, "rb") as f:
+            fd = f.fileno()
+            arrays = [np.frombuffer(os.pread(fd, (e - s) * size, base + s * size), dtype=self.tokens.dtype)
+                      for s, e in zip(self.starts.tolist(), self.ends.tolist())]
+        return TokenDocs.from_arrays(arrays)
+
     def release_pages(self) -> None:
         """Unmap the pages a pass over a memory-mapped corpus touched (no-op in memory).
 

@@ -279,6 +279,28 @@ def test_hub_offline_is_a_clear_error_not_a_hang() -> None:
     assert time.time() - t < 60
 
 
+def test_hub_streaming_reads_only_the_first_max_documents(monkeypatch) -> None:
+    """data.streaming=true asks datasets for a stream and stops after max_documents."""
+    import datasets
+
+    calls, served = [], []
+
+    def fake_load_dataset(path, name, split, streaming=False):
+        calls.append(streaming)
+
+        def stream():  # an endless stream: reading past the cap would hang the test
+            i = 0
+            while True:
+                served.append(i)
+                yield {"text": f"document number {i} " * 8}
+                i += 1
+        return stream()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    corpus = load_corpus(_cfg(source="hub", path="org/corpus", streaming=True, max_documents=30), progress=False)
+    assert calls == [True] and corpus.num_documents == 30 and len(served) == 30
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 

@@ -165,6 +165,8 @@ class TokenStream:
         flat = self.docs.starts[d] + np.where(is_eos, 0, offset)
         tokens = np.asarray(self.docs.tokens[np.minimum(flat, max(self.docs.tokens.size - 1, 0))],
                             dtype=np.int64) if self.docs.tokens.size else np.zeros(idx.shape, np.int64)
+        # unmap what this batch touched: over a long run the whole shard would stay mapped
+        self.docs.release_pages()
         return np.where(is_eos, self.eos_id, tokens)
 
     def _rng(self, k: int) -> np.random.Generator:

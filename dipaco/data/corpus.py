@@ -253,10 +253,11 @@ def _iter_parquet(
             row += 1
 
 
-def _iter_hub(path: str, hub_config: Optional[str], hub_split: str) -> Iterator[Tuple[str, Any]]:
-    """A dataset on the Hugging Face hub (needs network; never exercised in tests)."""
+def _iter_hub(path: str, hub_config: Optional[str], hub_split: str,
+              streaming: bool = False) -> Iterator[Tuple[str, Any]]:
+    """A dataset on the Hugging Face hub (needs network; tests replace ``load_dataset``)."""
     try:
-        ds = datasets.load_dataset(path, hub_config, split=hub_split)
+        ds = datasets.load_dataset(path, hub_config, split=hub_split, streaming=streaming)
     except Exception as e:  # network, auth, unknown name, offline mode: all one message
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise DataError(
@@ -436,11 +437,16 @@ def load_corpus(cfg: Any, *, progress: bool = True) -> Corpus:
             if not path:
                 raise DataError("data.path is not set for data.source=hub. Fix: pass data.path=<hub dataset name>")
             where = f"hub dataset {path}"
+            streaming = bool(getattr(cfg, "streaming", False))
+            cap = getattr(cfg, "max_documents", None) if streaming else None
             for default_id, rec in tqdm(
-                _iter_hub(str(path), getattr(cfg, "hub_config", None), str(getattr(cfg, "hub_split", "train"))),
+                _iter_hub(str(path), getattr(cfg, "hub_config", None), str(getattr(cfg, "hub_split", "train")),
+                          streaming),
                 desc="hub", unit="doc", disable=not progress,
             ):
                 cleaner.add(default_id, rec)
+                if cap is not None and len(cleaner.rows["id"]) >= cap:
+                    break  # a stream has no end to sample from: its first N documents
         else:
             files, root = _resolve_files(path, source)
             where = f"data.path={path}"
