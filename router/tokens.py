@@ -99,7 +99,8 @@ class TokenDocs(Sequence[np.ndarray]):
         return TokenDocs(self.tokens, self.starts, np.minimum(self.ends, self.starts + int(n)))
 
     def in_memory(self) -> "TokenDocs":
-        """These documents copied into one in-memory array, the pages read unmapped again.
+        """These documents copied into one in-memory array, read with ``pread`` (no page of
+        the memmap gets mapped).
 
         For a bounded selection, e.g. the router's fit sample or one routing batch of
         prefixes: read through the memmap, every page touched would count in the RSS.
@@ -120,7 +121,7 @@ class TokenDocs(Sequence[np.ndarray]):
         """Unmap the pages a pass over a memory-mapped corpus touched (no-op in memory).
 
         Pages read through a memmap count in the process's RSS until unmapped, so one
-        sequential pass (routing every prefix, copying every shard row) would grow RSS to
+        pass (copying every shard row, a long run's training batches) would grow RSS to
         the corpus size although the kernel may drop them at any time. MADV_DONTNEED on a
         read-only file mapping only unmaps them: the page cache keeps them, reads stay
         correct and the RSS reflects what the process really holds.
@@ -128,11 +129,6 @@ class TokenDocs(Sequence[np.ndarray]):
         mm = getattr(self.tokens, "_mmap", None)
         if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
             mm.madvise(mmap.MADV_DONTNEED)
-
-
-def as_token_docs(docs: "TokenDocs | Sequence[Sequence[int]]") -> TokenDocs:
-    """``docs`` as :class:`TokenDocs` (already one: returned as is; else copied into memory)."""
-    return docs if isinstance(docs, TokenDocs) else TokenDocs.from_arrays(docs)
 
 
 class TokenDocsWriter:
@@ -229,5 +225,5 @@ def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the dire
     return TokenDocs.from_offsets(tokens, offsets)
 
 
-__all__ = ["TokenDocs", "TokenDocsWriter", "TokenFileError", "as_token_docs", "open_token_docs",
+__all__ = ["TokenDocs", "TokenDocsWriter", "TokenFileError", "open_token_docs",
            "write_token_docs", "TOKEN_DTYPE"]
