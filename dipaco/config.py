@@ -7,6 +7,7 @@ the combinations a schema cannot express (DESIGN contract 6) and raises
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -21,6 +22,7 @@ LAUNCHERS = ("local", "spawn", "torchrun")
 ROUTER_METHODS = ("product", "flat", "random")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 class ConfigError(ValueError):
@@ -169,6 +171,17 @@ class LauncherConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Where round metrics go besides metrics.jsonl (always written) and the PNG plots."""
+
+    tensorboard: bool = True  # event files in <run_dir>/tb/ (tensorboard --logdir <run_dir>)
+    wandb: bool = False  # needs `pip install wandb`; refused at validation when missing
+    wandb_project: str = "dipaco"
+    wandb_entity: Optional[str] = None
+    wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`) | disabled
+
+
+@dataclass
 class Config:
     """The root config of ``dipaco-train`` and ``dipaco-route``."""
 
@@ -180,6 +193,7 @@ class Config:
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     resume: bool = False
     # the run directory; the CLIs fill it from Hydra's output dir, tests pass a tmp dir
     run_dir: Optional[str] = None
@@ -309,10 +323,18 @@ def validate_config(cfg: Config) -> None:
     _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              "use a batch size that is a multiple of the group size")
+    _validate_logging(cfg.logging)
     try:
         m.validate()
     except ValueError as e:
         raise ConfigError("model", str(e), "see the model group in conf/model/") from None
+
+
+def _validate_logging(log: LoggingConfig) -> None:
+    _require(log.wandb_mode in WANDB_MODES, "logging.wandb_mode", f"unknown mode {log.wandb_mode!r}",
+             f"use one of {', '.join(WANDB_MODES)}")
+    _require(not log.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
+             "wandb is not installed", "pip install wandb, or set logging.wandb=false")
 
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from dipaco.prepare import Prepared, prepare
 from dipaco.run_dir import RunDir
 from dipaco.build import build_grid, build_topology
 from dipaco.rounds import run_rank
+from dipaco.tracking import MetricsWriter
 from router import expand_replicas
 from modules import PathModel
 
@@ -70,6 +71,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: fl
     routed = _evaluate(cfg, run, prep, Path(result["checkpoint"]))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
     write_json(run.summary, summary)
+    with MetricsWriter(run, cfg) as writer:
+        writer.log_summary(summary, step=cfg.trainer.rounds)
     if cfg.trainer.plots:
         from dipaco.plots import write_plots
 
