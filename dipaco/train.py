@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.launch import launch
 from dipaco.prepare import Prepared, prepare
 from dipaco.run_dir import RunDir
+from dipaco.slurm import slurm_rendezvous
 from dipaco.build import build_grid, build_topology
 from dipaco.rounds import run_rank
 from dipaco.tracking import MetricsWriter
@@ -40,7 +42,7 @@ def train(cfg: Config) -> dict[str, Any]:
     run = RunDir.at(cfg.run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     _check_resume(cfg, run)
-    if cfg.launcher.name == "torchrun":
+    if cfg.launcher.name in ("torchrun", "slurm"):
         return _train_under_torchrun(cfg, run)
     OmegaConf.save(OmegaConf.structured(cfg), run.config)
     wall0 = time.perf_counter()
@@ -86,10 +88,14 @@ def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
 
     All ranks must see the same run directory (pass ``hydra.run.dir`` on a shared
     filesystem); the other ranks wait at a barrier while rank 0 routes and shards.
+    Under ``launcher=slurm`` each srun task's SLURM env becomes the torchrun env first.
     """
     import torch.distributed as dist
 
     from dipaco.launch import init_distributed
+
+    if cfg.launcher.name == "slurm":
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
 
     if cfg.router.reshard_at_round is not None:
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
