@@ -156,7 +156,7 @@ class TrainerConfig:
     stop_after_rounds: Optional[int] = None
     threads: Optional[int] = None  # torch threads per process (None: torch default)
     plots: bool = True
-    progress: bool = True
+    progress: bool = True  # tqdm bars, drawn only when stderr is a terminal (dipaco/progress.py)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,9 @@ def _check_resume(cfg: Config, run: RunDir) -> None:
                           "pass resume=true to continue it, or choose another hydra.run.dir")
     if not cfg.resume and run.metrics.exists():
         run.metrics.unlink(missing_ok=True)  # every torchrun rank gets here
+    if not cfg.resume:
+        # events of an earlier attempt in this directory would mix into the new curves
+        shutil.rmtree(run.tensorboard, ignore_errors=True)
 
 
 def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
