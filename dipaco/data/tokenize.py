@@ -28,6 +28,7 @@ import datasets
 import numpy as np
 
 from dipaco.data.tokenizer import Tokenizer
+from dipaco.progress import bars_enabled, progress_bar
 from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs
 
 # Hits and misses of this process, for tests and logs ("tokenized: cache hit").
@@ -163,17 +164,17 @@ def tokenize_to_docs(
 def _encode_batches(ds: datasets.Dataset, tokenizer: Tokenizer, batch_size: int, progress: bool,
                     *, flat: bool = False) -> Iterator:
     """Token ids of ``ds``'s texts, one list per ``batch_size`` documents (or one by one if ``flat``)."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(ds), desc="tokenize", unit="doc", disable=not progress)
+    bar = progress_bar(progress, total=len(ds), desc="tokenize", unit="doc")
     for batch in ds.select_columns(["text"]).iter(batch_size=batch_size):
         ids = tokenizer.encode_batch(["" if t is None else t for t in batch["text"]])
-        bar.update(len(ids))
+        if bar is not None:
+            bar.update(len(ids))
         if flat:
             yield from ids
         else:
             yield ids
-    bar.close()
+    if bar is not None:
+        bar.close()
 
 
 def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input_ids") -> np.ndarray:
@@ -201,9 +202,11 @@ def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input
 
 @contextlib.contextmanager
 def progress_bars(enabled: bool) -> Iterator[None]:
-    """datasets' progress bars are a global switch: turn them off for one call if asked."""
+    """datasets' progress bars are a global switch: off for one call unless asked for and
+    stderr is a terminal (:func:`dipaco.progress.bars_enabled`)."""
     from datasets.utils import logging as ds_logging
 
+    enabled = bars_enabled(enabled)
     was_enabled = ds_logging.is_progress_bar_enabled()
     if not enabled and was_enabled:
         ds_logging.disable_progress_bar()
