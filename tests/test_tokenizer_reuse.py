@@ -1,5 +1,6 @@
 """Reusing an existing tokenizer (``data.tokenizer=PATH``): loading, its EOS, the model's
-vocabulary size, and a tiny run that routes, trains and scores with it."""
+vocabulary size, and a tiny run that routes, trains, scores and exports (``--format hf``)
+with it."""
 from __future__ import annotations
 
 import json
@@ -7,12 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dipaco.cli.infer import main as infer_main
 from dipaco.config import ConfigError, compose_config
 from dipaco.data import DataError, Tokenizer
+from dipaco.inference import InferenceRun
+from dipaco.run_dir import RunDirError
 from dipaco.train import train
 
 SMOKE = ["experiment=smoke", "launcher=local", "grid.levels=[2,2]", "trainer.rounds=1",
@@ -92,5 +96,17 @@ def test_route_train_score_with_a_reused_tokenizer(tmp_path: Path, capsys) -> No
     assert np.isclose(scored["ppl"], summary["routed_ppl"], rtol=1e-9)
     # resuming with another tokenizer is refused: the run keeps its own
     other = foreign_tokenizer(tmp_path / "other", ["</s>"], vocab_size=350)
-    with pytest.raises(Exception, match="a run keeps its tokenizer"):
-        train(compose_config(SMOKE + [f"data.tokenizer={other}", "resume=true"], run_dir))
+    with pytest.raises(RunDirError, match="a run keeps its tokenizer"):
+        train(compose_config(SMOKE + [f"data.tokenizer={other}", "resume=true",
+                                      f"model.vocab_size={reused.vocab_size}"], run_dir))
+    # the path as a Llama checkpoint, with the reused tokenizer's files and EOS
+    transformers = pytest.importorskip("transformers")
+    cli("export", run_dir, "--path", routed["path_id"], "--out", tmp_path / "hf", "--format", "hf")
+    llama = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (hf_tok.eos_token, hf_tok.eos_token_id) == ("<|doc|>", run_tok.eos_id)
+    ids = torch.tensor([hf_tok(TEXTS[3], add_special_tokens=False)["input_ids"]])
+    assert ids.tolist()[0] == run_tok.encode(TEXTS[3])
+    with torch.no_grad():
+        ours = InferenceRun.open(run_dir).loader().get(routed["path_id"])(ids)
+        torch.testing.assert_close(llama(ids).logits, ours, atol=2e-5, rtol=1e-4)
