@@ -102,6 +102,37 @@ def bench_kmeans(n: int, d: int, k: int, niter: int, repeats: int, minibatch: bo
     return rows, head
 
 
+def bench_memmap(n: int, d: int, k: int) -> dict:
+    """fit_kmeans + search on an ``[n, d]`` float32 memmap: seconds and peak heap (tracemalloc
+    sees numpy's allocations, not the file's pages), to show memory stays one batch."""
+    import tempfile
+    import tracemalloc
+
+    from router.kmeans import fit_kmeans, search
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "x.npy"
+        mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, d))
+        rng = np.random.default_rng(0)
+        centres = rng.standard_normal((k, d)).astype(np.float32)
+        for s in range(0, n, 100_000):
+            m = min(100_000, n - s)
+            mm[s : s + m] = centres[rng.integers(0, k, m)] + 0.5 * rng.standard_normal((m, d), dtype=np.float32)
+        mm.flush()
+        del mm
+        x = np.load(path, mmap_mode="r")
+        tracemalloc.start()
+        fit_s, c = timed(lambda: fit_kmeans(x, k))
+        fit_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        search_s, (_, dist) = timed(lambda: search(x, c, 1))
+        search_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return {"n": n, "d": d, "k": k, "file_mib": x.nbytes / 2**20, "fit_seconds": fit_s,
+                "fit_peak_heap_mib": fit_peak / 2**20, "search_seconds": search_s,
+                "search_peak_heap_mib": search_peak / 2**20, "inertia": float(dist.mean())}
+
+
 def bench_end_to_end(n_fit: int, n_route: int, grid: list[int], method: str) -> dict:
     from router import Router
     from router.synthetic import topic_corpus
@@ -149,6 +180,11 @@ def main() -> None:
     print(f"sklearn KMeans / dipaco fit_kmeans: {head['sklearn_over_dipaco']:.1f}x the time "
           f"(inertia {head['inertia_sklearn']:.2f} vs {head['inertia_dipaco']:.2f}; target >= 3x at equal or lower)")
 
+    mem = bench_memmap(1_000_000, 64, 16)
+    print(f"\nmemory-mapped input: {mem['n']:,} x {mem['d']} float32 ({mem['file_mib']:.0f} MiB), k={mem['k']}: "
+          f"fit {mem['fit_seconds']:.1f} s, peak heap {mem['fit_peak_heap_mib']:.1f} MiB; search "
+          f"{mem['search_seconds']:.1f} s, peak heap {mem['search_peak_heap_mib']:.1f} MiB; inertia {mem['inertia']:.2f}")
+
     n_fit, n_route = (20_000, 20_000) if args.quick else (200_000, 200_000)
     e2e = [bench_end_to_end(n_fit, n_route, g, m) for g, m in (([4, 4], "product"), ([4, 4], "flat"))]
     print(f"\nend to end (TF-IDF of 32-token prefixes -> SVD 64 -> route), {n_route:,} documents")
@@ -163,7 +199,7 @@ def main() -> None:
               "cpus": os.cpu_count(), "threads": args.threads,
               "load_average_before_after": [load_before, os.getloadavg()[0]], **head,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "kmeans": kmeans_rows, "end_to_end": e2e}
+              "kmeans": kmeans_rows, "memmap": mem, "end_to_end": e2e}
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)
