@@ -3,8 +3,8 @@
     python benchmarks/bench_routing.py            # full: 1M x 256-d → 256 clusters
     python benchmarks/bench_routing.py --quick    # 100k x 256-d → 256, plus MiniBatchKMeans
 
-Prints a table and writes benchmarks/results/routing.json (not committed).
-Not a test: timings depend on the host (NOTES.md: 2-core EPYC, ±20%).
+Prints a table and writes benchmarks/results/routing.json (not committed), with the
+process's peak RSS. Not a test: timings depend on the host and its load (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import time
 from pathlib import Path
 
@@ -41,34 +42,95 @@ def timed(fn):
     return time.perf_counter() - t, out
 
 
-def bench_kmeans(n: int, d: int, k: int, niter: int, minibatch: bool) -> list[dict]:
+def bench_kmeans(n: int, d: int, k: int, niter: int, repeats: int, minibatch: bool) -> tuple[list[dict], dict]:
+    """The project's ``fit_kmeans`` vs scikit-learn's KMeans, timed interleaved; plus reference rows.
+
+    The headline pair (dipaco default, sklearn KMeans with random init as in the issue)
+    runs ``repeats`` times, alternating; the reference rows run once each.
+    """
+    import faiss
     from sklearn.cluster import KMeans, MiniBatchKMeans
 
     from router.kmeans import fit_kmeans
 
     x = clustered_points(n, d, k)
-    rows = []
-    s, c = timed(lambda: fit_kmeans(x, k, niter=niter, seed=0, init="random"))
-    rows.append({"method": "faiss (all points, random init)", "seconds": s, "inertia": inertia(x, c)})
-    s, c = timed(lambda: fit_kmeans(x, k, niter=niter, seed=0, init="random", max_points_per_centroid=256))
-    rows.append({"method": "faiss (sample 256/centroid)", "seconds": s, "inertia": inertia(x, c)})
-    s, c = timed(lambda: fit_kmeans(x, k, niter=niter, seed=0))
-    rows.append({"method": "faiss (all points, k-means++ init)", "seconds": s, "inertia": inertia(x, c)})
-    # tol=0 so scikit-learn runs the same number of Lloyd iterations as faiss.
-    km = KMeans(k, n_init=1, max_iter=niter, tol=0.0, init="random", random_state=0)
-    s, _ = timed(lambda: km.fit(x))
-    # scikit-learn stops early once labels stop changing: record how many iterations ran.
-    rows.append({"method": "sklearn KMeans (n_init=1, random init)", "seconds": s, "iterations": int(km.n_iter_),
-                 "inertia": inertia(x, km.cluster_centers_.astype(np.float32))})
+    last: dict[str, tuple[np.ndarray, int]] = {}
+
+    def dipaco() -> float:
+        s, c = timed(lambda: fit_kmeans(x, k, niter=niter, seed=0))
+        last["dipaco"] = (c, niter)
+        return s
+
+    def sklearn_random() -> float:
+        # tol=0 so scikit-learn runs Lloyd until its labels stop changing (or niter).
+        km = KMeans(k, n_init=1, max_iter=niter, tol=0.0, init="random", random_state=0)
+        s, _ = timed(lambda: km.fit(x))
+        last["sklearn"] = (km.cluster_centers_.astype(np.float32), int(km.n_iter_))
+        return s
+
+    # Alternate the two sides (A B, B A, ...) so a load spike does not always hit one.
+    timing = {"dipaco": {"samples": []}, "sklearn": {"samples": []}}
+    for i in range(repeats):
+        for name, fn in (("dipaco", dipaco), ("sklearn", sklearn_random))[:: 1 if i % 2 == 0 else -1]:
+            timing[name]["samples"].append(fn())
+    for side in timing.values():
+        side["median"] = float(np.median(side["samples"]))
+    rows = [
+        {"method": "dipaco fit_kmeans (default: k-means++, sample 64/centroid, 1 pass on all)",
+         "seconds": timing["dipaco"]["median"], "samples": timing["dipaco"]["samples"],
+         "iterations": None, "inertia": inertia(x, last["dipaco"][0])},
+        {"method": "sklearn KMeans (n_init=1, random init, tol=0)",
+         "seconds": timing["sklearn"]["median"], "samples": timing["sklearn"]["samples"],
+         "iterations": last["sklearn"][1], "inertia": inertia(x, last["sklearn"][0])},
+    ]
+    s, c = timed(lambda: fit_kmeans(x, k, niter=niter, seed=0, sample_per_centroid=None))
+    rows.append({"method": "dipaco fit_kmeans (every iteration on all points)", "seconds": s, "inertia": inertia(x, c)})
+    km = faiss.Kmeans(d, k, niter=niter, seed=0, max_points_per_centroid=n)
+    s, _ = timed(lambda: km.train(x))
+    rows.append({"method": "faiss.Kmeans (bare: random init, all points, OpenMP)", "seconds": s,
+                 "iterations": niter, "inertia": inertia(x, km.centroids)})
     if minibatch:
         mb = MiniBatchKMeans(k, n_init=1, max_iter=niter, batch_size=4096, random_state=0)
         s, _ = timed(lambda: mb.fit(x))
         rows.append({"method": "sklearn MiniBatchKMeans", "seconds": s, "iterations": int(mb.n_iter_),
                      "inertia": inertia(x, mb.cluster_centers_.astype(np.float32))})
     for r in rows:
-        r.setdefault("iterations", niter)  # faiss always runs niter Lloyd iterations
         r.update(n=n, d=d, k=k, niter=niter)
-    return rows
+    head = {"sklearn_over_dipaco": rows[1]["seconds"] / rows[0]["seconds"],
+            "inertia_dipaco": rows[0]["inertia"], "inertia_sklearn": rows[1]["inertia"],
+            "faiss_gpus": faiss.get_num_gpus()}
+    return rows, head
+
+
+def bench_memmap(n: int, d: int, k: int) -> dict:
+    """fit_kmeans + search on an ``[n, d]`` float32 memmap: seconds and peak heap (tracemalloc
+    sees numpy's allocations, not the file's pages), to show memory stays one batch."""
+    import tempfile
+    import tracemalloc
+
+    from router.kmeans import fit_kmeans, search
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "x.npy"
+        mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, d))
+        rng = np.random.default_rng(0)
+        centres = rng.standard_normal((k, d)).astype(np.float32)
+        for s in range(0, n, 100_000):
+            m = min(100_000, n - s)
+            mm[s : s + m] = centres[rng.integers(0, k, m)] + 0.5 * rng.standard_normal((m, d), dtype=np.float32)
+        mm.flush()
+        del mm
+        x = np.load(path, mmap_mode="r")
+        tracemalloc.start()
+        fit_s, c = timed(lambda: fit_kmeans(x, k))
+        fit_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        search_s, (_, dist) = timed(lambda: search(x, c, 1))
+        search_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return {"n": n, "d": d, "k": k, "file_mib": x.nbytes / 2**20, "fit_seconds": fit_s,
+                "fit_peak_heap_mib": fit_peak / 2**20, "search_seconds": search_s,
+                "search_peak_heap_mib": search_peak / 2**20, "inertia": float(dist.mean())}
 
 
 def bench_end_to_end(n_fit: int, n_route: int, grid: list[int], method: str) -> dict:
@@ -96,6 +158,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="threads for faiss (OpenMP) and scikit-learn/BLAS; default: library defaults. "
                          "On a loaded host, OpenMP with more threads than free cores can be 3x slower")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of the headline pair (medians)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "routing.json"))
     args = ap.parse_args()
 
@@ -107,11 +170,20 @@ def main() -> None:
         threadpool_limits(args.threads)
     load_before = os.getloadavg()[0]
     n = 100_000 if args.quick else 1_000_000
-    kmeans_rows = bench_kmeans(n, 256, 256, niter=20, minibatch=args.quick)
-    print(f"\nk-means: {n:,} x 256-d float32 -> 256 clusters, 20 iterations")
-    print(f"{'method':42s} {'seconds':>9s} {'iters':>6s} {'inertia':>9s}")
+    kmeans_rows, head = bench_kmeans(n, 256, 256, niter=20, repeats=args.repeats, minibatch=args.quick)
+    print(f"\nk-means: {n:,} x 256-d float32 -> 256 clusters, at most 20 iterations "
+          f"(first two rows: medians of {args.repeats} interleaved runs)")
+    print(f"{'method':75s} {'seconds':>9s} {'iters':>6s} {'inertia':>9s}")
     for r in kmeans_rows:
-        print(f"{r['method']:42s} {r['seconds']:9.2f} {r['iterations']:6d} {r['inertia']:9.2f}")
+        iters = "-" if r.get("iterations") is None else str(r["iterations"])
+        print(f"{r['method']:75s} {r['seconds']:9.2f} {iters:>6s} {r['inertia']:9.2f}")
+    print(f"sklearn KMeans / dipaco fit_kmeans: {head['sklearn_over_dipaco']:.1f}x the time "
+          f"(inertia {head['inertia_sklearn']:.2f} vs {head['inertia_dipaco']:.2f}; target >= 3x at equal or lower)")
+
+    mem = bench_memmap(1_000_000, 64, 16)
+    print(f"\nmemory-mapped input: {mem['n']:,} x {mem['d']} float32 ({mem['file_mib']:.0f} MiB), k={mem['k']}: "
+          f"fit {mem['fit_seconds']:.1f} s, peak heap {mem['fit_peak_heap_mib']:.1f} MiB; search "
+          f"{mem['search_seconds']:.1f} s, peak heap {mem['search_peak_heap_mib']:.1f} MiB; inertia {mem['inertia']:.2f}")
 
     n_fit, n_route = (20_000, 20_000) if args.quick else (200_000, 200_000)
     e2e = [bench_end_to_end(n_fit, n_route, g, m) for g, m in (([4, 4], "product"), ([4, 4], "flat"))]
@@ -125,7 +197,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"mode": "quick" if args.quick else "full", "host": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "threads": args.threads,
-              "load_average_before_after": [load_before, os.getloadavg()[0]], "kmeans": kmeans_rows, "end_to_end": e2e}
+              "load_average_before_after": [load_before, os.getloadavg()[0]], **head,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "kmeans": kmeans_rows, "memmap": mem, "end_to_end": e2e}
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)

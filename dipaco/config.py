@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
 from modules.config import ModelConfig
 
@@ -67,6 +68,9 @@ class DataConfig:
     test_fraction: float = 0.05
     # where tokenized datasets are cached; None: <run_dir>/cache
     cache_dir: Optional[str] = None
+    # an existing HF tokenizer.json, or a local transformers tokenizer directory, to use
+    # instead of training a BPE; the CLIs set model.vocab_size from it
+    tokenizer: Optional[str] = None
 
 
 @dataclass
@@ -242,6 +246,15 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
     return obj
 
 
+def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
+    """With ``data.tokenizer`` set, ``model.vocab_size`` becomes that tokenizer's size unless
+    ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if cfg.data.tokenizer and "model.vocab_size" not in given:
+        cfg.model.vocab_size = Tokenizer.load(cfg.data.tokenizer).vocab_size
+    return cfg
+
+
 def resolve_derived(cfg: Config) -> Config:
     """Fill settings derived from others (``trainer.total_steps`` → ``trainer.rounds``)."""
     t, H = cfg.trainer, cfg.diloco.inner_steps
@@ -347,6 +360,11 @@ def validate_config(cfg: Config) -> None:
         m.validate()
     except ValueError as e:
         raise ConfigError("model", str(e), "see the model group in conf/model/") from None
+    if d.tokenizer:
+        size = Tokenizer.load(d.tokenizer).vocab_size
+        _require(m.vocab_size >= size, "model.vocab_size",
+                 f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
+                 f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
 
 
 def _validate_slurm(la: LauncherConfig) -> None:
@@ -388,6 +406,7 @@ def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str]
         GlobalHydra.instance().clear()
     with initialize_config_module(config_module="dipaco.conf", version_base="1.3"):
         cfg = to_config(compose("config", overrides=list(overrides or [])))
+    resolve_tokenizer_vocab(cfg, list(overrides or []))
     if run_dir is not None:
         cfg.run_dir = str(run_dir)
     return cfg

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dipaco.checkpoint import write_json
-from dipaco.config import Config
+from dipaco.config import Config, ConfigError
 from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_to_docs
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
 from dipaco.progress import bars_enabled
@@ -114,14 +114,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     _log(f"corpus: {corpus.num_documents} documents ({len(train_ds)} train, {len(val_ds)} validation)")
 
     t0 = time.perf_counter()
-    if run.tokenizer.exists():
-        tokenizer = Tokenizer.load(run.tokenizer)
-    else:
-        tokenizer = Tokenizer.train(_capped_texts(train_ds, TOKENIZER_TRAIN_CHARS),
-                                    vocab_size=cfg.model.vocab_size)
-        tokenizer.save(run.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens > model.vocab_size {cfg.model.vocab_size}")
+    tokenizer = _tokenizer(cfg, run, train_ds)
     cache_dir = cfg.data.cache_dir or str(run.cache)
     # memory-mapped: from here on documents are read by offset, never held in memory
     train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
@@ -178,6 +171,27 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
                     router=router, report=report, warmup_steps=n_warm, train_dataset=train_ids,
                     timings=timings)
+
+
+def _tokenizer(cfg: Config, run: RunDir, train_ds: Any) -> Tokenizer:
+    """The run's tokenizer: reloaded on resume, else ``data.tokenizer``, else a BPE trained here."""
+    given = Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    if run.tokenizer.exists():
+        tokenizer = Tokenizer.load(run.tokenizer)
+        if given is not None and given.sha256 != tokenizer.sha256:
+            raise RunDirError(f"{run.tokenizer} differs from data.tokenizer={cfg.data.tokenizer}; a run keeps "
+                              "its tokenizer. Fix: drop data.tokenizer or use a new run directory")
+    elif given is not None:
+        tokenizer = given
+        tokenizer.save(run.tokenizer)
+    else:
+        tokenizer = Tokenizer.train(_capped_texts(train_ds, TOKENIZER_TRAIN_CHARS),
+                                    vocab_size=cfg.model.vocab_size)
+        tokenizer.save(run.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:  # data.tokenizer is checked earlier, in validate_config
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} cannot hold the {tokenizer.vocab_size} "
+                          f"token ids of {run.tokenizer}", f"set model.vocab_size={tokenizer.vocab_size}")
+    return tokenizer
 
 
 def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Callable]) -> Any:

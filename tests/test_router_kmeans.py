@@ -68,3 +68,67 @@ def test_tfidf_featurizer_shapes_state_and_round_trip():
     assert TokenTfidfFeaturizer(dim=100).fit_transform(docs[:5]).shape == (5, 100)
     with pytest.raises(ValueError, match="not fitted"):
         TokenTfidfFeaturizer().transform(docs)
+
+
+def test_kmeans_same_centroids_whatever_the_thread_count_and_storage(tmp_path):
+    """Each batch is searched single-threaded, so the result cannot depend on threads; a
+    memory-mapped input is read in batches and gives the same centroids as an array."""
+    import faiss
+
+    import router.kmeans as km
+
+    x, _, _ = blobs(n_per=400, k=6, d=8)  # 2400 rows: several batches below
+    mm = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=x.shape)
+    mm[:] = x
+    mm.flush()
+    threads = faiss.omp_get_max_threads()
+    old_batch = km._BATCH
+    try:
+        km._BATCH = 512
+        faiss.omp_set_num_threads(1)
+        one = fit_kmeans(x, 6, seed=3)
+        faiss.omp_set_num_threads(2)
+        two = fit_kmeans(np.load(tmp_path / "x.npy", mmap_mode="r"), 6, seed=3)
+        ids, dist = search(x, one, 2)
+        np.testing.assert_array_equal(squared_distances(x, one).argmin(1), ids[:, 0])
+    finally:
+        km._BATCH = old_batch
+        faiss.omp_set_num_threads(threads)
+    np.testing.assert_array_equal(one, two)
+    assert faiss.omp_get_max_threads() == threads  # the caller's OpenMP setting is left alone
+
+
+def test_kmeans_sample_then_full_pass_matches_full_lloyd():
+    x, _, _ = blobs(n_per=200, k=8, d=16, seed=2)
+
+    def inertia(c):
+        return float(search(x, c, 1)[1].mean())
+
+    sampled = fit_kmeans(x, 8, seed=0, sample_per_centroid=16)  # 128 of 1600 points, then all
+    full = fit_kmeans(x, 8, seed=0, sample_per_centroid=None)
+    assert inertia(sampled) <= 1.01 * inertia(full)
+    # random init runs too and nredo keeps the best of its runs
+    assert inertia(fit_kmeans(x, 8, seed=0, init="random", nredo=3)) <= inertia(fit_kmeans(x, 8, seed=0, init="random"))
+
+
+def test_kmeans_fewer_distinct_points_than_k_gives_finite_centroids():
+    x = np.repeat(np.eye(3, dtype=np.float32), 10, axis=0)  # 30 rows, 3 distinct points
+    c = fit_kmeans(x, 5, seed=0)
+    assert c.shape == (5, 3) and np.isfinite(c).all()
+    assert set(map(tuple, np.round(c, 6))) <= set(map(tuple, np.eye(3)))
+    with pytest.raises(ValueError, match="tol"):
+        fit_kmeans(x, 2, tol=-1)
+
+
+@pytest.mark.gpu
+def test_kmeans_uses_faiss_gpu_when_present():
+    import faiss
+
+    import router.kmeans as km
+
+    if faiss.get_num_gpus() == 0:
+        pytest.skip("faiss sees no GPU (faiss-cpu build or no CUDA device)")
+    x, _, centers = blobs(n_per=100, k=6, d=8)
+    assert "Gpu" in type(km._Nearest(x[:6]).index).__name__
+    c = fit_kmeans(x, 6, seed=1)
+    assert np.sqrt(squared_distances(centers.astype(np.float32), c).min(1)).max() < 0.5

@@ -9,15 +9,20 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
-from dipaco.config import Config, to_config, validate_config
+from dipaco.config import Config, resolve_tokenizer_vocab, to_config, validate_config
 
 
 def config_from_hydra(cfg: DictConfig) -> Config:
-    """The typed config, with ``run_dir`` defaulting to Hydra's output directory."""
+    """The typed config, with ``run_dir`` defaulting to Hydra's output directory.
+
+    With ``data.tokenizer`` set, ``model.vocab_size`` comes from that tokenizer unless
+    given on the command line (then ``validate_config`` refuses a size too small for it).
+    """
     conf = to_config(cfg)
+    hydra = HydraConfig.get()
     if conf.run_dir is None:
-        conf.run_dir = HydraConfig.get().runtime.output_dir
-    return conf
+        conf.run_dir = hydra.runtime.output_dir
+    return resolve_tokenizer_vocab(conf, hydra.overrides.task)
 
 
 class ValidateBeforeLaunch(Callback):
@@ -33,7 +38,7 @@ class ValidateBeforeLaunch(Callback):
         with open_dict(job):
             job.run_dir = "<submitted>"  # filled by Hydra per job; not checked here
         try:
-            validate_config(to_config(job))
+            validate_config(resolve_tokenizer_vocab(to_config(job), config.hydra.overrides.task))
         except user_errors() as e:
             fail(str(e))
         if job.launcher.name == "slurm" and shutil.which("srun") is None:

@@ -4,7 +4,7 @@
     dipaco-infer generate RUN_DIR --prompt P [--max-new-tokens N] [--temperature T] [--top-k K]
                           [--seed S] [--reroute-every W] [--no-kv-cache] [--json]
     dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--batch-size B] [--out F]
-    dipaco-infer export   RUN_DIR --path P --out DIR
+    dipaco-infer export   RUN_DIR --path P --out DIR [--format dipaco|hf]
 
 The rules (checkpoint check, path-at-a-time loading, short prompts, re-routing, long
 contexts) are documented once, in :mod:`dipaco.inference`.
@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--path", required=True, metavar="P", help="path id (e.g. 9) or module index per level (e.g. 2,1)")
     e.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    e.add_argument("--format", choices=("dipaco", "hf"), default="dipaco",
+                   help="dipaco (default): the layout above; hf: a Hugging Face Llama checkpoint "
+                        "(config.json, model.safetensors, tokenizer files) for "
+                        "transformers.LlamaForCausalLM.from_pretrained(DIR)")
     return p
 
 
@@ -294,14 +298,20 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from dipaco.inference import export_path, parse_path
+    from dipaco.inference import ExportError, export_path, export_path_hf, parse_path
 
     run = _open(args)
     try:
         path_id = parse_path(args.path, run.new_grid())
     except ValueError as e:
         fail(str(e))
-    out = export_path(run, path_id, args.out, overwrite=args.force)
+    if args.format == "hf":
+        try:
+            out = export_path_hf(run, path_id, args.out, overwrite=args.force)
+        except ExportError as e:
+            fail(f"cannot export path {path_id} as a Llama checkpoint: {e}")
+    else:
+        out = export_path(run, path_id, args.out, overwrite=args.force)
     _emit(json.dumps({"out": str(out), **run.path_info(path_id), "checkpoint": str(run.checkpoint)}))
 
 

@@ -1,9 +1,11 @@
-"""A byte-level BPE tokenizer: the only module that imports HF ``tokenizers``.
+"""The tokenizer: the only module that imports HF ``tokenizers``.
 
-Byte-level means every string (any language, emoji, stray control characters) encodes
-without an unknown token and ``decode(encode(text)) == text``. Training is local and
-offline (no vocabulary is downloaded). The special token ``<|endoftext|>`` (:attr:`eos_id`)
-separates documents in the training stream.
+By default a byte-level BPE is trained on the corpus: every string (any language,
+emoji, stray control characters) encodes without an unknown token and
+``decode(encode(text)) == text``; training is local and offline (no vocabulary is
+downloaded). ``data.tokenizer=PATH`` reuses an existing HF ``tokenizer.json`` or a local
+``transformers`` tokenizer directory instead (:meth:`Tokenizer.load`). Either way one
+end-of-sequence token (:attr:`eos_id`) separates documents in the training stream.
 
 The serialized JSON is kept byte for byte, so :attr:`Tokenizer.sha256` is the same after
 ``save``/``load`` and serves as the tokenizer's cache key.
@@ -11,6 +13,7 @@ The serialized JSON is kept byte for byte, so :attr:`Tokenizer.sha256` is the sa
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from typing import Iterable, List, Sequence
@@ -22,19 +25,25 @@ from dipaco.data.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
+# Where transformers keeps a tokenizer's special tokens (eos_token among them).
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The end-of-sequence tokens of common tokenizer families (GPT-2/NeoX, Llama 1-2/T5,
+# Llama 3, Gemma), used when no tokenizer_config.json names one.
+_KNOWN_EOS = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 
 
 class Tokenizer:
-    """Byte-level BPE with one special token, ``<|endoftext|>``."""
+    """A HF ``tokenizers`` tokenizer with a known end-of-sequence token."""
 
-    def __init__(self, hf: _HFTokenizer, json_str: str | None = None) -> None:
+    def __init__(self, hf: _HFTokenizer, json_str: str | None = None, eos_token: str = EOS_TOKEN) -> None:
         """Wrap a HF tokenizer (use :meth:`train` or :meth:`load` rather than this)."""
         self._tok = hf
         self._json = json_str if json_str is not None else hf.to_str()
-        eos = hf.token_to_id(EOS_TOKEN)
+        eos = hf.token_to_id(eos_token)
         if eos is None:
-            raise DataError(f"the tokenizer has no {EOS_TOKEN} token. Fix: train it with Tokenizer.train")
+            raise DataError(f"the tokenizer has no {eos_token} token. Fix: train it with Tokenizer.train")
         self._eos_id = int(eos)
+        self._eos_token = eos_token
 
     # ---------------------------------------------------------------- build / persist
 
@@ -68,32 +77,48 @@ class Tokenizer:
         """Write the tokenizer JSON atomically and return the file written.
 
         ``path`` ending in ``.json`` is the file; anything else is a directory (created if
-        needed) that receives ``tokenizer.json``.
+        needed) that receives ``tokenizer.json``. When the end-of-sequence token is not
+        ``<|endoftext|>``, a ``tokenizer_config.json`` naming it is written beside, so
+        :meth:`load` finds the same token again.
         """
         path = os.fspath(path)
         if not path.endswith(".json"):
             path = os.path.join(path, TOKENIZER_FILE)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self._json)
-            os.replace(tmp, path)  # a reader never sees half a file
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _atomic_write(path, self._json)
+        if self._eos_token != EOS_TOKEN:
+            _atomic_write(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE),
+                          json.dumps({"eos_token": self._eos_token}, indent=2) + "\n")
         return path
+
+    def save_pretrained(self, directory: str, *, model_max_length: int) -> None:
+        """Write the files ``transformers.AutoTokenizer.from_pretrained(directory)`` reads:
+        ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
+        self.save(directory)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token,
+                  "model_max_length": int(model_max_length), "clean_up_tokenization_spaces": False}
+        _atomic_write(os.path.join(directory, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n")
+        _atomic_write(os.path.join(directory, "special_tokens_map.json"),
+                      json.dumps({"eos_token": self._eos_token}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
-        """Load a tokenizer saved by :meth:`save` (``path``: the file or its directory)."""
+        """Load a HF ``tokenizer.json`` (``path``: the file or a directory holding it).
+
+        Works for files written by :meth:`save` and for existing tokenizers, e.g. a local
+        ``transformers`` tokenizer directory (fast tokenizers keep a ``tokenizer.json``).
+        The end-of-sequence token is the ``eos_token`` of a ``tokenizer_config.json``
+        beside the file, else the first of ``<|endoftext|>``, ``</s>``,
+        ``<|end_of_text|>``, ``<eos>`` that the vocabulary holds; a tokenizer with none
+        is refused (:class:`DataError`).
+        """
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, TOKENIZER_FILE)
         if not os.path.isfile(path):
             raise DataError(
-                f"tokenizer file {path} not found. Fix: train one (Tokenizer.train) or point at an existing run"
+                f"tokenizer file {path} not found. Fix: train one (Tokenizer.train), point at an existing "
+                f"run, or, for a transformers tokenizer without one, save it with "
+                f"AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
             )
         try:
             with open(path, "r", encoding="utf-8") as f:
@@ -103,9 +128,9 @@ class Tokenizer:
             first = (str(e).strip().splitlines() or [""])[0]
             raise DataError(
                 f"tokenizer file {path} is corrupt ({type(e).__name__}: {first}). "
-                f"Fix: delete it and train again"
+                f"Fix: delete it and train again, or point data.tokenizer at a valid tokenizer.json"
             ) from None
-        return cls(hf, json_str)
+        return cls(hf, json_str, eos_token=_find_eos(hf, path))
 
     # ---------------------------------------------------------------- use
 
@@ -128,8 +153,13 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        """Id of ``<|endoftext|>``, the document separator."""
+        """Id of the end-of-sequence token, the document separator."""
         return self._eos_id
+
+    @property
+    def eos_token(self) -> str:
+        """The end-of-sequence token (``<|endoftext|>`` for a trained BPE)."""
+        return self._eos_token
 
     @property
     def sha256(self) -> str:
@@ -138,3 +168,44 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, sha256={self.sha256[:12]})"
+
+
+def _find_eos(hf: _HFTokenizer, path: str) -> str:
+    """The end-of-sequence token of the tokenizer at ``path`` (see :meth:`Tokenizer.load`)."""
+    config_path = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE)
+    if os.path.isfile(config_path):
+        try:
+            with open(config_path, "r", encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError) as e:
+            raise DataError(f"{config_path} is not a JSON object ({type(e).__name__}). Fix: repair or remove it") from None
+        if isinstance(eos, dict):  # transformers' AddedToken form: {"content": "</s>", ...}
+            eos = eos.get("content")
+        if isinstance(eos, str) and eos:
+            if hf.token_to_id(eos) is None:
+                raise DataError(f"{config_path} names eos_token {eos!r}, which {path} does not hold. "
+                                "Fix: name a token of the vocabulary")
+            return eos
+    for token in _KNOWN_EOS:
+        if hf.token_to_id(token) is not None:
+            return token
+    raise DataError(
+        f"tokenizer {path} has no end-of-sequence token (no eos_token in a {TOKENIZER_CONFIG_FILE} beside "
+        f"it, none of {', '.join(_KNOWN_EOS)} in its vocabulary); documents need one as separator. "
+        f"Fix: add {TOKENIZER_CONFIG_FILE} with {{\"eos_token\": \"...\"}} naming one of its tokens"
+    )
+
+
+def _atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader never sees half a file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

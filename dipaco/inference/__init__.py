@@ -6,6 +6,7 @@
     out = run.generate(run.encode("def main():"), max_new_tokens=64, reroute_every=32)
     report = run.score(docs)                          # == the trainer's routed evaluation
     export_path(run, path, "out/path_9"); model, tok = load_exported_path("out/path_9")
+    export_path_hf(run, path, "out/llama_9")          # transformers.LlamaForCausalLM loads it
 
 Rules, written once here and referred to by ``dipaco-infer --help``:
 
@@ -33,8 +34,10 @@ Rules, written once here and referred to by ``dipaco-infer --help``:
 from __future__ import annotations
 
 from dipaco.inference.export import EXPORT_FORMAT, EXPORT_VERSION, export_path, load_exported_path
+from dipaco.inference.export_hf import ExportError, export_path_hf
 from dipaco.inference.generate import Generation, generate_routed
 from dipaco.inference.run import InferenceRun, PathLoader, parse_path
 
 __all__ = ["InferenceRun", "PathLoader", "parse_path", "Generation", "generate_routed",
-           "export_path", "load_exported_path", "EXPORT_FORMAT", "EXPORT_VERSION"]
+           "export_path", "load_exported_path", "EXPORT_FORMAT", "EXPORT_VERSION",
+           "export_path_hf", "ExportError"]
