@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, write_result
@@ -198,7 +199,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
 def _in_child(model: str, side: str, mode: str, precision: str, compile_: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.bench_gpu", "--child", model, side, precision,
            "1" if compile_ else "0", f"--{mode}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=Path(__file__).resolve().parents[1])
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

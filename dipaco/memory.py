@@ -20,7 +20,8 @@ Per rank (a worker group's rank; the local backend is one process playing every 
   are rebuilt at a time during backward;
 * **outer state** (host memory: the sync keeps it on the CPU, :mod:`dipaco.sync`): per
   held module its fp32 global weights, outer momentum, outer gradient and round buffer
-  (4 × 4 bytes per parameter).
+  (4 × 4 bytes per parameter), plus one fp32 pseudo-gradient per path and module kept
+  for the round's cosine-similarity report (4 bytes per parameter of each path).
 
 The model leaves out the allocator's slack, temporary buffers of single kernels and
 the framework's own footprint; ``benchmarks/bench_gpu.py`` compares it with a measured
@@ -89,5 +90,5 @@ def rank_memory(model: ModelConfig, num_levels: int, held_params: int, path_para
         optimizer=2 * FP32 * sum(path_params),
         activations=activation_bytes(model, num_levels, sequences, seq_len, low_precision=low_precision,
                                      checkpointing=checkpointing),
-        outer=4 * FP32 * held_params,
+        outer=4 * FP32 * held_params + FP32 * sum(path_params),
     )

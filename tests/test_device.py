@@ -104,3 +104,31 @@ def test_batches_go_to_the_gpu_pinned_and_asynchronously() -> None:
     assert dev.type == "cuda"
     y = to_device(torch.arange(6), dev)
     assert y.device == dev and torch.equal(y.cpu(), torch.arange(6))
+
+
+def test_memory_plan_per_rank() -> None:
+    """dipaco-plan's memory model: 16 B per held parameter plus AdamW per path, and
+    activations that shrink with bf16, checkpointing and micro-batches."""
+    from dipaco.cli.plan import format_memory, memory_for
+
+    def plan(*overrides: str):
+        cfg = compose_config(["model=paper", *overrides])
+        validate_config(cfg)
+        return cfg, memory_for(cfg)
+
+    cfg, rows = plan("launcher=spawn", "launcher.nproc=4")
+    assert [label for label, _ in rows] == ["4 worker groups"]  # one path each: all alike
+    mem = rows[0][1]
+    path = 174_692_224  # parameters of one paper path on 2 levels (12 blocks, d=896, 32k vocabulary)
+    assert (mem.parameters, mem.gradients, mem.optimizer, mem.outer) == (4 * path, 4 * path, 8 * path, 20 * path)
+    assert "4 worker groups" in format_memory(cfg, rows)
+    local = plan()[1]
+    assert [label for label, _ in local] == ["the process"]  # holds every module, 4 AdamW states
+    assert local[0][1].optimizer == 4 * mem.optimizer and local[0][1].parameters > mem.parameters
+    acts = {o: plan("launcher=spawn", "launcher.nproc=4", o)[1][0][1].activations
+            for o in ("trainer.precision=fp32", "trainer.precision=bf16",
+                      "trainer.activation_checkpointing=true", "trainer.micro_batches=4")}
+    assert acts["trainer.precision=bf16"] < acts["trainer.precision=fp32"]
+    # the 32k-vocabulary logits are not checkpointed: they dominate at seq_len 128
+    assert acts["trainer.activation_checkpointing=true"] < acts["trainer.precision=fp32"] / 2
+    assert acts["trainer.micro_batches=4"] == pytest.approx(acts["trainer.precision=fp32"] / 4, rel=0.01)
