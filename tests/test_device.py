@@ -132,3 +132,12 @@ def test_memory_plan_per_rank() -> None:
     # the 32k-vocabulary logits are not checkpointed: they dominate at seq_len 128
     assert acts["trainer.activation_checkpointing=true"] < acts["trainer.precision=fp32"] / 2
     assert acts["trainer.micro_batches=4"] == pytest.approx(acts["trainer.precision=fp32"] / 4, rel=0.01)
+
+
+def test_infer_refuses_cuda_without_a_gpu(tmp_path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: --device cuda is valid here")
+    from dipaco.inference import InferenceRun
+
+    with pytest.raises(ConfigError, match="device: cuda requested .*Fix: use --device auto or cpu"):
+        InferenceRun.open(tmp_path, device="cuda")  # before the run directory is even read

@@ -65,6 +65,8 @@ class InferenceRun:
             device: ``auto`` | ``cuda`` | ``cpu`` for the path models (and the LM
                 featurizer); default: the run's ``trainer.device``.
         """
+        if device == "cuda" and cuda_count() == 0:  # refused before any loading
+            raise ConfigError("device", "cuda requested but no CUDA device is visible", "use --device auto or cpu")
         if verify not in ("all", "read"):
             raise ValueError(f"verify must be 'all' or 'read', got {verify!r}")
         run = RunDir.at(run_dir)
@@ -72,8 +74,6 @@ class InferenceRun:
             raise RunDirError(f"run directory {run.root} does not exist")
         cfg = run.load_config()
         if device is not None:
-            if device == "cuda" and cuda_count() == 0:  # refused before any loading
-                raise ConfigError("device", "cuda requested but no CUDA device is visible", "use --device auto or cpu")
             cfg.trainer.device = device
         tokenizer = Tokenizer.load(str(run.require(run.tokenizer, "tokenizer")))
         router = _load_router(run, cfg)
