@@ -188,6 +188,9 @@ def config_problems(trainer: Any, launcher: Any, device_count: Optional[int] = N
     """
     n = cuda_count() if device_count is None else int(device_count)
     t, la = trainer, launcher
+    if getattr(la, "name", None) == "slurm":
+        # validated on the submitting host, which may have no GPU: the job's nodes decide
+        n = int(getattr(la, "gpus_per_node", 0) or 0)
     if t.device not in DEVICES:
         return [("trainer.device", f"unknown device {t.device!r}", f"use one of {', '.join(DEVICES)}")]
     if t.device == "cuda" and n == 0:

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from dipaco.device import model_device, to_device
 from dipaco.learner import lm_loss
+from dipaco.progress import progress_bar
 
 
 @dataclass
@@ -108,11 +109,7 @@ def score_documents(
     ntok = defaultdict(int)
     ndoc = defaultdict(int)
     items = sorted(by_path.items())
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(len(v) for _, v in items), desc="evaluate", unit="doc", leave=False)
+    bar = progress_bar(progress, sum(len(v) for _, v in items), "evaluate", "doc")
     for path_id, idxs in items:
         model = get_model(path_id)
         model.eval()

@@ -84,6 +84,9 @@ def test_bad_combinations_name_their_key() -> None:
     assert _problems(1, compile_backend="no-such-backend") == ["trainer.compile_backend"]
     assert _problems(0, batch_size=8, group_size=2, micro_batches=3) == ["trainer.micro_batches"]
     assert _problems(0, batch_size=8, group_size=2, micro_batches=2) == []
+    # launcher=slurm is validated on the submitting host: the nodes' GPUs count, not its own
+    assert _problems(0, name="slurm", gpus_per_node=8, device="cuda", precision="fp16") == []
+    assert _problems(4, name="slurm", gpus_per_node=0, device="cuda") == ["trainer.device"]
 
 
 def test_validate_config_refuses_in_one_line() -> None:
