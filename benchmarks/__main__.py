@@ -66,6 +66,8 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
     "sync_share": (_module("sync_share"), _get(["sync_share"]), "sync / wall, 4 gloo ranks, H=100", "<= 0.02"),
     "memory": (_module("memory"), _get(["growth_largest_vs_smallest"]),
                "one path's peak RSS, [8,8] / [1,1] grid", "~1 (flat)"),
+    "gpu": (_module("gpu"), lambda d: ", ".join(f"{r['model']}: {fmt(r['vs_bare'])}" for r in d["rows"] if "vs_bare" in r),
+            "DiPaCo [2,2] loop tokens/s / bare loop, this device", ">= 0.95"),
     "routing": (_script("routing"), _routing, "k-means time, sklearn KMeans / dipaco", ">= 3"),
     "infer": (_script("infer"), lambda d: "see infer.json", "generate memory, KV-cache speed-up", "see bench_infer"),
     "decoupled": (_module("decoupled"), _get(["headline", "decoupled_goodput"]),

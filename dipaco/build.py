@@ -6,16 +6,28 @@ builders here, below all of them, means none of them imports the rank loop.
 """
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+
 from dipaco.config import Config
+from dipaco.device import choose_device, local_rank_env
 from dipaco.topology import Topology
 from modules import ModuleGrid
 
 
-def build_grid(cfg: Config) -> ModuleGrid:
-    """The run's module grid (modules are built lazily, on first use)."""
+def run_device(cfg: Config) -> torch.device:
+    """This process's device for ``cfg`` (``trainer.device``; GPU ``LOCAL_RANK % count``)."""
+    return choose_device(cfg.trainer.device, local_rank_env()[0])
+
+
+def build_grid(cfg: Config, device: Optional[torch.device] = None) -> ModuleGrid:
+    """The run's module grid on ``device`` (default :func:`run_device`); modules are built
+    lazily, on first use, from the same CPU-seeded weights on every device."""
     g = cfg.grid
     return ModuleGrid(cfg.model, list(g.levels), private_embed=g.private_embed,
-                      private_head=g.private_head, seed=cfg.seed)
+                      private_head=g.private_head, seed=cfg.seed,
+                      device=run_device(cfg) if device is None else device)
 
 
 def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: bool) -> Topology:

@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
+from dipaco.device import config_problems as device_problems
 from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
@@ -163,6 +164,18 @@ class TrainerConfig:
     # stop (as if preempted) after this many rounds, checkpoint written; resume=true goes on
     stop_after_rounds: Optional[int] = None
     threads: Optional[int] = None  # torch threads per process (None: torch default)
+    # where every stage computes (dipaco/device.py): auto = CUDA when present, else cpu
+    device: str = "auto"
+    # autocast dtype for compute: fp32 | bf16 | fp16 (fp16: CUDA only, with a loss
+    # scaler); parameters, AdamW state and pseudo-gradients stay fp32 whatever it is
+    precision: str = "fp32"
+    # torch.compile the path models: None = on for CUDA, off for the CPU
+    compile: Optional[bool] = None
+    compile_backend: str = "inductor"
+    # recompute each block's activations in backward (less memory, ~1/3 more compute)
+    activation_checkpointing: bool = False
+    # gradient accumulation: each inner step's batch in this many slices (same update)
+    micro_batches: int = 1
     plots: bool = True
     progress: bool = True  # tqdm bars, drawn only when stderr is a terminal (dipaco/progress.py)
 
@@ -355,6 +368,8 @@ def validate_config(cfg: Config) -> None:
     _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              "use a batch size that is a multiple of the group size")
+    for key, problem, fix in device_problems(t, la):
+        raise ConfigError(key, problem, fix)
     _validate_logging(cfg.logging)
     try:
         m.validate()

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dipaco.build import run_device
 from dipaco.checkpoint import load_state, save_state, write_json
 from dipaco.config import Config
 from dipaco.data import TokenStream
@@ -29,8 +30,8 @@ BASELINE_STREAM_ID = 1_000_002
 
 
 def dense_grid(cfg: Config) -> ModuleGrid:
-    """A freshly seeded dense grid of the size of one path."""
-    return ModuleGrid(cfg.model, [1] * len(cfg.grid.levels), seed=cfg.seed)
+    """A freshly seeded dense grid of the size of one path, on the run's device."""
+    return ModuleGrid(cfg.model, [1] * len(cfg.grid.levels), seed=cfg.seed, device=run_device(cfg))
 
 
 def train_dense(

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from dipaco.device import model_device, to_device
 from dipaco.learner import lm_loss
 from dipaco.progress import progress_bar
 
@@ -94,10 +95,12 @@ def score_documents(
     get_model: Callable[[int], nn.Module],
     *,
     batch_size: int = 16,
-    device: torch.device | str = "cpu",
     progress: bool = False,
 ) -> dict:
-    """Sum next-token NLL per path over the planned documents; return the perplexity report."""
+    """Sum next-token NLL per path over the planned documents; return the perplexity report.
+
+    Each path's batches go to that path's device (where its parameters are).
+    """
     by_path: dict[int, list[int]] = defaultdict(list)
     for i, d in enumerate(planned):
         for p in np.unique(d.token_paths[d.token_paths >= 0]):
@@ -110,12 +113,13 @@ def score_documents(
     for path_id, idxs in items:
         model = get_model(path_id)
         model.eval()
+        device = model_device(model)
         ndoc[path_id] += len(idxs)
         for start in range(0, len(idxs), batch_size):
             chunk = [planned[i] for i in idxs[start : start + batch_size]]
             # target position j-1 predicts document token j; score only this path's tokens
             x, y = padded_batch([d.tokens for d in chunk], [d.token_paths[1:] == path_id for d in chunk])
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
             losses = lm_loss(model(x), y, reduction="none")  # [B·T], 0 where ignored
             nll[path_id] += float(losses.double().sum())
             ntok[path_id] += int((y != -100).sum())
@@ -195,13 +199,14 @@ def per_document_losses(
     """
     out = np.full(len(docs), np.nan, dtype=np.float64)
     model.eval()
+    device = model_device(model)
     for start in range(0, len(docs), batch_size):
         chunk = [np.asarray(d[: seq_len + 1], dtype=np.int64) for d in docs[start : start + batch_size]]
         # the routing prefix carries no loss: targets before position prefix_tokens-1
         x, y = padded_batch(chunk, [np.arange(max(0, len(t) - 1)) >= prefix_tokens - 1 for t in chunk])
-        losses = lm_loss(model(x), y, reduction="none").view(y.shape)  # [B, T]
+        losses = lm_loss(model(to_device(x, device)), to_device(y, device), reduction="none").view(y.shape)
         counts = (y != -100).sum(1)
-        sums = losses.double().sum(1)
+        sums = losses.double().sum(1).cpu()  # [B]
         for b in range(len(chunk)):
             if counts[b] > 0:
                 out[start + b] = float(sums[b] / counts[b])

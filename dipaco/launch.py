@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dipaco.config import Config
+from dipaco.device import rank_device
 
 
 class LaunchError(RuntimeError):
@@ -36,22 +37,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def resolve_backend(name: str) -> str:
-    """``auto`` → nccl when CUDA is present, else gloo."""
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if name == "nccl" and not torch.cuda.is_available():
-        raise ValueError("launcher.backend=nccl needs CUDA; use launcher.backend=gloo on CPU")
-    return name
+def init_distributed(backend: str, timeout_s: float, device: str = "auto") -> tuple[int, int]:
+    """Join the process group described by the env (RANK, WORLD_SIZE, MASTER_*).
 
-
-def init_distributed(backend: str, timeout_s: float) -> tuple[int, int]:
-    """Join the process group described by the env (RANK, WORLD_SIZE, MASTER_*)."""
-    backend = resolve_backend(backend)
+    The rank's GPU and the backend come from :func:`dipaco.device.rank_device` (GPU
+    ``LOCAL_RANK % device_count``; nccl only with one GPU per rank); the CUDA device is
+    set before the group exists, so nccl and the sync's staging use the right one.
+    """
+    placement = rank_device(device, backend)
     if not dist.is_initialized():
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
+        if placement.device.type == "cuda":
+            torch.cuda.set_device(placement.device)
+        dist.init_process_group(backend=placement.backend, timeout=_dt.timedelta(seconds=timeout_s))
+    if dist.get_rank() == 0:
+        print(f"[dipaco] {dist.get_world_size()} rank(s); rank 0: {placement.describe()}", flush=True)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -70,7 +69,7 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run_dir: str, args: tupl
     cfg = to_config(cfg_dict)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     _set_threads(cfg, local_world)
-    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s)
+    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
     try:
         return fn(cfg, run_dir, rank, world, *args)
     finally:

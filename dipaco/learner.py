@@ -18,7 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dipaco.config import TrainerConfig
+from dipaco.device import autocast, compile_enabled, grad_scaler, maybe_compile, to_device
 from dipaco.schedule import lr_at
+from modules import set_activation_checkpointing
 
 
 @dataclass
@@ -37,12 +39,16 @@ class InnerStats:
 
 
 def make_inner_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay on vectors (norm gains), as is usual for transformers."""
+    """AdamW; no weight decay on vectors (norm gains), as is usual for transformers.
+
+    Fused (one kernel for every parameter) when the parameters are on CUDA.
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    fused = all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -54,6 +60,13 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 
 class PathLearner:
     """Trains one path: a model, its inner optimiser, its data stream and step count.
+
+    The model's device is the learner's device: batches are copied there (pinned,
+    asynchronous). ``cfg.precision`` autocasts the forward pass only: parameters and AdamW
+    state stay fp32 (the masters DiLoCo takes pseudo-gradients of); fp16 adds a loss
+    scaler. ``cfg.micro_batches`` splits each step's batch and accumulates gradients, the
+    loss of each slice weighted by its share of the step's target tokens, so the update
+    is that of the whole batch.
 
     Args:
         path_id: the path this learner trains.
@@ -75,11 +88,40 @@ class PathLearner:
         self.total_steps = total_steps
         self.grad_sync = grad_sync
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device if self.params else torch.device("cpu")
         self.optimizer = make_inner_optimizer(model, cfg)
+        self.scaler = grad_scaler(self.device, cfg.precision)
+        if cfg.activation_checkpointing:
+            set_activation_checkpointing(model, True)
+        # the compiled wrapper shares the model's parameters; state dicts use self.model
+        self.forward = maybe_compile(model, compile_enabled(cfg.compile, self.device), cfg.compile_backend)
         self.step = 0
         # Steps already taken before this learner (the dense warm-up): the schedule of a
         # warm-started path continues where the warm-up left it.
         self.step_offset = step_offset
+
+    def _loss_and_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one step's batch (in micro-batches); the mean loss."""
+        mb = max(1, int(self.cfg.micro_batches))
+        if mb == 1:
+            with autocast(self.device, self.cfg.precision):
+                logits = self.forward(to_device(x, self.device))
+            loss = lm_loss(logits, to_device(y, self.device))
+            self._backward(loss)
+            return loss.detach()
+        # Σ over slices of (slice's summed loss / step's target tokens) = the batch mean
+        n_targets = (y != -100).sum()
+        total = torch.zeros((), device=self.device)
+        for xs, ys in zip(x.chunk(mb), y.chunk(mb)):
+            with autocast(self.device, self.cfg.precision):
+                logits = self.forward(to_device(xs, self.device))
+            loss = lm_loss(logits, to_device(ys, self.device), reduction="sum") / n_targets.to(self.device)
+            self._backward(loss)
+            total += loss.detach()
+        return total
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def train_steps(self, n: int, on_step: Optional[Callable[[float], None]] = None,
                     should_stop: Optional[Callable[[], bool]] = None) -> InnerStats:
@@ -96,24 +138,32 @@ class PathLearner:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             x, y = self.stream.next_batch()
-            loss = lm_loss(self.model(x), y)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = self._loss_and_backward(x, y)
             if self.grad_sync is not None:
                 self.grad_sync(self.params)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)  # clip and check the true gradients
             # max_norm=inf scales by exactly 1.0: the norm is still computed, for the check below
             clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
             self.step += 1
-            value = float(loss.detach())
+            value = float(loss)
             if not bool(torch.isfinite(norm)):
                 # One NaN/inf gradient would poison AdamW's moments and so every later
                 # step of this path. Skip it instead; after grad_sync every rank of the
-                # worker group sees the same norm, so they all skip together.
+                # worker group sees the same norm, so they all skip together. (fp16: the
+                # scaler lowers its scale, as its own skip would.)
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.scaler is not None:
+                    self.scaler.update()
                 stats.skipped += 1
                 continue
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             stats.steps += 1
             stats.tokens += int((y != -100).sum())
             stats.loss_sum += value
@@ -126,10 +176,15 @@ class PathLearner:
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimiser state, step count and data position (checkpointed per path)."""
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step,
-                "stream": self.stream.state_dict()}
+        state = {"optimizer": self.optimizer.state_dict(), "step": self.step,
+                 "stream": self.stream.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.stream.load_state_dict(state["stream"])

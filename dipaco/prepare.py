@@ -16,6 +16,7 @@ import torch
 from dipaco.checkpoint import write_json
 from dipaco.config import Config, ConfigError
 from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_to_docs
+from dipaco.device import model_device, to_device
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
 from dipaco.progress import bars_enabled
 from dipaco.schedule import warmup_steps
@@ -56,6 +57,7 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
     from modules import PathModel
 
     model = PathModel(grid, 0).eval()
+    device = model_device(model)
     captured: list[torch.Tensor] = []
     # The head's input is the last hidden state; a hook reads it without a second API.
     model.head.register_forward_hook(lambda _m, inp, _out: captured.append(inp[0].detach()))
@@ -72,8 +74,8 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
                 x[i, : len(p)] = torch.as_tensor(np.asarray(p, dtype=np.int64))
                 mask[i, : len(p)] = 1.0
             captured.clear()
-            model(x)
-            h = captured[0]  # [B, T, C]
+            model(to_device(x, device))
+            h = captured[0].float().cpu()  # [B, T, C]
             mean = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
             out.append(mean.numpy().astype(np.float32))
         return np.concatenate(out, axis=0)

@@ -24,6 +24,7 @@ from dipaco.build import build_grid, build_topology
 from dipaco.config import Config, codec_kwargs
 from dipaco.data import TokenStream
 from dipaco.dense import load_dense_state
+from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory
 from dipaco.schedule import lr_at, total_inner_steps, warmup_steps
 from dipaco.learner import PathLearner
 from dipaco.progress import progress_bar
@@ -58,7 +59,13 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     """Train the DiPaCo rounds; ``rank=None`` is the local backend (all groups here)."""
     run = RunDir.at(run_dir)
     distributed = rank is not None
-    grid = build_grid(cfg)
+    # this rank's device (GPU LOCAL_RANK % count; the local backend: every path on one)
+    placement = rank_device(cfg.trainer.device, cfg.launcher.backend)
+    device = placement.device
+    if not distributed:
+        _log(rank, placement.describe())
+    reset_peak_memory(device)
+    grid = build_grid(cfg, device)
     topo = build_topology(cfg, grid, world_size, distributed)
     if distributed:
         group = topo.group_of_rank(rank)
@@ -192,6 +199,9 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         "wait_s": max(t["wait_s"] for t in totals),
         "sync_s": max(t["sync_s"] for t in totals),
         "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "device": str(device),
+        # the largest peak of any rank (CUDA allocator peak, or peak RSS on the CPU)
+        "peak_memory_bytes": max(_gather(peak_memory_bytes(device), distributed)),
     }
 
 

@@ -101,7 +101,7 @@ def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
     if cfg.router.reshard_at_round is not None:
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
                           "use launcher=spawn on one host, or drop the re-shard")
-    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s)
+    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
     wall0 = time.perf_counter()
     prep = None
     if rank == 0:
@@ -302,6 +302,11 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "dense_baseline": baseline.get("info"),
         "timings": prep.timings,
         "launcher": cfg.launcher.name,
+        # where the rounds ran, in what precision, and the largest per-rank memory peak
+        # (CUDA allocator peak, or the process's peak RSS on the CPU)
+        "device": result.get("device"),
+        "precision": cfg.trainer.precision,
+        "peak_memory_bytes": result.get("peak_memory_bytes"),
         "codec": cfg.diloco.codec,
         "decoupled": result.get("decoupled"),  # goodput, staleness, drops (diloco.mode=decoupled)
         "tag": cfg.tag,

@@ -9,6 +9,8 @@ This package imports torch only (never ``dipaco`` or ``router``).
 from .config import ModelConfig
 from .grid import ModuleGrid, init_grid_from_dense, module_seed
 from .kv_cache import KVCache
+from .layers import set_activation_checkpointing
 from .path_model import PathModel
 
-__all__ = ["KVCache", "ModelConfig", "ModuleGrid", "PathModel", "init_grid_from_dense", "module_seed"]
+__all__ = ["KVCache", "ModelConfig", "ModuleGrid", "PathModel", "init_grid_from_dense", "module_seed",
+           "set_activation_checkpointing"]

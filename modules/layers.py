@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
 
@@ -162,6 +163,9 @@ class LevelModule(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers_per_level))
+        # Recompute each block's activations in backward instead of keeping them
+        # (set_activation_checkpointing): memory per block drops to its input.
+        self.activation_checkpointing = False
 
     def forward(
         self,
@@ -173,9 +177,25 @@ class LevelModule(nn.Module):
     ) -> torch.Tensor:
         """``x [B, T, C]`` → ``[B, T, C]``; ``first_layer`` is this module's first block's
         index among all blocks of the path (it picks the block's KV-cache slot)."""
+        recompute = self.activation_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, kv_cache, first_layer + i)
+            if recompute:
+                x = checkpoint(block, x, cos, sin, None, first_layer + i, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, kv_cache, first_layer + i)
         return x
+
+
+def set_activation_checkpointing(model: nn.Module, enabled: bool) -> int:
+    """Turn per-block activation checkpointing on or off in every level module of ``model``.
+
+    Works on a grid module, a ``PathModel`` or anything holding level modules; returns
+    how many level modules were set. Paths share modules, so this is a per-run setting.
+    """
+    levels = [m for m in model.modules() if isinstance(m, LevelModule)]
+    for m in levels:
+        m.activation_checkpointing = bool(enabled)
+    return len(levels)
 
 
 class LMHead(nn.Module):

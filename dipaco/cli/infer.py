@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="round number, round_NNNNNN name or path (default: newest)")
             sp.add_argument("--fast-verify", action="store_true",
                             help="hash only the module files read, not the whole checkpoint")
+            sp.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
+                            help="where the path models run (default: the run's trainer.device; auto = CUDA if present)")
 
     def inputs(sp: argparse.ArgumentParser, allow_text: bool) -> None:
         g = sp.add_mutually_exclusive_group(required=True)
@@ -184,7 +186,7 @@ def _open(args: argparse.Namespace, need_weights: bool = True):
 
     return InferenceRun.open(args.run_dir, checkpoint=getattr(args, "checkpoint", None),
                              verify="read" if getattr(args, "fast_verify", False) else "all",
-                             need_weights=need_weights)
+                             need_weights=need_weights, device=getattr(args, "device", None))
 
 
 def _emit(line: str) -> None:

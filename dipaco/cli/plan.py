@@ -1,8 +1,10 @@
-"""``dipaco-plan [overrides]``: print the communication plan of a config.
+"""``dipaco-plan [overrides]``: print the communication and memory plan of a config.
 
 Per module: the paths that share it, the worker groups that hold it, its parameters and
 the bytes it sends per round with the configured codec; and the bytes a data-parallel
 (DDP) run of one path's model over the same ranks would send in the same H steps.
+Then each rank's parameter, gradient, optimiser and activation memory
+(:mod:`dipaco.memory`).
 Takes the same overrides as ``dipaco-train``, so a plan can be read before launching::
 
     dipaco-plan grid=4x4 diloco.codec=int8 diloco.inner_steps=100
@@ -12,9 +14,12 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import torch
+
 from dipaco.build import build_grid, build_topology
 from dipaco.cli.errors import report_user_errors
 from dipaco.config import Config, codec_kwargs, compose_config, validate_config
+from dipaco.memory import RankMemory, rank_memory
 from dipaco.topology import CommPlan, format_plan
 
 
@@ -28,6 +33,52 @@ def plan_for(cfg: Config) -> CommPlan:
                      lossy_exchange=cfg.diloco.lossy_exchange, **codec_kwargs(cfg.diloco))
 
 
+def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
+    """Each kind of rank's memory (:mod:`dipaco.memory`): ``(label, RankMemory)`` rows.
+
+    Ranks of one worker group are alike; worker groups with the same modules and path
+    count share a row. The local backend is one process holding every module and path.
+    """
+    grid = build_grid(cfg, torch.device("cpu"))
+    distributed = cfg.launcher.name != "local"
+    topo = build_topology(cfg, grid, cfg.launcher.nproc, distributed)
+    counts = {m: grid.param_count(m) for m in grid.module_ids}
+    t = cfg.trainer
+    groups = range(topo.num_groups) if distributed else [None]
+    G = topo.group_size if distributed else 1
+    sequences = t.batch_size // G // max(1, t.micro_batches)
+    rows: dict[RankMemory, list[int]] = {}
+    for g in groups:
+        paths = list(range(len(topo.path_modules))) if g is None else topo.paths_of_group(g)
+        held = {m for p in paths for m in topo.path_modules[p]}
+        mem = rank_memory(cfg.model, len(cfg.grid.levels), sum(counts[m] for m in held),
+                          [sum(counts[m] for m in topo.path_modules[p]) for p in paths],
+                          sequences=sequences, seq_len=t.seq_len, low_precision=t.precision != "fp32",
+                          checkpointing=t.activation_checkpointing)
+        rows.setdefault(mem, []).append(-1 if g is None else g)
+    out = []
+    for mem, gs in sorted(rows.items(), key=lambda kv: -kv[0].total):
+        label = "the process" if gs == [-1] else (f"worker group {gs[0]}" if len(gs) == 1
+                                                 else f"{len(gs)} worker groups")
+        out.append((label, mem))
+    return out
+
+
+def format_memory(cfg: Config, rows: list[tuple[str, RankMemory]]) -> str:
+    """The memory table of ``dipaco-plan`` (MiB per rank)."""
+    t = cfg.trainer
+    head = (f"memory per rank (model in docs/gpu.md): precision={t.precision} "
+            f"activation_checkpointing={str(t.activation_checkpointing).lower()} "
+            f"micro-batch {t.batch_size // max(1, cfg.launcher.group_size) // max(1, t.micro_batches)} x {t.seq_len}")
+    cols = ("params", "grads", "AdamW", "activations", "device", "outer (host)")
+    lines = [head, f"{'rank of':<20}" + "".join(f"{c:>13}" for c in cols), "-" * (20 + 13 * len(cols))]
+    mib = 2.0 ** 20
+    for label, m in rows:
+        vals = (m.parameters, m.gradients, m.optimizer, m.activations, m.device, m.outer)
+        lines.append(f"{label:<20}" + "".join(f"{v / mib:>9.1f} MiB" for v in vals))
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Print the plan for ``argv`` (Hydra-style overrides)."""
     @report_user_errors
@@ -38,6 +89,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         cfg = compose_config(overrides)
         validate_config(cfg)
         print(format_plan(plan_for(cfg)))
+        print()
+        print(format_memory(cfg, memory_for(cfg)))
 
     run(list(sys.argv[1:] if argv is None else argv))
 

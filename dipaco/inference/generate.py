@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from dipaco.device import model_device
 from modules import PathModel
 
 if TYPE_CHECKING:
@@ -49,20 +50,25 @@ class _PathDecoder:
         self.max_len = model.cfg.max_seq_len
         self.cache = model.new_kv_cache(1, self.max_len) if use_kv_cache else None
         self.start = 0  # sequence position of the cache's first token
+        self.device = model_device(model)
 
     @torch.no_grad()
     def next_logits(self, seq: list[int]) -> torch.Tensor:
         """Logits ``[V]`` for the token after ``seq`` (seeing its last ``max_seq_len`` tokens)."""
         if self.cache is None:
             window = seq[-self.max_len:]
-            return self.model(torch.tensor([window], dtype=torch.long))[0, -1]
+            return self.model(self._ids(window))[0, -1].float().cpu()
         new = seq[self.start + self.cache.length:]
         if self.cache.length + len(new) > self.max_len or not new:
             # The window slid (rotary positions shift) or nothing is new: re-encode it.
             self.cache.reset()
             self.start = max(0, len(seq) - self.max_len)
             new = seq[self.start:]
-        return self.model(torch.tensor([new], dtype=torch.long), self.cache)[0, -1]
+        return self.model(self._ids(new), self.cache)[0, -1].float().cpu()
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """``[1, n]`` token ids on the model's device (logits come back to the CPU sampler)."""
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],

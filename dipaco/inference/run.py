@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from dipaco.build import build_grid
+from dipaco.config import ConfigError
+from dipaco.device import cuda_count
 from dipaco.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, load_state, round_dir_name,
                                sha256_file)
 from dipaco.data import Tokenizer
@@ -53,20 +55,26 @@ class InferenceRun:
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike, *, checkpoint: Optional[str] = None,
-             verify: str = "all", need_weights: bool = True) -> "InferenceRun":
+             verify: str = "all", need_weights: bool = True, device: Optional[str] = None) -> "InferenceRun":
         """Open ``run_dir``; raise :class:`RunDirError` / :class:`CheckpointError` naming the bad file.
 
         Args:
             checkpoint: ``None`` (newest), a round number, a ``round_NNNNNN`` name or a path.
             verify: ``"all"`` or ``"read"`` (see the module docstring).
             need_weights: ``False`` for routing only: no checkpoint is looked up.
+            device: ``auto`` | ``cuda`` | ``cpu`` for the path models (and the LM
+                featurizer); default: the run's ``trainer.device``.
         """
+        if device == "cuda" and cuda_count() == 0:  # refused before any loading
+            raise ConfigError("device", "cuda requested but no CUDA device is visible", "use --device auto or cpu")
         if verify not in ("all", "read"):
             raise ValueError(f"verify must be 'all' or 'read', got {verify!r}")
         run = RunDir.at(run_dir)
         if not run.root.is_dir():
             raise RunDirError(f"run directory {run.root} does not exist")
         cfg = run.load_config()
+        if device is not None:
+            cfg.trainer.device = device
         tokenizer = Tokenizer.load(str(run.require(run.tokenizer, "tokenizer")))
         router = _load_router(run, cfg)
         ckpt, manifest = Path(), {}

@@ -53,6 +53,7 @@ def allreduce_gradients(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     sent = 0
+    nccl = dist.get_backend(group) == "nccl"
     # bucket by dtype and device, in parameter order
     bucket: list[torch.nn.Parameter] = []
     size = 0
@@ -61,7 +62,13 @@ def allreduce_gradients(
         if not bucket:
             return 0
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat, group=group)
+        if flat.is_cuda and not nccl:
+            # gloo (ranks sharing a GPU, dipaco/device.py) reduces through CPU memory
+            staged = flat.cpu()
+            dist.all_reduce(staged, group=group)
+            flat.copy_(staged)
+        else:
+            dist.all_reduce(flat, group=group)
         flat.div_(group_size)
         off = 0
         for p in bucket:

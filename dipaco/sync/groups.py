@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from dipaco.topology import Topology
@@ -30,9 +29,13 @@ __all__ = ["ProcessGroups", "resolve_backend"]
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """``auto`` → nccl when CUDA is available, else gloo."""
+    """``auto`` → the world group's backend, which :mod:`dipaco.device` chose at init.
+
+    So a run's subgroups never disagree with its world group: nccl only when every rank
+    of the host owns a distinct GPU, gloo otherwise (and on the CPU).
+    """
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else "gloo"
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"launcher.backend={backend!r} must be one of auto, gloo, nccl, mpi")
     return backend
