@@ -30,6 +30,7 @@ from dipaco.run_dir import RunDir
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.checkpointing import load_checkpoint, save_checkpoint
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
+from dipaco.sync.records import round_record
 from modules import PathModel, init_grid_from_dense
 from router import load_shard
 
@@ -217,14 +218,9 @@ def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
         paths.update({str(p): v for p, v in rec["paths"].items()})
         for mid, s in rec["modules"].items():
             modules.setdefault(mid, s)  # every holder reports the same outer step
-    line = {
-        "round": round_idx,
-        "paths": paths,
-        "modules": modules,
-        "bytes_sent": sum(r["bytes_sent"] for r in records),
-        "compute_s": max(r["compute_s"] for r in records),
-        "wait_s": max(r["wait_s"] for r in records),
-        "sync_s": max(r["sync_s"] for r in records),
-    }
+    line = round_record(round_idx, "sync", paths, modules,
+                        bytes_sent=sum(r["bytes_sent"] for r in records),
+                        compute_s=max(r["compute_s"] for r in records),
+                        wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records))
     with open(run.metrics, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")

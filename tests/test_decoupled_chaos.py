@@ -26,7 +26,8 @@ from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.metrics import ledger_report, pushed_ids
 from dipaco.decoupled.run import run_decoupled
 from dipaco.decoupled.store import FileStore
-from dipaco.decoupled.synchronizer import DROP_REASONS, module_key, progress_key
+from dipaco.decoupled.merge import DROP_REASONS
+from dipaco.decoupled.service import module_key, progress_key
 from dipaco.prepare import prepare
 from dipaco.run_dir import RunDir
 from dipaco.train import _evaluate, train
