@@ -51,13 +51,13 @@ from dipaco.dense import load_dense_state
 from dipaco.learner import PathLearner, make_inner_optimizer
 from dipaco.run_dir import RunDir
 from dipaco.schedule import total_inner_steps, warmup_steps
-from dipaco.sync.codecs import make_codec
+from dipaco.sync.codecs import Codec, make_codec
 from dipaco.sync.module_state import encode_with_feedback, load_flat
 from dipaco.sync.module_sync import flatten_params, pseudo_gradient
 from modules import PathModel, init_grid_from_dense
 from router import load_shard
 
-__all__ = ["worker_main", "DecoupledWorker", "path_state_key", "RESIDUALS"]
+__all__ = ["worker_main", "DecoupledWorker", "encode_contribution", "path_state_key", "RESIDUALS"]
 
 # the path state's error-feedback residuals: {module: residual of this path's contribution}
 RESIDUALS = "error_feedback"
@@ -65,6 +65,15 @@ RESIDUALS = "error_feedback"
 
 def path_state_key(path_id: int) -> str:
     return f"paths/path_{path_id}.st"
+
+
+def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
+                        residual: Optional[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
+    """The contribution α·Δ of one path to one module, accumulated and encoded (with the
+    path's error-feedback ``residual``, or None) exactly as a sync worker group of one
+    path encodes it: ``(payload, new residual)``."""
+    value = torch.zeros(delta.numel(), dtype=torch.float32).add_(delta.reshape(-1), alpha=float(tokens))
+    return encode_with_feedback(value, codec, residual)
 
 
 class DecoupledWorker:
@@ -327,11 +336,9 @@ class DecoupledWorker:
         ids, nbytes = {}, 0
         for m in self.grid.module_ids_of_path(p):
             delta = pseudo_gradient(base[m], flatten_params(list(self.grid.module(m).parameters())))
-            # the contribution α·Δ, accumulated and encoded as a sync worker group does
-            value = torch.zeros(delta.numel(), dtype=torch.float32).add_(delta, alpha=float(stats.tokens))
             codec = self.codecs[m]
-            res = residuals.get(m, torch.zeros_like(value)) if self.feedback[m] else None
-            payload, res = encode_with_feedback(value, codec, res)
+            res = residuals.get(m, torch.zeros_like(delta)) if self.feedback[m] else None
+            payload, res = encode_contribution(delta, stats.tokens, codec, res)
             if res is not None:
                 residuals[m] = res
             uid = f"{m}.p{p}.ph{phase}.{self.id}"
