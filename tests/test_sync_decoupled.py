@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from dipaco.checkpoint import load_state, save_state
-from omegaconf import OmegaConf
-
 from dipaco.config import ConfigError, to_config, validate_config
 from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
@@ -188,12 +187,13 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
                                dec.core.outer_optimizer.state[dec.core.global_weights]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("exchange", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("nan_paths", [(0, 1), (0,)])
-def test_residuals_survive_a_round_without_contributions(nan_paths: tuple[int, ...]) -> None:
+def test_residuals_survive_a_round_without_contributions(nan_paths: tuple[int, ...], exchange: str) -> None:
     topo = Topology(["a"], [["a"], ["a"]], world_size=2)
     lin = nn.Linear(50, 1, bias=False)
     sync = DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=True,
-                      outer=NESTEROV, lossy_exchange="all_gather")
+                      outer=NESTEROV, lossy_exchange=exchange)
     torch.manual_seed(0)
 
     def round_(nan: tuple[int, ...]) -> None:
@@ -209,13 +209,16 @@ def test_residuals_survive_a_round_without_contributions(nan_paths: tuple[int, .
     round_(())
     ms = sync.syncs["a"]
     before = {c: r.clone() for c, r in ms.residuals.items()}
+    owners = {c: r.clone() for c, r in ms.owner_residuals.items()}
+    assert bool(owners) == (exchange == "reduce_scatter")
     theta = ms.global_weights.detach().clone()
     assert all(float(r.abs().sum()) > 0 for r in before.values())
     round_(nan_paths)
     for c in nan_paths:  # no finite contribution: residual kept as it was
         assert torch.equal(ms.residuals[c], before[c]), c
-    if len(nan_paths) == 2:
-        assert torch.equal(ms.global_weights.detach(), theta)  # and no step
+    if len(nan_paths) == 2:  # nothing at all: no step, and the owners' residuals kept too
+        assert torch.equal(ms.global_weights.detach(), theta)
+        assert all(torch.equal(ms.owner_residuals[c], r) for c, r in owners.items())
 
 
 @pytest.mark.parametrize("override,key", [

@@ -257,31 +257,34 @@ class ModuleSync:
         """Exchange, average with weights α, outer step, copy into the live params.
 
         Every rank of the module group must call this in the same round (collectives).
-        If nobody contributed (or Σα = 0), nothing is exchanged, θ_global is left unchanged,
-        no outer step (so no momentum) is applied and every error-feedback residual is kept;
-        the live params are reset to θ_global either way.
+        If nobody contributed (or Σα = 0), θ_global is left unchanged, no outer step (so no
+        momentum) is applied and every error-feedback residual is kept as it was; the live
+        params are reset to θ_global either way.
         """
+        payloads = {c: self._encode(c) for c in self.contributors}
         metas = {
             c: torch.tensor([self._alpha[c], self._count[c], self._dropped[c]], dtype=torch.float64)
             for c in self.contributors
         }
-        # the totals first: every holder of the module learns at once whether there is a step
+        owner = self._owner_feedback()
+        # the exchange re-encodes owner residuals in place; whether there is a step is known
+        # only after it (from the reduced totals), so keep a copy to put back without one
+        kept = {c: r.clone() for c, r in owner.items()} if owner else None
+        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.exchange, owner)
         meta, meta_bytes = self.comm.reduce_meta(self.module_id, metas)
+        nbytes = CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
         alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
         stepped = count > 0 and alpha_sum > 0
-        nbytes = CommBytes(0, meta_bytes, 0)
         norm = 0.0
         if stepped:
-            payloads = {c: self._encode(c) for c in self.contributors}
-            total, sent = self.comm.exchange(
-                self.module_id, payloads, self._wire_codec, self.exchange, self._owner_feedback()
-            )
-            nbytes = CommBytes(sent.cross, meta_bytes, sent.intra)
             avg = total[: self.numel] / alpha_sum
             norm = float(avg.norm())
             if self.sharing_rescale:
                 avg = avg * math.sqrt(count)
             self.state.outer_step(avg)
+        elif kept is not None:
+            for c, r in kept.items():
+                owner[c].copy_(r)
         cosine = self._cosine()
         self.restore()
         self._reset_round()
