@@ -6,9 +6,6 @@ idempotence across a simulated crash, and the ledger invariant of a whole servic
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from pathlib import Path
 from types import SimpleNamespace

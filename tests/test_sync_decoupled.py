@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from dipaco import faults
 from dipaco.checkpoint import load_state, save_state
 from dipaco.config import ConfigError, to_config, validate_config
 from dipaco.decoupled.config import DecoupledConfig
@@ -242,3 +243,14 @@ def test_every_other_diloco_option_is_accepted_in_both_modes() -> None:
     validate_config(compose_config(["diloco.mode=sync", *common]))
     validate_config(compose_config(["diloco.mode=sync", "diloco.outer.name=delayed_nesterov",
                                     "diloco.decoupled.momentum_every=4"]))
+
+
+def test_one_fault_mechanism_for_both_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.worker_chaos() == faults.WorkerChaos()
+    monkeypatch.setenv(faults.ENV, "nan:path=1:round=2;worker_kill:every_s=1.5:max=4:seed=3;worker_delay:prob=0.5:s=0.8")
+    assert faults.worker_chaos() == faults.WorkerChaos(1.5, 4, 0.5, 0.8, 3)
+    with pytest.raises(ValueError, match="every_s > 0 and max > 0"):
+        faults.parse("worker_kill:every_s=1")
+    with pytest.raises(ValueError, match="not a float"):
+        faults.parse("worker_delay:prob=x:s=1")

@@ -77,18 +77,10 @@ class DecoupledConfig:
     max_restarts: int = 50
     keep_archive: bool = True  # keep processed updates under archive/ (audits, tests)
 
-    # ---- chaos and benchmarks (off by default)
-    # learner indices slowed down: each inner step is followed by (slow_factor-1)× its time asleep
+    # ---- benchmarks (off by default; fault injection is DIPACO_FAULT, dipaco/faults.py)
+    # worker indices slowed down: each inner step is followed by (slow_factor-1)× its time asleep
     slow_learners: List[int] = field(default_factory=list)
     slow_factor: float = 1.0
-    # the supervisor SIGKILLs a random learner about every chaos_kill_every_s (up to chaos_max_kills)
-    chaos_kill_every_s: Optional[float] = None
-    chaos_max_kills: int = 0
-    # a learner sleeps U(0, chaos_delay_s) before a phase with this probability
-    chaos_delay_prob: float = 0.0
-    chaos_delay_s: float = 0.0
-    chaos_seed: int = 0
-
 
 def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     """Problems as ``(key, problem, fix)`` triples (empty when the settings can work)."""
@@ -120,9 +112,6 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     need(d.slow_threshold > 1, "slow_threshold", "must be > 1", "e.g. slow_threshold=1.5")
     need(d.timeout_s > 0, "timeout_s", "must be > 0", "e.g. timeout_s=3600")
     need(d.slow_factor >= 1, "slow_factor", "must be >= 1", "e.g. slow_factor=3")
-    need(0 <= d.chaos_delay_prob <= 1, "chaos_delay_prob", "must lie in [0, 1]", "e.g. 0.2")
-    need(d.chaos_kill_every_s is None or d.chaos_kill_every_s > 0, "chaos_kill_every_s",
-         "must be > 0 or null", "e.g. chaos_kill_every_s=5")
     return out
 
 

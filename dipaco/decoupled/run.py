@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
+from dipaco import faults
 from dipaco.build import build_grid
 from dipaco.checkpoint import CheckpointManager, save_state
 from dipaco.config import Config, ConfigError
@@ -185,12 +186,13 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     slots = [_Slot(i) for i in range(n_learners)]
     for s in slots:
         start_learner(s)
-    rng = random.Random(dcfg.chaos_seed)
+    chaos = faults.worker_chaos()  # DIPACO_FAULT worker_kill (none in real runs)
+    rng = random.Random(chaos.seed)
     kills = restarts = 0
     # the chaos clock starts once training does (the first path progress file): kills
     # during interpreter start-up would test nothing but process spawning
     next_kill = math.inf
-    chaos_armed = not dcfg.chaos_kill_every_s or dcfg.chaos_max_kills <= 0
+    chaos_armed = not chaos.kill_every_s or chaos.max_kills <= 0
     deadline = t0 + dcfg.timeout_s
     started = False
     try:
@@ -203,9 +205,9 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
                 started = True
             if not chaos_armed and store.list("paths"):
                 chaos_armed = True
-                next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)
+                next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
             # chaos: SIGKILL a random live learner (no clean-up runs in it: the point)
-            if now >= next_kill and kills < dcfg.chaos_max_kills:
+            if now >= next_kill and kills < chaos.max_kills:
                 alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
                 # prefer a learner in the middle of a phase (holding a path lease): killing
                 # one that is starting up or idle tests little
@@ -217,7 +219,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
                     kills += 1
                     sup_event({"e": "kill", "slot": victim.index, "incarnation": victim.incarnation,
                                "pid": victim.proc.pid})
-                next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)
+                next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
             for s in slots:
                 if s.finished or s.proc is None or s.proc.is_alive():
                     continue

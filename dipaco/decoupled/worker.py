@@ -39,6 +39,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from dipaco import faults
 from dipaco.build import build_grid
 from dipaco.config import Config, codec_kwargs, to_config
 from dipaco.data import Tokenizer, TokenStream
@@ -109,7 +110,8 @@ class DecoupledWorker:
         self.feedback = {m: bool(cfg.diloco.error_feedback) and self.shared[m] and lossy.lossy
                          for m in self.grid.module_ids}
         self.learners: dict[int, Any] = {}
-        self.rng = random.Random(dcfg.chaos_seed * 1000 + index * 17 + incarnation)
+        self.chaos = faults.worker_chaos()  # DIPACO_FAULT worker_delay (none in real runs)
+        self.rng = random.Random(self.chaos.seed * 1000 + index * 17 + incarnation)
         self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
         self.eos = Tokenizer.load(self.run.tokenizer).eos_id
         # Build every path's learner (shard, stream, model view) BEFORE taking any lease:
@@ -283,10 +285,10 @@ class DecoupledWorker:
             lease.release()
             return False
         n = self.phase_steps(budget - steps_done)
-        # chaos: this phase stalls for U(0, chaos_delay_s) after a random inner step
+        # fault injection: this phase stalls for U(0, s) after a random inner step
         delay_at, delay = -1, 0.0
-        if self.dcfg.chaos_delay_prob > 0 and self.rng.random() < self.dcfg.chaos_delay_prob:
-            delay_at, delay = self.rng.randrange(1, n + 1), self.rng.uniform(0, self.dcfg.chaos_delay_s)
+        if self.chaos.delay_prob > 0 and self.rng.random() < self.chaos.delay_prob:
+            delay_at, delay = self.rng.randrange(1, n + 1), self.rng.uniform(0, self.chaos.delay_s)
         lease.renew()  # set-up above may have taken a while
         max_wait = self.dcfg.pull_wait_s
         if self.dcfg.pull_wait_fraction is not None and self.sps is not None:
