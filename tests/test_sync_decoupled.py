@@ -150,12 +150,16 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
     topo = Topology(IDS, PATHS, world_size=3)
     mods = _modules()
     sync = DiLoCoSync(topo, mods, codec="int8", error_feedback=True, outer=NESTEROV, lossy_exchange="all_gather")
-    for p in range(3):
-        sync.begin_path(p)
-        with torch.no_grad():
-            for m in PATHS[p]:
-                mods[m].weight.add_(0.01 * (p + 1))
-        sync.end_path(p, 100.0 * (p + 1))
+
+    def paths_move(by: list[float], tokens: list[float]) -> None:
+        for p in range(3):
+            sync.begin_path(p)
+            with torch.no_grad():
+                for m in PATHS[p]:
+                    mods[m].weight.add_(by[p])
+            sync.end_path(p, tokens[p])
+
+    paths_move([0.01, 0.02, 0.03], [100.0, 200.0, 300.0])
     sync.finish_round()
     save_state(tmp_path / "s.safetensors", sync.syncs["s"].state_dict())
     saved = load_state(tmp_path / "s.safetensors")
@@ -169,12 +173,7 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
     for p in range(3):
         dec.offer(Update(f"u{p}", "s", p, 1, 0, 1.0, g), 0.0)
     dec.step(0.0)
-    for p in range(3):
-        sync.begin_path(p)
-        with torch.no_grad():
-            for m in PATHS[p]:
-                mods[m].weight.sub_(0.02)
-        sync.end_path(p, 1.0)
+    paths_move([-0.02] * 3, [1.0] * 3)
     sync.syncs["s"].error_feedback = False  # compare the optimiser, not the codec
     sync.syncs["s"]._wire_codec = make_codec("none")
     sync.finish_round()
