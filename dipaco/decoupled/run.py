@@ -49,6 +49,7 @@ from dipaco.sync.module_state import load_flat
 from dipaco.sync.module_sync import flatten_params
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
+from dipaco.tracking import MetricsWriter
 from modules import init_grid_from_dense
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
@@ -257,7 +258,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     metrics = compute_metrics(store, plan["module_ids"], n_learners)
     metrics.update({"kills": kills, "restarts": restarts, "supervisor_s": train_s})
     (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    _append_round_metrics(run, store)
+    _append_round_metrics(cfg, run, store)
     ckpt = write_checkpoint(cfg, run, store, plan)
     done_rounds = min(_rounds_done(store, p, H) for p in range(P))
     _log(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
@@ -311,19 +312,19 @@ def _account_leftovers(store: Store, module_ids: list[str]) -> None:
             store.move(f"{inbox(m)}/{n}", f"{archive(m)}/{n}")
 
 
-def _append_round_metrics(run: Any, store: Store) -> None:
-    """One metrics.jsonl line per phase index (:func:`dipaco.sync.records.round_record`)."""
+def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
+    """One round record per phase index (:func:`dipaco.sync.records.round_record`),
+    persisted by sync mode's writer (metrics.jsonl, TensorBoard, W&B)."""
     by_phase: dict[int, dict[str, dict]] = {}
     for e in load_events(store, "learner-"):
         if e["e"] == "end":
             by_phase.setdefault(int(e["phase"]), {}).setdefault(
                 str(e["path"]), {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]})
-    with open(run.metrics, "a", encoding="utf-8") as f:
+    with MetricsWriter(run, cfg) as writer:
         for k in sorted(by_phase):
             paths = by_phase[k]
-            line = round_record(k + 1, "decoupled", paths, {}, bytes_sent=0,
-                                compute_s=max(v["seconds"] for v in paths.values()))
-            f.write(json.dumps(line) + "\n")
+            writer.log_round(round_record(k + 1, "decoupled", paths, {}, bytes_sent=0,
+                                          compute_s=max(v["seconds"] for v in paths.values())))
 
 
 def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
