@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dipaco.data.tokenizer import Tokenizer
-from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
+from dipaco.decoupled.config import DecoupledConfig, mode_problems
 from dipaco.device import config_problems as device_problems
 from modules.config import ModelConfig
 
@@ -318,9 +318,8 @@ def validate_config(cfg: Config) -> None:
     _require(dl.inner_steps > 0, "diloco.inner_steps", f"H must be > 0, got {dl.inner_steps}",
              "pass diloco.inner_steps=50 (or any positive number)")
     _require(dl.mode in MODES, "diloco.mode", f"unknown mode {dl.mode!r}", f"use one of {MODES}")
-    if dl.mode == "decoupled":
-        for key, problem, fix in validate_decoupled(dl.decoupled):
-            raise ConfigError(key, problem, fix)
+    for key, problem, fix in mode_problems(dl.mode, dl.lossy_exchange, dl.outer.name, dl.decoupled):
+        raise ConfigError(key, problem, fix)  # an option the chosen sync mode cannot honour
     _require(dl.codec in CODECS, "diloco.codec", f"unknown codec {dl.codec!r}",
              f"use one of {', '.join(CODECS)}")
     _require(dl.lossy_exchange in ("auto", "reduce_scatter", "all_gather"), "diloco.lossy_exchange",

@@ -1,31 +1,42 @@
-"""Fault injection for reliability tests (docs/reliability.md): off unless ``DIPACO_FAULT`` is set.
+"""Fault injection for both sync modes (docs/reliability.md, docs/decoupled.md): off
+unless ``DIPACO_FAULT`` is set.
 
-The trainer calls :func:`inject` at a few points of the round loop. With the variable
-unset (every real run) the call returns at once and changes nothing. The variable is
-read from the environment, not the config, so that ranks started by the elastic launcher
-(which inherit the environment) see the same faults as the launching test process, and
-so that a fault can never end up in a saved ``config.yaml`` and be replayed on resume.
+One mechanism for both modes, and it is the environment, not the config: ranks started
+by the elastic launcher and decoupled workers and synchronisers started by the
+supervisor (``multiprocessing`` spawn) inherit the environment, so they see the same
+faults as the launching test process; and a fault can never end up in a saved
+``config.yaml`` and be replayed on resume (decoupled mode's former ``chaos_*`` config
+keys could). With the variable unset (every real run) every call here returns at once.
 
 Syntax: ``;``-separated faults, each ``kind:key=value:key=value``::
 
     DIPACO_FAULT="kill:rank=1:round=2"            # rank 1 SIGKILLs itself in round 2's inner phase
     DIPACO_FAULT="nan:path=1:round=2:module=L1.0" # path 1's L1.0 holds NaN after its inner steps
     DIPACO_FAULT="inf:path=0:round=1"             # +inf in every module of path 0, round 1
+    DIPACO_FAULT="worker_kill:every_s=1:max=4:seed=3"  # decoupled: the supervisor SIGKILLs a
+                                                       # random (preferably busy) worker about
+                                                       # every 1 s (×U(0.5, 1.5)), 4 times
+    DIPACO_FAULT="worker_delay:prob=0.5:s=0.8:seed=3"  # decoupled: a worker stalls U(0, 0.8) s
+                                                       # inside a phase, with probability 0.5
 
 ``round`` is 1-based (the round being trained). ``rank`` is the global rank (the local
-backend is rank 0). ``module`` defaults to every module of the path.
+backend is rank 0). ``module`` defaults to every module of the path. Sync mode calls
+:func:`inject` in the rounds loop; decoupled mode reads :func:`worker_chaos`.
 """
 from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
 ENV = "DIPACO_FAULT"
-KINDS = ("kill", "nan", "inf")
+KINDS = ("kill", "nan", "inf", "worker_kill", "worker_delay")
+# field name -> type; which fields a kind reads is in the module doc
+FIELDS = {"round": int, "rank": int, "path": int, "module": str, "every_s": float, "max": int, "prob": float,
+          "s": float, "seed": int}
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,22 @@ class Fault:
     rank: Optional[int] = None
     path: Optional[int] = None
     module: Optional[str] = None
+    every_s: Optional[float] = None
+    max: Optional[int] = None
+    prob: Optional[float] = None
+    s: Optional[float] = None
+    seed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class WorkerChaos:
+    """Decoupled mode's faults (``worker_kill`` / ``worker_delay``); the default: none."""
+
+    kill_every_s: Optional[float] = None
+    max_kills: int = 0
+    delay_prob: float = 0.0
+    delay_s: float = 0.0
+    seed: int = 0
 
 
 def parse(spec: str) -> list[Fault]:
@@ -49,10 +76,18 @@ def parse(spec: str) -> list[Fault]:
         kw: dict[str, Any] = {}
         for pair in pairs:
             key, sep, value = pair.partition("=")
-            if not sep or key not in ("round", "rank", "path", "module"):
-                raise ValueError(f"{ENV}: bad field {pair!r} in {item!r}; use round=, rank=, path=, module=")
-            kw[key] = value if key == "module" else int(value)
-        faults.append(Fault(kind, **kw))
+            if not sep or key not in FIELDS:
+                raise ValueError(f"{ENV}: bad field {pair!r} in {item!r}; use one of {', '.join(FIELDS)}")
+            try:
+                kw[key] = FIELDS[key](value)
+            except ValueError:
+                raise ValueError(f"{ENV}: {key}={value!r} in {item!r} is not a {FIELDS[key].__name__}") from None
+        f = Fault(kind, **kw)
+        if kind == "worker_kill" and not (f.every_s and f.every_s > 0 and (f.max or 0) > 0):
+            raise ValueError(f"{ENV}: {item!r} needs every_s > 0 and max > 0, e.g. worker_kill:every_s=5:max=3")
+        if kind == "worker_delay" and not (0 <= (f.prob or 0) <= 1 and (f.s or 0) > 0):
+            raise ValueError(f"{ENV}: {item!r} needs prob in [0, 1] and s > 0, e.g. worker_delay:prob=0.2:s=1")
+        faults.append(f)
     return faults
 
 
@@ -92,3 +127,14 @@ def inject(where: str, *, round_idx: int, rank: Optional[int], path: int, grid: 
                 for mid in targets:
                     for p in grid.module(mid).parameters():
                         p.view(-1)[0] = value
+
+
+def worker_chaos() -> WorkerChaos:
+    """Decoupled mode's faults from the environment (the last of each kind wins)."""
+    out = WorkerChaos()
+    for f in active():
+        if f.kind == "worker_kill":
+            out = replace(out, kill_every_s=f.every_s, max_kills=int(f.max or 0), seed=f.seed or out.seed)
+        elif f.kind == "worker_delay":
+            out = replace(out, delay_prob=float(f.prob or 0.0), delay_s=float(f.s or 0.0), seed=f.seed or out.seed)
+    return out

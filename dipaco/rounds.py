@@ -19,9 +19,9 @@ import numpy as np
 import torch.distributed as dist
 
 from dipaco import faults
-from dipaco.checkpoint import CheckpointManager, load_state, save_state
+from dipaco.checkpoint import CheckpointManager
 from dipaco.build import build_grid, build_topology
-from dipaco.config import Config, codec_kwargs
+from dipaco.config import Config
 from dipaco.data import TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory
@@ -30,10 +30,11 @@ from dipaco.learner import PathLearner
 from dipaco.progress import progress_bar
 from dipaco.run_dir import RunDir
 from dipaco.sync.data_parallel import allreduce_gradients
+from dipaco.sync.checkpointing import load_checkpoint, save_checkpoint
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
-from dipaco.topology import Topology
+from dipaco.sync.records import round_record
 from dipaco.tracking import MetricsWriter
-from modules import ModuleGrid, PathModel, init_grid_from_dense
+from modules import PathModel, init_grid_from_dense
 
 
 def _log(rank: Optional[int], msg: str) -> None:
@@ -88,14 +89,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
 
         pgroups = ProcessGroups(topo, rank, cfg.launcher.backend)
         worker_pg = pgroups.worker_group(topo.group_of_rank(rank))
-    d = cfg.diloco
-    sync = DiLoCoSync(
-        topo, modules, rank=rank,
-        codec=d.codec, codec_kw=codec_kwargs(cfg.diloco), error_feedback=d.error_feedback,
-        outer={"name": d.outer.name, "lr": d.outer.lr, "momentum": d.outer.momentum,
-               "nesterov": d.outer.nesterov},
-        sharing_rescale=d.sharing_rescale, process_groups=pgroups, lossy_exchange=d.lossy_exchange,
-    )
+    sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups)
 
     G = topo.group_size if distributed else 1
     eos = _eos_id(run)
@@ -117,7 +111,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     if cfg.resume:
         latest = ckpts.latest_valid(log=lambda m: _log(rank, m))
         if latest is not None:
-            start_round = _load_checkpoint(latest, grid, sync, learners, my_modules, topo, rank)
+            start_round = load_checkpoint(latest, grid, sync, learners, my_modules, topo, rank)
             _log(rank, f"resumed from {latest.name} (round {start_round})")
         if rank is None or rank == 0:
             _truncate_metrics(run, start_round)
@@ -169,13 +163,13 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
                   "compute_s": t1 - t0, "wait_s": tb - t1, "sync_s": t2 - tb}
         everyone = _gather(record, distributed)
         if writer is not None:
-            writer.log_round(_round_record(r + 1, everyone, outer_lr=d.outer.lr))
+            writer.log_round(_round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr))
             losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
             _log(rank, f"round {r + 1}/{R}: mean path loss {np.mean(list(losses.values())):.4f}, "
                        f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
         stop = cfg.trainer.stop_after_rounds is not None and r + 1 >= cfg.trainer.stop_after_rounds
         if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:
-            last_ckpt = _save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
+            last_ckpt = save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
         if stop:
             _log(rank, f"stopping after round {r + 1} (checkpoint written)")
             break
@@ -242,94 +236,8 @@ def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[
         paths.update({str(p): v for p, v in rec["paths"].items()})
         for mid, s in rec["modules"].items():
             modules.setdefault(mid, s)  # every holder reports the same outer step
-    return {
-        "round": round_idx,
-        "paths": paths,
-        "modules": modules,
-        "bytes_sent": sum(r["bytes_sent"] for r in records),
-        "compute_s": max(r["compute_s"] for r in records),
-        "wait_s": max(r["wait_s"] for r in records),
-        "sync_s": max(r["sync_s"] for r in records),
-        "outer_lr": outer_lr,
-    }
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-def _save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
-                     learners: dict[int, PathLearner], topo: Topology, rank: Optional[int],
-                     distributed: bool, my_modules: list[str]) -> Path:
-    """Every rank writes only its own files into the partial directory; rank 0 commits.
-
-    A module is written by the lowest rank that holds it; a path's inner state by local
-    rank 0 of the worker group that trains it. Barriers order mkdir → writes → commit.
-    """
-    if rank is None or rank == 0:
-        ckpts.begin(round_idx)
-    _barrier(distributed)
-    part = ckpts.partial_dir(round_idx)
-    for mid in my_modules:
-        outer = sync.syncs[mid].state_dict()
-        if not distributed or min(topo.module_ranks(mid)) == rank:
-            save_state(part / "modules" / f"{mid}.safetensors", grid.module_state_dict(mid))
-            save_state(part / "outer" / f"{mid}.safetensors", outer)
-        else:
-            # Error-feedback residuals are per rank (its worker group's, and the chunk it
-            # owns in the two-phase exchange): the other holders save theirs too, or an
-            # exact resume would lose them.
-            mine = {k: v for k, v in outer.items() if k.startswith("residual.")}
-            if mine:
-                save_state(part / "outer" / f"{mid}.rank{rank}.safetensors", mine)
-    if not distributed or topo.local_rank(rank) == 0:
-        for p, learner in learners.items():
-            save_state(part / "paths" / f"path_{p}.safetensors", learner.state_dict())
-    _barrier(distributed)
-    final = ckpts.final_dir(round_idx)
-    if rank is None or rank == 0:
-        ckpts.commit(round_idx, {"round": round_idx, "num_paths": grid.num_paths,
-                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels),
-                                 # error-feedback residuals are keyed by worker group: resume
-                                 # needs to know which grouping they belong to
-                                 "worker_groups": topo.num_groups, "group_size": topo.group_size})
-        ckpts.prune()
-    _barrier(distributed)
-    return final
-
-
-def _load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, PathLearner],
-                     my_modules: list[str], topo: Topology, rank: Optional[int] = None) -> int:
-    """Load this rank's modules, outer states and paths; return the round to start from.
-
-    The worker grouping may differ from the checkpoint's (compute joined or left between
-    rounds): module weights, outer optimiser states and per-path states do not depend on
-    it and are loaded as they are; paths are simply dealt to the new groups. Only the
-    error-feedback residuals are per worker group; with a different grouping they belong
-    to no one, so they are dropped (logged): the next round sends uncompensated codec
-    error once, which is what a fresh group would do anyway.
-    """
-    state = json.loads((path / "state.json").read_text())
-    if list(state.get("levels", [])) != list(grid.levels):
-        from dipaco.checkpoint import CheckpointError
-
-        raise CheckpointError(f"checkpoint {path} is for grid {state.get('levels')}, not {grid.levels}")
-    saved_groups = (state.get("worker_groups"), state.get("group_size"))
-    regrouped = saved_groups != (topo.num_groups, topo.group_size)
-    if regrouped:
-        _log(rank, f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
-                   f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
-                   "re-dealt and error-feedback residuals are dropped")
-    for mid in my_modules:
-        grid.load_module_state_dict(mid, load_state(path / "modules" / f"{mid}.safetensors"))
-        outer = load_state(path / "outer" / f"{mid}.safetensors")
-        own = path / "outer" / f"{mid}.rank{rank}.safetensors"
-        if rank is not None and own.exists():
-            outer.update(load_state(own))
-        if regrouped:
-            outer = {k: v for k, v in outer.items() if not k.startswith("residual.")}
-        # restores the live weights from the module's global copy as well
-        sync.syncs[mid].load_state_dict(outer)
-    for p, learner in learners.items():
-        learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
-    sync.round = int(state["round"])
-    return int(state["round"])
+    line = round_record(round_idx, "sync", paths, modules,
+                        bytes_sent=sum(r["bytes_sent"] for r in records),
+                        compute_s=max(r["compute_s"] for r in records),
+                        wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records))
+    return {**line, "outer_lr": outer_lr}

@@ -6,22 +6,26 @@ idempotence across a simulated crash, and the ledger invariant of a whole servic
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dipaco.config import DiLoCoConfig
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.metrics import ledger_report
-from dipaco.decoupled.store import FileStore, Lease, LeaseLost, decode_state, encode_state, open_store
-from dipaco.decoupled.synchronizer import (DelayedNesterov, ModuleSynchronizer, SyncService, Update, archive,
-                                           inbox, module_key, progress_key, write_module)
+from dipaco.decoupled.fsspec_store import open_store
+from dipaco.decoupled.lease import Lease, LeaseLost
+from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_finished, path_steps_done,
+                                      progress_key, write_module)
+from dipaco.decoupled.store import FileStore, decode_state, encode_state
+from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.sync.codecs import make_codec
-from dipaco.sync.outer import make_outer_optimizer
+from dipaco.sync.module_state import ModuleState
+from dipaco.sync.outer import DelayedNesterov, make_outer_optimizer, outer_options
 
 AVG = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
 
@@ -39,18 +43,30 @@ def sync_of(paths=(0, 1), theta=(0.0, 0.0), outer=None, **kw) -> ModuleSynchroni
 # ------------------------------------------------------------------ delayed Nesterov
 
 
+def dn_run(theta: torch.Tensor, gs, **kw) -> tuple[torch.Tensor, list[bool], DelayedNesterov]:
+    """Step a DelayedNesterov over the gradients ``gs``: (θ, momentum fired per step, optimiser)."""
+    p = torch.nn.Parameter(theta.clone())
+    opt = DelayedNesterov([p], **kw)
+    fired = []
+    for g in gs:
+        p.grad = torch.as_tensor(g, dtype=torch.float32).clone()
+        opt.step()
+        fired.append(bool(opt.state[p]["momentum_applied"]))
+    return p.detach(), fired, opt
+
+
 def test_delayed_nesterov_every_1_is_torch_sgd_nesterov() -> None:
     torch.manual_seed(0)
     theta = torch.randn(7)
     ref = torch.nn.Parameter(theta.clone())
     opt = make_outer_optimizer([ref], name="sgd", lr=0.7, momentum=0.9, nesterov=True)
-    dn = DelayedNesterov(7, lr=0.7, momentum=0.9, nesterov=True, every=1)
-    mine = theta.clone()
+    gs = []
     for _ in range(6):
         g = torch.randn(7)
+        gs.append(g)
         ref.grad = g.clone()
         opt.step()
-        dn.step(mine, g)
+    mine, _, _ = dn_run(theta, gs, lr=0.7, momentum=0.9, nesterov=True, every=1)
     torch.testing.assert_close(mine, ref.detach(), rtol=1e-6, atol=1e-6)
 
 
@@ -69,18 +85,17 @@ def test_delayed_nesterov_matches_hand_reference() -> None:
             buf = [0.0, 0.0]
         else:
             th = [x - lr * (gi + c * beta * mi) for x, gi, mi in zip(th, g, m)]
-    dn = DelayedNesterov(2, lr=lr, momentum=beta, nesterov=True, every=N, scale=c)
-    mine = torch.tensor([1.0, 1.0])
-    fired = [dn.step(mine, g) for g in gs]
+    mine, fired, _ = dn_run(torch.tensor([1.0, 1.0]), gs, lr=lr, momentum=beta, nesterov=True, every=N, scale=c)
     assert fired == [False, False, True, False, False, True, False]
     torch.testing.assert_close(mine, torch.tensor(th), rtol=1e-6, atol=1e-6)
-    # state round-trips
-    dn2 = DelayedNesterov(2, lr=lr, momentum=beta, nesterov=True, every=N, scale=c)
-    dn2.load_state_dict(dn.state_dict())
-    a, b = mine.clone(), mine.clone()
-    dn.step(a, torch.ones(2))
-    dn2.step(b, torch.ones(2))
-    torch.testing.assert_close(a, b)
+    # the state round-trips through the per-module core's layout (outer/<module>)
+    kw = {"name": "delayed_nesterov", "lr": lr, "momentum": beta, "nesterov": True, "every": N, "scale": c}
+    a, b = ModuleState("m", torch.tensor([1.0, 1.0]), kw), ModuleState("m", torch.zeros(2), kw)
+    for g in gs:
+        a.outer_step(g)
+    b.load_state_dict(a.state_dict())
+    assert a.outer_step(torch.ones(2)) == b.outer_step(torch.ones(2))
+    torch.testing.assert_close(a.weights, b.weights, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------ merge, quorum, grace
@@ -196,7 +211,10 @@ def test_non_finite_and_bad_shape_are_dropped() -> None:
 
 
 def test_momentum_is_delayed_in_the_synchroniser() -> None:
-    outer = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    # decoupled mode turns sgd with momentum into delayed Nesterov (momentum_every > 1)
+    d = DiLoCoConfig(mode="decoupled", decoupled=DecoupledConfig(momentum_every=2))
+    outer = outer_options(d)
+    assert outer["name"] == "delayed_nesterov" and outer["every"] == 2
     s = sync_of(paths=(0,), outer=outer, quorum=1.0, momentum_every=2)
     fired = []
     for k in range(4):
@@ -276,7 +294,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
     assert svc.poll_once() == 2
     state, meta = st.get_state(module_key("m"))
     assert meta["version"] == 1 and state["applied"] == {"u0": 1, "u1": 1}
-    torch.testing.assert_close(state["theta"], torch.full((4,), -2.0))
+    torch.testing.assert_close(state["global"], torch.full((4,), -2.0))
     assert st.list(inbox("m")) == [] and len(st.list(archive("m"))) == 2
     # crash window: the version is written but the files were not archived yet
     st.move(f"{archive('m')}/u0.st", f"{inbox('m')}/u0.st")
@@ -285,7 +303,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
     svc2.poll_once()
     state, meta = st.get_state(module_key("m"))
     assert meta["version"] == 1 and state["dropped"] == {"u0-rerun": "duplicate_phase"}
-    torch.testing.assert_close(state["theta"], torch.full((4,), -2.0))
+    torch.testing.assert_close(state["global"], torch.full((4,), -2.0))
     # a corrupt file is dropped with a reason, not lost and not fatal
     st.put(f"{inbox('p')}/junk.st", b"\x00\x01not a blob")
     svc2.poll_once()
@@ -318,12 +336,8 @@ def test_validate_decoupled_names_the_key() -> None:
 
 
 def _bare_learner(dcfg: DecoupledConfig, my_sps: float | None, others_sps: float | None, H: int = 48):
-    """A Learner with only what its scheduling rules read (no grid, shards or store)."""
-    from types import SimpleNamespace
-
-    from dipaco.decoupled.worker import Learner
-
-    lr = Learner.__new__(Learner)
+    """A DecoupledWorker with only what its scheduling rules read (no grid, shards or store)."""
+    lr = DecoupledWorker.__new__(DecoupledWorker)
     lr.cfg = SimpleNamespace(diloco=SimpleNamespace(inner_steps=H), trainer=SimpleNamespace(rounds=4))
     lr.dcfg, lr.sps = dcfg, my_sps
     lr._others_sps = lambda: (others_sps, 3 if others_sps is not None else 0)
@@ -341,8 +355,6 @@ def test_dynamic_local_updates_shorten_only_a_markedly_slow_learners_phase() -> 
 
 
 def test_path_progress_counts_steps_and_reads_old_files() -> None:
-    from dipaco.decoupled.synchronizer import path_finished, path_steps_done
-
     assert path_steps_done(None, 50) == 0
     assert path_steps_done({"phases_done": 3}, 50) == 150  # written before dynamic steps
     assert path_steps_done({"phases_done": 5, "steps_done": 170}, 50) == 170

@@ -26,7 +26,8 @@ from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.metrics import ledger_report, pushed_ids
 from dipaco.decoupled.run import run_decoupled
 from dipaco.decoupled.store import FileStore
-from dipaco.decoupled.synchronizer import DROP_REASONS, module_key, progress_key
+from dipaco.decoupled.merge import DROP_REASONS
+from dipaco.decoupled.service import module_key, progress_key
 from dipaco.prepare import prepare
 from dipaco.run_dir import RunDir
 from dipaco.train import _evaluate, train
@@ -67,12 +68,14 @@ def _fresh(run_dir: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict]) -> None:
+def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir, sync_loss, _ = sync_run
     _fresh(run_dir)
     cfg = compose_config(SMOKE, run_dir)
-    dcfg = DecoupledConfig(learners=4, lease_s=1.5, heartbeat_s=0.3, chaos_kill_every_s=1.0, chaos_max_kills=4,
-                           chaos_delay_prob=0.5, chaos_delay_s=0.8, chaos_seed=3, timeout_s=200)
+    # the one fault-injection mechanism of both modes (dipaco/faults.py); spawned workers inherit it
+    monkeypatch.setenv("DIPACO_FAULT", "worker_kill:every_s=1:max=4:seed=3;worker_delay:prob=0.5:s=0.8:seed=3")
+    dcfg = DecoupledConfig(learners=4, lease_s=1.5, heartbeat_s=0.3, timeout_s=200)
     res = run_decoupled(cfg, str(run_dir), dcfg)
     m = res["decoupled"]
     assert res["completed_rounds"] == R

@@ -12,7 +12,9 @@ import uuid
 import pytest
 import torch
 
-from dipaco.decoupled.store import FileStore, FsspecStore, Lease, LeaseLost, Store, open_store
+from dipaco.decoupled.fsspec_store import FsspecStore, open_store
+from dipaco.decoupled.lease import Lease, LeaseLost
+from dipaco.decoupled.store import FileStore, Store
 
 
 def _url() -> str:

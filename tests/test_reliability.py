@@ -315,7 +315,7 @@ def test_error_feedback_residuals_are_dropped_when_groups_change(
     """Residuals are keyed by worker group: kept on the same grouping, dropped (logged) on another."""
     from dipaco.sync.diloco import DiLoCoSync
     from dipaco.build import build_grid, build_topology
-    from dipaco.rounds import _load_checkpoint
+    from dipaco.sync.checkpointing import load_checkpoint as _load_checkpoint
 
     ckpt = tmp_path / "round_000002"
     shutil.copytree(ckpt_dir(base_run, 2), ckpt)

@@ -1,10 +1,13 @@
 """Decoupled mode (``diloco.mode=decoupled``): asynchronous path learners and per-module
 synchronisers that meet only through a shared store.
 
-* :mod:`~dipaco.decoupled.store`: the store (a shared directory, atomic writes) and leases;
+* :mod:`~dipaco.decoupled.store`: the store (a shared directory, atomic writes);
+  :mod:`~dipaco.decoupled.fsspec_store`: object stores and ``open_store``;
+  :mod:`~dipaco.decoupled.lease`: path leases;
 * :mod:`~dipaco.decoupled.worker`: the decoupled worker process loop;
-* :mod:`~dipaco.decoupled.synchronizer`: per-module quorum, grace window, staleness,
-  delayed Nesterov and the applied-id ledger;
+* :mod:`~dipaco.decoupled.merge`: per-module quorum, grace window, staleness and the
+  merge rule on the core shared with sync mode (:mod:`dipaco.sync.module_state`);
+* :mod:`~dipaco.decoupled.service`: the synchroniser process loop and the ledger;
 * :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run_dir)``;
 * :mod:`~dipaco.decoupled.metrics`: goodput, staleness, version rates, drops, ledger check.
 

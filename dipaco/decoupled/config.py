@@ -9,10 +9,10 @@ compare at equal steps; phases have H steps, fewer for a slow learner with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
-__all__ = ["DecoupledConfig", "validate_decoupled"]
+__all__ = ["DecoupledConfig", "validate_decoupled", "mode_problems"]
 
 
 @dataclass
@@ -38,9 +38,12 @@ class DecoupledConfig:
     # staleness s = module version now − version the update started from
     max_staleness: int = 8  # s > this: dropped (reason "stale")
     staleness_power: float = 0.5  # kept updates weigh tokens · (1 + s)^(−power)
-    # delayed Nesterov (Liu et al. 2024): momentum is updated and applied every N outer
-    # steps with the mean of the buffered pseudo-gradients; between activations the step
-    # is −lr·(g + momentum_scale·β·m). N=1 is plain Nesterov (= torch SGD nesterov), which
+    # delayed Nesterov (Liu et al. 2024; dipaco.sync.outer.DelayedNesterov): momentum is
+    # updated and applied every N outer steps with the mean of the buffered pseudo-gradients;
+    # between activations the step is −lr·(g + momentum_scale·β·m). Applies to
+    # diloco.outer.name=sgd with momentum in decoupled mode, and to
+    # diloco.outer.name=delayed_nesterov in both modes; other optimisers step as torch does.
+    # N=1 is plain Nesterov (= torch SGD nesterov), which
     # diverged with stale updates in benchmarks/bench_decoupled.py (routed loss 5.9 and 7.4
     # against 3.8–4.0 with N=4; docs/decoupled.md), as Liu et al. report for async Nesterov.
     momentum_every: int = 4
@@ -74,18 +77,10 @@ class DecoupledConfig:
     max_restarts: int = 50
     keep_archive: bool = True  # keep processed updates under archive/ (audits, tests)
 
-    # ---- chaos and benchmarks (off by default)
-    # learner indices slowed down: each inner step is followed by (slow_factor-1)× its time asleep
+    # ---- benchmarks (off by default; fault injection is DIPACO_FAULT, dipaco/faults.py)
+    # worker indices slowed down: each inner step is followed by (slow_factor-1)× its time asleep
     slow_learners: List[int] = field(default_factory=list)
     slow_factor: float = 1.0
-    # the supervisor SIGKILLs a random learner about every chaos_kill_every_s (up to chaos_max_kills)
-    chaos_kill_every_s: Optional[float] = None
-    chaos_max_kills: int = 0
-    # a learner sleeps U(0, chaos_delay_s) before a phase with this probability
-    chaos_delay_prob: float = 0.0
-    chaos_delay_s: float = 0.0
-    chaos_seed: int = 0
-
 
 def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     """Problems as ``(key, problem, fix)`` triples (empty when the settings can work)."""
@@ -117,7 +112,30 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     need(d.slow_threshold > 1, "slow_threshold", "must be > 1", "e.g. slow_threshold=1.5")
     need(d.timeout_s > 0, "timeout_s", "must be > 0", "e.g. timeout_s=3600")
     need(d.slow_factor >= 1, "slow_factor", "must be >= 1", "e.g. slow_factor=3")
-    need(0 <= d.chaos_delay_prob <= 1, "chaos_delay_prob", "must lie in [0, 1]", "e.g. 0.2")
-    need(d.chaos_kill_every_s is None or d.chaos_kill_every_s > 0, "chaos_kill_every_s",
-         "must be > 0 or null", "e.g. chaos_kill_every_s=5")
     return out
+
+
+# read by the outer optimiser in both modes (diloco.outer.name=delayed_nesterov)
+_BOTH_MODES = ("momentum_every", "momentum_scale")
+
+
+def mode_problems(mode: str, lossy_exchange: str, outer_name: str,
+                  d: DecoupledConfig) -> list[tuple[str, str, str]]:
+    """``diloco.*`` options one mode cannot honour, as ``(key, problem, fix)`` triples.
+
+    Every other ``diloco`` option works in both modes: the codec and its options, error
+    feedback, the √P rescale, any outer optimiser.
+    """
+    if mode == "decoupled":
+        out = validate_decoupled(d)
+        if lossy_exchange == "reduce_scatter":
+            out.append(("diloco.lossy_exchange", "decoupled mode has no collective exchange: each update is "
+                        "encoded once, as with all_gather", "use diloco.lossy_exchange=auto (or all_gather)"))
+        return out
+    default = DecoupledConfig()
+    delayed = str(outer_name).lower() == "delayed_nesterov"
+    for f in fields(DecoupledConfig):
+        if getattr(d, f.name) != getattr(default, f.name) and not (delayed and f.name in _BOTH_MODES):
+            return [(f"diloco.decoupled.{f.name}", f"only decoupled mode reads it (diloco.mode={mode})",
+                     "set diloco.mode=decoupled, or drop the override")]
+    return []

@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from typing import Any, Iterable
 
 from dipaco.decoupled.store import Store, iter_jsonl
-from dipaco.decoupled.synchronizer import archive, inbox, module_key
+from dipaco.decoupled.service import archive, inbox, module_key
 
 __all__ = ["ledger_report", "compute_metrics", "load_events"]
 

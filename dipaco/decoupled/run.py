@@ -26,14 +26,31 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 
+from dipaco import faults
+from dipaco.build import build_grid
+from dipaco.checkpoint import CheckpointManager, save_state
 from dipaco.config import Config, ConfigError
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
-from dipaco.decoupled.worker import learner_main, path_state_key
+from dipaco.decoupled.fsspec_store import open_store
+from dipaco.decoupled.lease import Lease
+from dipaco.decoupled.merge import ModuleSynchronizer
 from dipaco.decoupled.metrics import compute_metrics, load_events
-from dipaco.decoupled.store import Lease, Store, open_store
-from dipaco.decoupled.synchronizer import (ModuleSynchronizer, SyncService, archive, inbox, module_key,
-                                           path_steps_done, progress_key, write_module)
+from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_steps_done, progress_key,
+                                      write_module)
+from dipaco.decoupled.store import Store
+from dipaco.decoupled.worker import RESIDUALS, path_state_key, worker_main
+from dipaco.dense import load_dense_state
+from dipaco.run_dir import RunDir
+from dipaco.schedule import warmup_steps
+from dipaco.sync.checkpointing import write_module_files
+from dipaco.sync.module_state import load_flat
+from dipaco.sync.module_sync import flatten_params
+from dipaco.sync.outer import outer_options
+from dipaco.sync.records import round_record
+from dipaco.tracking import MetricsWriter
+from modules import init_grid_from_dense
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
 
@@ -60,20 +77,17 @@ def decoupled_config(cfg: Config, override: Optional[DecoupledConfig] = None) ->
     return DecoupledConfig(**dict(d))
 
 
-def outer_settings(cfg: Config) -> dict[str, Any]:
-    o = cfg.diloco.outer
-    if str(o.name).lower() != "sgd":
-        raise ConfigError("diloco.outer.name", f"decoupled mode supports only sgd (delayed Nesterov), got {o.name!r}",
-                          "use diloco.outer.name=sgd")
-    return {"lr": float(o.lr), "momentum": float(o.momentum), "nesterov": bool(o.nesterov)}
+def outer_settings(cfg: Config, dcfg: DecoupledConfig) -> dict[str, Any]:
+    """The outer optimiser of every module (``diloco.outer``, delayed per ``dcfg``)."""
+    return outer_options(dataclasses.replace(cfg.diloco, decoupled=dcfg))
 
 
 def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int]], rounds: int,
-              dcfg_dict: dict, outer: dict, name: str, inner_steps: int) -> None:
+              dcfg_dict: dict, outer: dict, name: str, inner_steps: int, sharing_rescale: bool = False) -> None:
     """Entry point of a spawned synchroniser process."""
     torch.set_num_threads(1)
     SyncService(open_store(store_url), module_ids, sharing, rounds, DecoupledConfig(**dcfg_dict), outer,
-                name=name, inner_steps=inner_steps).run()
+                name=name, inner_steps=inner_steps, sharing_rescale=sharing_rescale).run()
 
 
 # ------------------------------------------------------------------------ setup
@@ -81,16 +95,8 @@ def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int
 
 def init_store(cfg: Config, run_dir: str, store: Store, dcfg: DecoupledConfig) -> dict[str, Any]:
     """Write the plan and version 0 of every module (kept as is when resuming)."""
-    from dipaco.dense import load_dense_state
-    from dipaco.schedule import warmup_steps
-    from dipaco.run_dir import RunDir
-    from dipaco.sync.module_sync import flatten_params
-    from dipaco.build import build_grid
-
     grid = build_grid(cfg)
     if warmup_steps(cfg) > 0:
-        from modules import init_grid_from_dense
-
         init_grid_from_dense(grid, load_dense_state(RunDir.at(run_dir).warmup))
     sharing = {m: grid.paths_of_module(m) for m in grid.module_ids}
     plan = {"rounds": cfg.trainer.rounds, "inner_steps": cfg.diloco.inner_steps, "num_paths": grid.num_paths,
@@ -100,7 +106,7 @@ def init_store(cfg: Config, run_dir: str, store: Store, dcfg: DecoupledConfig) -
         raise ConfigError("resume", f"the decoupled store was made for another grid ({old['levels']})",
                           "resume with the same grid.levels, or start a fresh run directory")
     store.put_json(PLAN_KEY, plan)
-    outer = outer_settings(cfg)
+    outer = outer_settings(cfg, dcfg)
     for m in grid.module_ids:
         if store.get(module_key(m)) is None:
             theta = flatten_params(list(grid.module(m).parameters()))
@@ -128,10 +134,6 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     ``start_round``, ``tokens``, ``bytes_sent``, ``compute_s``, ``sync_s``,
     ``checkpoint``) plus ``decoupled`` (the metrics of :mod:`dipaco.decoupled.metrics`).
     """
-    from omegaconf import OmegaConf
-
-    from dipaco.run_dir import RunDir
-
     dcfg = decoupled_config(cfg, dcfg)
     problems = validate_decoupled(dcfg)
     if problems:
@@ -151,7 +153,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     n_learners = dcfg.learners or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     dcfg_dict = dataclasses.asdict(dcfg)
-    outer = outer_settings(cfg)
+    outer = outer_settings(cfg, dcfg)
     ctx = mp.get_context("spawn")
 
     def sup_event(obj: dict) -> None:
@@ -167,13 +169,13 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
         store.delete(f"done/sync-{i}.json")
         proc = ctx.Process(target=sync_main, name=f"dipaco-sync-{i}",
                            args=(store_url, sync_mods[i], {m: plan["sharing"][m] for m in sync_mods[i]},
-                                 R, dcfg_dict, outer, f"sync-{i}", H))
+                                 R, dcfg_dict, outer, f"sync-{i}", H, cfg.diloco.sharing_rescale))
         proc.start()
         return proc
 
     def start_learner(slot: _Slot) -> None:
         slot.incarnation += 1
-        slot.proc = ctx.Process(target=learner_main, name=f"dipaco-learner-{slot.index}",
+        slot.proc = ctx.Process(target=worker_main, name=f"dipaco-learner-{slot.index}",
                                 args=(cfg_dict, str(run.root), store_url, slot.index, slot.incarnation, dcfg_dict))
         slot.proc.start()
         sup_event({"e": "start", "slot": slot.index, "incarnation": slot.incarnation, "pid": slot.proc.pid})
@@ -185,12 +187,13 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     slots = [_Slot(i) for i in range(n_learners)]
     for s in slots:
         start_learner(s)
-    rng = random.Random(dcfg.chaos_seed)
+    chaos = faults.worker_chaos()  # DIPACO_FAULT worker_kill (none in real runs)
+    rng = random.Random(chaos.seed)
     kills = restarts = 0
     # the chaos clock starts once training does (the first path progress file): kills
     # during interpreter start-up would test nothing but process spawning
     next_kill = math.inf
-    chaos_armed = not dcfg.chaos_kill_every_s or dcfg.chaos_max_kills <= 0
+    chaos_armed = not chaos.kill_every_s or chaos.max_kills <= 0
     deadline = t0 + dcfg.timeout_s
     started = False
     try:
@@ -203,9 +206,9 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
                 started = True
             if not chaos_armed and store.list("paths"):
                 chaos_armed = True
-                next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)
+                next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
             # chaos: SIGKILL a random live learner (no clean-up runs in it: the point)
-            if now >= next_kill and kills < dcfg.chaos_max_kills:
+            if now >= next_kill and kills < chaos.max_kills:
                 alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
                 # prefer a learner in the middle of a phase (holding a path lease): killing
                 # one that is starting up or idle tests little
@@ -217,7 +220,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
                     kills += 1
                     sup_event({"e": "kill", "slot": victim.index, "incarnation": victim.incarnation,
                                "pid": victim.proc.pid})
-                next_kill = now + dcfg.chaos_kill_every_s * rng.uniform(0.5, 1.5)
+                next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
             for s in slots:
                 if s.finished or s.proc is None or s.proc.is_alive():
                     continue
@@ -255,7 +258,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
     metrics = compute_metrics(store, plan["module_ids"], n_learners)
     metrics.update({"kills": kills, "restarts": restarts, "supervisor_s": train_s})
     (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    _append_round_metrics(run, store)
+    _append_round_metrics(cfg, run, store)
     ckpt = write_checkpoint(cfg, run, store, plan)
     done_rounds = min(_rounds_done(store, p, H) for p in range(P))
     _log(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
@@ -309,43 +312,50 @@ def _account_leftovers(store: Store, module_ids: list[str]) -> None:
             store.move(f"{inbox(m)}/{n}", f"{archive(m)}/{n}")
 
 
-def _append_round_metrics(run: Any, store: Store) -> None:
-    """One metrics.jsonl line per phase index (the sync trainer's per-round shape)."""
+def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
+    """One round record per phase index (:func:`dipaco.sync.records.round_record`),
+    persisted by sync mode's writer (metrics.jsonl, TensorBoard, W&B)."""
     by_phase: dict[int, dict[str, dict]] = {}
     for e in load_events(store, "learner-"):
         if e["e"] == "end":
             by_phase.setdefault(int(e["phase"]), {}).setdefault(
                 str(e["path"]), {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]})
-    with open(run.metrics, "a", encoding="utf-8") as f:
+    with MetricsWriter(run, cfg) as writer:
         for k in sorted(by_phase):
             paths = by_phase[k]
-            f.write(json.dumps({"round": k + 1, "mode": "decoupled", "paths": paths, "modules": {},
-                                "bytes_sent": 0, "compute_s": max(v["seconds"] for v in paths.values()),
-                                "sync_s": 0.0}) + "\n")
+            writer.log_round(round_record(k + 1, "decoupled", paths, {}, bytes_sent=0,
+                                          compute_s=max(v["seconds"] for v in paths.values())))
 
 
 def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
-    """The final versions as an ordinary checkpoint ``round_<R>`` (modules, outer, paths)."""
-    from dipaco.checkpoint import CheckpointManager, save_state
-    from dipaco.decoupled.worker import _load_flat
-    from dipaco.build import build_grid
+    """The final versions as an ordinary checkpoint ``round_<R>``, in sync mode's layout.
 
+    ``outer/<module>`` holds the module's core state (θ_global, outer optimiser state) and
+    the error-feedback residuals of its paths as ``residual.<path>``: in decoupled mode
+    each path is its own contributor, i.e. a worker group of one path, which
+    ``state.json`` records (a sync resume with another grouping drops them).
+    """
     grid = build_grid(cfg)
     R = int(plan["rounds"])
     ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last)
     part = ckpts.begin(R)
-    versions = {}
-    for m in plan["module_ids"]:
-        state, meta = store.get_state(module_key(m))
-        _load_flat(grid.module(m), state["theta"])
-        save_state(part / "modules" / f"{m}.safetensors", grid.module_state_dict(m))
-        save_state(part / "outer" / f"{m}.safetensors", {"opt": state["opt"], "version": state["version"]})
-        versions[m] = int(state["version"])
+    residuals: dict[str, dict[str, torch.Tensor]] = {m: {} for m in plan["module_ids"]}
     for p in range(plan["num_paths"]):
         got = store.get_state(path_state_key(p))
         if got is not None:
-            save_state(part / "paths" / f"path_{p}.safetensors", got[0])
+            state = dict(got[0])
+            for m, res in state.pop(RESIDUALS, {}).items():
+                residuals[m][f"residual.{p}"] = res
+            save_state(part / "paths" / f"path_{p}.safetensors", state)
+    versions = {}
+    for m in plan["module_ids"]:
+        state, meta = store.get_state(module_key(m))
+        load_flat(list(grid.module(m).parameters()), state["global"])
+        core = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        write_module_files(part, grid, m, {**core, **residuals[m]})
+        versions[m] = int(state["version"])
     final = ckpts.commit(R, {"round": R, "num_paths": plan["num_paths"], "module_ids": plan["module_ids"],
-                             "levels": plan["levels"], "mode": "decoupled", "versions": versions})
+                             "levels": plan["levels"], "mode": "decoupled", "versions": versions,
+                             "worker_groups": plan["num_paths"], "group_size": 1})
     ckpts.prune()
     return final

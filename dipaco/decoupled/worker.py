@@ -1,4 +1,4 @@
-"""The learner process loop: lease a path, pull its modules, train H steps, push, repeat.
+"""The decoupled worker process loop: lease a path, pull its modules, train H steps, push, repeat.
 
 A learner is not bound to a path. Each turn it leases the unfinished path with the
 fewest completed inner steps that nobody holds, so a slow learner simply completes fewer
@@ -39,34 +39,45 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from dipaco.config import Config, codec_kwargs
+from dipaco import faults
+from dipaco.build import build_grid
+from dipaco.config import Config, codec_kwargs, to_config
+from dipaco.data import Tokenizer, TokenStream
 from dipaco.decoupled.config import DecoupledConfig
-from dipaco.decoupled.store import Lease, LeaseLost, Store, open_store
-from dipaco.decoupled.synchronizer import inbox, module_key, path_steps_done, progress_key
-from dipaco.sync.codecs import make_codec
+from dipaco.decoupled.fsspec_store import open_store
+from dipaco.decoupled.lease import Lease, LeaseLost
+from dipaco.decoupled.service import inbox, module_key, path_steps_done, progress_key
+from dipaco.decoupled.store import Store, encode_state
+from dipaco.dense import load_dense_state
+from dipaco.learner import PathLearner, make_inner_optimizer
+from dipaco.run_dir import RunDir
+from dipaco.schedule import total_inner_steps, warmup_steps
+from dipaco.sync.codecs import Codec, make_codec
+from dipaco.sync.module_state import encode_with_feedback, load_flat
 from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from modules import PathModel, init_grid_from_dense
 
-__all__ = ["learner_main", "Learner", "path_state_key"]
+__all__ = ["worker_main", "DecoupledWorker", "encode_contribution", "path_state_key", "RESIDUALS"]
+
+# the path state's error-feedback residuals: {module: residual of this path's contribution}
+RESIDUALS = "error_feedback"
 
 
 def path_state_key(path_id: int) -> str:
     return f"paths/path_{path_id}.st"
 
 
-def _load_flat(module: torch.nn.Module, flat: torch.Tensor) -> None:
-    """Copy a flat vector into a module's parameters (``flatten_params`` order)."""
-    off = 0
-    with torch.no_grad():
-        for p in module.parameters():
-            n = p.numel()
-            p.copy_(flat[off : off + n].view_as(p).to(p.dtype))
-            off += n
-    if off != flat.numel():
-        raise ValueError(f"flat vector of {flat.numel()} values for a module of {off} parameters")
+def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
+                        residual: Optional[torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], Optional[torch.Tensor]]:
+    """The contribution α·Δ of one path to one module, accumulated and encoded (with the
+    path's error-feedback ``residual``, or None) exactly as a sync worker group of one
+    path encodes it: ``(payload, new residual)``."""
+    value = torch.zeros(delta.numel(), dtype=torch.float32).add_(delta.reshape(-1), alpha=float(tokens))
+    return encode_with_feedback(value, codec, residual)
 
 
-class Learner:
-    """One learner process's state (the grid copy, per-path PathLearners, the store).
+class DecoupledWorker:
+    """One decoupled worker process's state (the grid copy, per-path PathLearners, the store).
 
     Args:
         cfg: the run's config.
@@ -79,11 +90,6 @@ class Learner:
 
     def __init__(self, cfg: Config, run_dir: str, store: Store, index: int, incarnation: int,
                  dcfg: DecoupledConfig) -> None:
-        from dipaco.dense import load_dense_state
-        from dipaco.schedule import total_inner_steps, warmup_steps
-        from dipaco.run_dir import RunDir
-        from dipaco.build import build_grid
-
         self.cfg, self.dcfg, self.store = cfg, dcfg, store
         self.run = RunDir.at(run_dir)
         self.index, self.incarnation = index, incarnation
@@ -91,17 +97,21 @@ class Learner:
         self.grid = build_grid(cfg)
         self.n_warm = warmup_steps(cfg)
         if self.n_warm > 0:
-            from modules import init_grid_from_dense
-
             init_grid_from_dense(self.grid, load_dense_state(self.run.warmup))
         self.total_steps = total_inner_steps(cfg)
-        self.codec = make_codec(cfg.diloco.codec, **codec_kwargs(cfg.diloco))
+        # per module, as in sync mode: a module of one path sends exact, error feedback
+        # only where a lossy codec crosses paths
         self.codec_kw = codec_kwargs(cfg.diloco)
+        lossy = make_codec(cfg.diloco.codec, **self.codec_kw)
+        exact = make_codec("none")
+        self.shared = {m: len(self.grid.paths_of_module(m)) > 1 for m in self.grid.module_ids}
+        self.codecs = {m: lossy if self.shared[m] else exact for m in self.grid.module_ids}
+        self.feedback = {m: bool(cfg.diloco.error_feedback) and self.shared[m] and lossy.lossy
+                         for m in self.grid.module_ids}
         self.learners: dict[int, Any] = {}
-        self.rng = random.Random(dcfg.chaos_seed * 1000 + index * 17 + incarnation)
+        self.chaos = faults.worker_chaos()  # DIPACO_FAULT worker_delay (none in real runs)
+        self.rng = random.Random(self.chaos.seed * 1000 + index * 17 + incarnation)
         self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
-        from dipaco.data import Tokenizer
-
         self.eos = Tokenizer.load(self.run.tokenizer).eos_id
         # Build every path's learner (shard, stream, model view) BEFORE taking any lease:
         # loading shards can take seconds on a busy host, and a lease held through slow
@@ -119,11 +129,7 @@ class Learner:
         self.store.append_line(f"events/learner-{self.id}.jsonl", json.dumps(obj))
 
     # ------------------------------------------------------------------- paths
-    def _path_learner(self, p: int) -> Any:
-        from dipaco.data import TokenStream
-        from dipaco.learner import PathLearner
-        from modules import PathModel
-
+    def _path_learner(self, p: int) -> PathLearner:
         if p not in self.learners:
             t = self.cfg.trainer
             # memory-mapped: batches are read from the shard's token file by offset
@@ -246,7 +252,7 @@ class Learner:
                 if got is None:
                     raise RuntimeError(f"module {m} has no version in the store")
                 state, meta = got
-                out[m] = (int(meta["version"]), state["theta"])
+                out[m] = (int(meta["version"]), state["global"])
                 if m in wait_for and wait_for[m] not in state["applied"] and wait_for[m] not in state["dropped"]:
                     fresh = False
             if fresh or time.time() >= deadline:
@@ -262,15 +268,15 @@ class Learner:
         pl = self._path_learner(p)
         got = self.store.get_state(path_state_key(p))
         phase, steps_done, last_ids = 0, 0, {}
+        residuals: dict[str, torch.Tensor] = {}
         if got is not None:
             state, meta = got
             phase = int(meta["phases_done"])
             steps_done = path_steps_done(meta, H)
             last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
+            residuals = dict(state.pop(RESIDUALS, {}))
             pl.load_state_dict(state)
         else:  # first phase of p anywhere: fresh inner optimiser, data from batch 0
-            from dipaco.learner import make_inner_optimizer
-
             pl.optimizer = make_inner_optimizer(pl.model, self.cfg.trainer)
             pl.step = 0
             pl.stream.load_state_dict({"step": 0})
@@ -278,10 +284,10 @@ class Learner:
             lease.release()
             return False
         n = self.phase_steps(budget - steps_done)
-        # chaos: this phase stalls for U(0, chaos_delay_s) after a random inner step
+        # fault injection: this phase stalls for U(0, s) after a random inner step
         delay_at, delay = -1, 0.0
-        if self.dcfg.chaos_delay_prob > 0 and self.rng.random() < self.dcfg.chaos_delay_prob:
-            delay_at, delay = self.rng.randrange(1, n + 1), self.rng.uniform(0, self.dcfg.chaos_delay_s)
+        if self.chaos.delay_prob > 0 and self.rng.random() < self.chaos.delay_prob:
+            delay_at, delay = self.rng.randrange(1, n + 1), self.rng.uniform(0, self.chaos.delay_s)
         lease.renew()  # set-up above may have taken a while
         max_wait = self.dcfg.pull_wait_s
         if self.dcfg.pull_wait_fraction is not None and self.sps is not None:
@@ -289,7 +295,7 @@ class Learner:
         pulled = self._pull(p, last_ids if max_wait > 0 else {}, lease, max_wait)
         base = {}
         for m, (version, flat) in pulled.items():
-            _load_flat(self.grid.module(m), flat)
+            load_flat(list(self.grid.module(m).parameters()), flat)
             base[m] = flat
         self.event({"e": "begin", "path": p, "phase": phase, "steps": n,
                     "versions": {m: v for m, (v, _) in pulled.items()}})
@@ -331,20 +337,25 @@ class Learner:
         ids, nbytes = {}, 0
         for m in self.grid.module_ids_of_path(p):
             delta = pseudo_gradient(base[m], flatten_params(list(self.grid.module(m).parameters())))
-            payload = self.codec.encode(delta)
+            codec = self.codecs[m]
+            res = residuals.get(m, torch.zeros_like(delta)) if self.feedback[m] else None
+            payload, res = encode_contribution(delta, stats.tokens, codec, res)
+            if res is not None:
+                residuals[m] = res
             uid = f"{m}.p{p}.ph{phase}.{self.id}"
             meta = {"update_id": uid, "module_id": m, "path_id": p, "phase": phase,
-                    "base_version": pulled[m][0], "tokens": stats.tokens, "codec": self.cfg.diloco.codec,
-                    "codec_kw": self.codec_kw, "numel": delta.numel(), "learner": self.id,
-                    "inner_steps": stats.steps, "created_at": time.time()}
+                    "base_version": pulled[m][0], "tokens": stats.tokens, "codec": codec.name,
+                    "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,
+                    "learner": self.id, "inner_steps": stats.steps, "created_at": time.time()}
             # put_new: an id is written once; a file name is never reused for other content
-            self.store.put_new(f"{inbox(m)}/{uid}.st", _encode_update(payload, meta))
+            self.store.put_new(f"{inbox(m)}/{uid}.st", encode_state({"payload": list(payload)}, meta))
             ids[m] = uid
-            nbytes += self.codec.payload_nbytes(payload)
+            nbytes += codec.payload_nbytes(payload)
         # The path state goes AFTER the pushes: "phases_done = k+1" implies the updates of
         # phase k exist (the synchronisers' end-of-run drain relies on this order).
         steps_done += stats.steps + stats.skipped  # skipped (non-finite) steps consumed data too
-        self.store.put_state(path_state_key(p), pl.state_dict(),
+        # the residuals travel with the path (in the same atomic put as its inner state)
+        self.store.put_state(path_state_key(p), {**pl.state_dict(), RESIDUALS: residuals},
                              meta={"phases_done": phase + 1, "steps_done": steps_done, "last_ids": ids,
                                    "base_versions": {m: v for m, (v, _) in pulled.items()}, "learner": self.id})
         self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": steps_done,
@@ -386,19 +397,10 @@ class Learner:
         self.event({"e": "bye"})
 
 
-def _encode_update(payload: tuple[torch.Tensor, ...], meta: dict) -> bytes:
-    from dipaco.decoupled.store import encode_state
-
-    return encode_state({"payload": list(payload)}, meta)
-
-
-def learner_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarnation: int,
-                 dcfg_dict: dict) -> None:
-    """Entry point of a spawned learner process."""
-    from dipaco.config import to_config
-    from dipaco.decoupled.config import DecoupledConfig
-
-    torch.set_num_threads(1)  # several learners share the host's cores
+def worker_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarnation: int,
+                dcfg_dict: dict) -> None:
+    """Entry point of a spawned decoupled worker process."""
+    torch.set_num_threads(1)  # several workers share the host's cores
     cfg = to_config(cfg_dict)
     dcfg = DecoupledConfig(**dcfg_dict)
-    Learner(cfg, run_dir, open_store(store_url), index, incarnation, dcfg).serve()
+    DecoupledWorker(cfg, run_dir, open_store(store_url), index, incarnation, dcfg).serve()

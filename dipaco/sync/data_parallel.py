@@ -19,6 +19,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from dipaco.topology import ring_allreduce_bytes
+
 __all__ = ["allreduce_gradients", "broadcast_parameters"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -44,7 +46,6 @@ def allreduce_gradients(
     Returns:
         Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.topology`).
     """
-    from dipaco.topology import ring_allreduce_bytes
 
     plist = [p for p in params if p.requires_grad]
     if group_size <= 1 or group is None or not plist:

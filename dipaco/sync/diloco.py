@@ -1,8 +1,8 @@
 """DiLoCoSync: the per-round driver over the ModuleSyncs of the modules a process holds.
 
-How the trainer drives a round (the same code in both backends)::
+How the rounds loop drives a round (the same code in both backends)::
 
-    sync = DiLoCoSync(topology, modules, rank=None or rank, codec=..., outer=...)
+    sync = DiLoCoSync.from_config(cfg.diloco, topology, modules, rank=None or rank)
     sync.check_identical_start()                 # once, before round 0 (collective in torch)
     for round in range(R):
         for p in sync.paths_to_train():          # local: every path; torch: my group's paths
@@ -29,9 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dipaco.config import DiLoCoConfig, codec_kwargs
+from dipaco.sync.checks import check_identical_modules
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.comm import LocalComm, TorchComm
+from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
+from dipaco.sync.outer import outer_options
 from dipaco.topology import LOSSY_EXCHANGES, CommPlan, Topology
 
 __all__ = ["DiLoCoSync", "RoundStats"]
@@ -117,8 +121,6 @@ class DiLoCoSync:
             self.process_groups = None
         else:
             if process_groups is None:
-                from dipaco.sync.groups import ProcessGroups
-
                 process_groups = ProcessGroups(topology, rank, backend)
             self.process_groups = process_groups
             self.comm = TorchComm(topology, rank, process_groups, lossy_exchange)
@@ -154,6 +156,16 @@ class DiLoCoSync:
         self.round = 0
         self._active: int | None = None
         self._ended: set[int] = set()
+
+    @classmethod
+    def from_config(cls, d: DiLoCoConfig, topology: Topology, modules: dict[str, nn.Module], *,
+                    rank: int | None = None, process_groups: Any = None, backend: str = "auto",
+                    track_cosine: bool = True) -> "DiLoCoSync":
+        """Build it from ``cfg.diloco``: codec and its options, error feedback, the outer
+        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange."""
+        return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d), error_feedback=d.error_feedback,
+                   outer=outer_options(d), sharing_rescale=d.sharing_rescale, process_groups=process_groups,
+                   backend=backend, track_cosine=track_cosine, lossy_exchange=d.lossy_exchange)
 
     # ----------------------------------------------------------------- who trains what
     def paths_to_train(self) -> list[int]:
@@ -251,8 +263,6 @@ class DiLoCoSync:
             if bad:
                 raise RuntimeError(f"modules {bad} changed since DiLoCoSync was built; rebuild it after loading weights")
             return self.weights_hash()
-        from dipaco.sync.checks import check_identical_modules
-
         return check_identical_modules(self.modules, self.topology, self.rank, self.process_groups)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

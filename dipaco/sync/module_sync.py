@@ -33,7 +33,7 @@ from torch import nn
 
 from dipaco.sync.codecs import Codec, make_codec
 from dipaco.sync.comm import CommBytes, Communicator
-from dipaco.sync.outer import make_outer_optimizer
+from dipaco.sync.module_state import ModuleState
 
 __all__ = ["ModuleRoundStats", "ModuleSync", "pseudo_gradient", "params_hash"]
 
@@ -135,13 +135,26 @@ class ModuleSync:
         self.padded_numel = self.slice_numel * self.group_size
         self.exchange = comm.exchange_for(module_id, self.numel, self._wire_codec)
         self.contributors = list(comm.contributors(module_id))
-        self.global_weights = nn.Parameter(flatten_params(self.params), requires_grad=True)
-        self.outer_optimizer = make_outer_optimizer([self.global_weights], **(outer or {}))
-        self.residuals: dict[int, torch.Tensor] = {}
-        # second-encoding error of the two-phase exchange, per owning worker group
-        self.owner_residuals: dict[int, torch.Tensor] = {}
+        # θ_global, outer optimiser, residuals: the core shared with decoupled mode
+        self.state = ModuleState(module_id, flatten_params(self.params), outer)
         self.dropped_total = 0
         self._reset_round()
+
+    @property
+    def global_weights(self) -> nn.Parameter:
+        return self.state.global_weights
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        return self.state.outer_optimizer
+
+    @property
+    def residuals(self) -> dict[int, torch.Tensor]:
+        return self.state.residuals
+
+    @property
+    def owner_residuals(self) -> dict[int, torch.Tensor]:
+        return self.state.owner_residuals
 
     # ----------------------------------------------------------------- round state
     def _reset_round(self) -> None:
@@ -151,15 +164,9 @@ class ModuleSync:
         self._dropped: dict[int, int] = {c: 0 for c in self.contributors}
         self._deltas: list[torch.Tensor] = []
 
-    @torch.no_grad()
     def restore(self) -> None:
         """Copy the global weights into the live parameters (before each path's turn)."""
-        off = 0
-        flat = self.global_weights.detach()
-        for p in self.params:
-            n = p.numel()
-            p.copy_(flat[off : off + n].view_as(p).to(p.dtype))
-            off += n
+        self.state.restore(self.params)
 
     @torch.no_grad()
     def contribute(self, path_id: int, tokens: float, contributor: int) -> bool:
@@ -211,9 +218,12 @@ class ModuleSync:
         two-phase ``reduce_scatter``).
         """
         value = self._acc.get(contributor)
+        # a contributor with nothing this round keeps its residual for the round it next
+        # contributes in (re-encoding a lone residual would overwrite it with its error)
+        feedback = self.error_feedback and value is not None
         if value is None:
             value = torch.zeros(self.padded_numel, dtype=torch.float32)
-        if self.error_feedback:
+        if feedback:
             res = self.residuals.get(contributor)
             if res is not None:
                 value = value + res
@@ -227,7 +237,7 @@ class ModuleSync:
             if pad:
                 sl = torch.cat([sl, sl.new_zeros(pad)])
             payloads.append([codec.encode(sl[j * c : (j + 1) * c]) for j in range(ex.num_chunks)])
-        if self.error_feedback:
+        if feedback:
             decoded = torch.cat([torch.cat([codec.decode(pl, c) for pl in chunks])[:s] for chunks in payloads])
             self.residuals[contributor] = value - decoded
         return payloads
@@ -247,17 +257,20 @@ class ModuleSync:
         """Exchange, average with weights α, outer step, copy into the live params.
 
         Every rank of the module group must call this in the same round (collectives).
-        If nobody contributed (or Σα = 0), θ_global is left unchanged and no outer step
-        (so no momentum) is applied; the live params are reset to θ_global either way.
+        If nobody contributed (or Σα = 0), θ_global is left unchanged, no outer step (so no
+        momentum) is applied and every error-feedback residual is kept as it was; the live
+        params are reset to θ_global either way.
         """
         payloads = {c: self._encode(c) for c in self.contributors}
         metas = {
             c: torch.tensor([self._alpha[c], self._count[c], self._dropped[c]], dtype=torch.float64)
             for c in self.contributors
         }
-        total, nbytes = self.comm.exchange(
-            self.module_id, payloads, self._wire_codec, self.exchange, self._owner_feedback()
-        )
+        owner = self._owner_feedback()
+        # the exchange re-encodes owner residuals in place; whether there is a step is known
+        # only after it (from the reduced totals), so keep a copy to put back without one
+        kept = {c: r.clone() for c, r in owner.items()} if owner else None
+        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.exchange, owner)
         meta, meta_bytes = self.comm.reduce_meta(self.module_id, metas)
         nbytes = CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
         alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
@@ -268,9 +281,10 @@ class ModuleSync:
             norm = float(avg.norm())
             if self.sharing_rescale:
                 avg = avg * math.sqrt(count)
-            self.global_weights.grad = avg.to(self.global_weights.dtype)
-            self.outer_optimizer.step()
-            self.global_weights.grad = None
+            self.state.outer_step(avg)
+        elif kept is not None:
+            for c, r in kept.items():
+                owner[c].copy_(r)
         cosine = self._cosine()
         self.restore()
         self._reset_round()
@@ -299,55 +313,28 @@ class ModuleSync:
         return params_hash([flatten_params(self.params)])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors only: ``global``, ``outer.<key>`` (per-parameter optimiser state),
-        ``residual.<group>`` and ``residual.<group>.owner`` (error feedback; every key
-        starts with ``residual.`` so a caller can drop them all). Optimiser
-        hyper-parameters come from the config."""
-        out: dict[str, torch.Tensor] = {"global": self.global_weights.detach().clone()}
-        st = self.outer_optimizer.state.get(self.global_weights, {})
-        for key, val in st.items():
-            if isinstance(val, torch.Tensor):
-                out[f"outer.{key}"] = val.detach().clone()
-            elif isinstance(val, (int, float)):
-                out[f"outer.{key}"] = torch.tensor(val, dtype=torch.float64)
-        for c, res in self.residuals.items():
-            out[f"residual.{c}"] = res.detach().clone()
-        for c, res in self.owner_residuals.items():
-            out[f"residual.{c}.owner"] = res.detach().clone()
-        return out
+        """:meth:`ModuleState.state_dict`: ``global``, ``outer.<key>``, ``residual.<group>``
+        and ``residual.<group>.owner`` (every residual key starts with ``residual.``, so a
+        caller can drop them all)."""
+        return self.state.state_dict()
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of :meth:`state_dict`; also restores the live parameters."""
-        g = state["global"].to(torch.float32).reshape(-1)
-        if g.numel() != self.numel:
-            raise ValueError(
-                f"module {self.module_id!r}: checkpoint has {g.numel()} parameters, the model has {self.numel}"
-            )
-        self.global_weights.copy_(g)
-        opt_state: dict[str, Any] = {}
-        for key, val in state.items():
-            if key.startswith("outer."):
-                opt_state[key[len("outer.") :]] = val.clone()
-        self.outer_optimizer.state.clear()
-        if opt_state:
-            self.outer_optimizer.state[self.global_weights] = opt_state
-        self.residuals, self.owner_residuals = {}, {}
+        """Inverse of :meth:`state_dict`; also restores the live parameters.
+
+        Residuals of worker groups that do not contribute here are skipped; owner
+        residuals written with another exchange or chunking belong to no chunk now.
+        """
         owner_numel = self.group_size * self.exchange.chunk_numel
-        for key, val in state.items():
-            if not key.startswith("residual."):
-                continue
-            name = key[len("residual.") :]
-            owner = name.endswith(".owner")
-            group = int(name[: -len(".owner")] if owner else name)
+
+        def keep(group: int, owner: bool, val: torch.Tensor) -> bool:
             if group not in self._alpha:
-                continue
-            if not owner:
-                self.residuals[group] = val.to(torch.float32).clone()
-            elif val.numel() == owner_numel and self.exchange.kind == "reduce_scatter":
-                self.owner_residuals[group] = val.to(torch.float32).reshape(-1).clone()
-            else:  # written with another exchange or chunking: it belongs to no chunk now
+                return False
+            if owner and not (val.numel() == owner_numel and self.exchange.kind == "reduce_scatter"):
                 log.warning("module %s: dropped the owner residual of worker group %d (chunking changed)",
                             self.module_id, group)
+                return False
+            return True
+
+        self.state.load_state_dict(state, keep)
         self.restore()
         self._reset_round()

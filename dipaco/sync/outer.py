@@ -4,6 +4,10 @@ DiLoCo's default outer optimiser is SGD with Nesterov momentum, lr 0.7, momentum
 Plain averaging of the paths' weights is SGD with lr 1.0 and momentum 0: with the
 pseudo-gradient ``Δ = θ_global − θ_path`` averaged with weights α, one such step gives
 ``θ_global − Σα·Δ/Σα = Σα·θ_path/Σα``.
+
+:class:`DelayedNesterov` (``diloco.outer.name=delayed_nesterov``) is SGD whose momentum
+is updated every N steps only; decoupled mode uses it for ``sgd`` with momentum when
+``diloco.decoupled.momentum_every > 1`` (see :func:`outer_options`).
 """
 from __future__ import annotations
 
@@ -12,7 +16,61 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["make_outer_optimizer", "resolve_optimizer_class"]
+from dipaco.config import DiLoCoConfig
+
+__all__ = ["DelayedNesterov", "make_outer_optimizer", "outer_options", "resolve_optimizer_class"]
+
+
+class DelayedNesterov(torch.optim.Optimizer):
+    """Outer SGD with delayed momentum (our reading of Liu et al. 2024, "Asynchronous
+    Local-SGD Training for Language Modeling", Alg. DN), β the momentum, N = ``every``,
+    c = ``scale``::
+
+        buffer += g;  t += 1
+        if t % N == 0:  m = β·m + buffer/N;  θ -= lr·(g + β·m);  buffer = 0   (nesterov)
+                                              θ -= lr·m                        (heavy ball)
+        else:           θ -= lr·(g + c·β·m)
+
+    Momentum sees one averaged pseudo-gradient every N steps instead of each stale one,
+    so stale updates arriving in bursts are not amplified by 1/(1−β). N=1 is exactly
+    torch's ``SGD(momentum=β, nesterov=...)``. ``state[p]["momentum_applied"]`` says
+    whether the last step activated the momentum (decoupled mode logs it).
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 0.7, momentum: float = 0.9,
+                 nesterov: bool = True, every: int = 1, scale: float = 0.0) -> None:
+        if not (lr > 0 and momentum >= 0 and int(every) >= 1 and scale >= 0):
+            raise ValueError(f"bad delayed-Nesterov settings lr={lr} momentum={momentum} every={every} scale={scale}")
+        super().__init__(params, {"lr": float(lr), "momentum": float(momentum), "nesterov": bool(nesterov),
+                                  "every": int(every), "scale": float(scale)})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """One outer step of every parameter that has a gradient."""
+        for group in self.param_groups:
+            lr, beta, every = group["lr"], group["momentum"], group["every"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, st = p.grad, self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["momentum_buffer"] = torch.zeros_like(p)
+                    st["delay_buffer"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["momentum_applied"] = False
+                if beta == 0:  # plain SGD (lr 1: averaging); nothing to delay
+                    p.add_(g, alpha=-lr)
+                    continue
+                m, buf = st["momentum_buffer"], st["delay_buffer"]
+                buf.add_(g)
+                if int(st["step"]) % every == 0:
+                    m.mul_(beta).add_(buf, alpha=1.0 / every)
+                    buf.zero_()
+                    p.add_(g + beta * m if group["nesterov"] else m, alpha=-lr)
+                    st["momentum_applied"] = True
+                else:
+                    p.add_(g + group["scale"] * beta * m, alpha=-lr)
 
 
 def _optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
@@ -21,11 +79,12 @@ def _optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
         obj = getattr(torch.optim, attr)
         if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not torch.optim.Optimizer:
             out[attr.lower()] = obj
+    out["delayed_nesterov"] = DelayedNesterov
     return out
 
 
 def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """The ``torch.optim`` class called ``name`` (case-insensitive)."""
+    """The ``torch.optim`` class called ``name`` (case-insensitive), or ``delayed_nesterov``."""
     classes = _optimizer_classes()
     cls = classes.get(str(name).lower())
     if cls is None:
@@ -78,3 +137,21 @@ def make_outer_optimizer(
         return cls(params, **opts)
     except (ValueError, TypeError) as e:
         raise ValueError(f"diloco.outer: torch.optim.{cls.__name__}({opts}) rejected the options: {e}") from None
+
+
+def outer_options(d: DiLoCoConfig) -> dict[str, Any]:
+    """Keyword arguments of :func:`make_outer_optimizer` for ``diloco`` (both modes).
+
+    ``delayed_nesterov`` takes N and c from ``diloco.decoupled.momentum_every`` /
+    ``momentum_scale``. In decoupled mode, ``sgd`` with momentum and ``momentum_every > 1``
+    becomes ``delayed_nesterov``: undelayed momentum diverged with stale updates
+    (docs/decoupled.md), and with N = 1 the two are the same optimiser.
+    """
+    o, dec = d.outer, d.decoupled
+    opts: dict[str, Any] = {"name": o.name, "lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov}
+    delayed = str(o.name).lower() == "delayed_nesterov"
+    if d.mode == "decoupled" and str(o.name).lower() == "sgd" and o.momentum > 0 and dec.momentum_every > 1:
+        opts["name"], delayed = "delayed_nesterov", True
+    if delayed:
+        opts.update(every=dec.momentum_every, scale=dec.momentum_scale)
+    return opts

@@ -1,0 +1,289 @@
+"""The merge rule of decoupled mode: one module's quorum, grace window, staleness and
+outer step, on top of the per-module core both modes share
+(:class:`dipaco.sync.module_state.ModuleState`).
+
+:class:`ModuleSynchronizer` is pure logic on tensors with an injected clock (unit tests
+drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
+
+An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase,
+Δ_u = θ_base − θ_path; encoded with the codec and error feedback exactly as a sync
+worker group encodes its contribution). One outer step over the pending updates U:
+
+    g = Σ_{u∈U} d(s_u)·c_u / D        d(s) = (1 + s)^(−staleness_power)
+    D = Σ_{u∈U} α_u                            if every sharing path is in U
+        max(Σ_{u∈U} α_u, n_sharing·EMA(α))     otherwise (a partial step)
+    g ← g·√n_sharing                           with diloco.sharing_rescale
+
+where s_u is the update's staleness in versions of the module. Updates are summed in
+(path, phase) order, the order the synchronous exchange sums worker groups in, so with
+every sharing path present and fresh the step is synchronous mode's, bit for bit,
+whatever the arrival order. A partial step (quorum < 1) moves only by its share of a
+full round: the others' updates, arriving later from the same version, add theirs
+(with lr 1 and no momentum the result equals the synchronous average when α is as
+expected). Updates with s > max_staleness are dropped ("stale").
+
+The outer optimiser is any of ``diloco.outer`` (:func:`dipaco.sync.outer.outer_options`):
+SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
+``momentum_every > 1``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dipaco.decoupled.config import DecoupledConfig
+from dipaco.sync.module_state import ModuleState
+
+__all__ = ["Update", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]
+
+# Every update that reaches a synchroniser ends in exactly one of: applied, or dropped
+# for one of these reasons (metrics count them per reason).
+DROP_REASONS = (
+    "stale",  # staleness > max_staleness
+    "duplicate_phase",  # this path's phase already applied/pending (a re-run after a crash, a zombie)
+    "non_finite",  # NaN/inf in the decoded pseudo-gradient
+    "bad_shape",  # numel does not match the module
+    "corrupt",  # the update file cannot be decoded
+    "unprocessed_after_finish",  # found in the inbox after every learner and synchroniser stopped
+)
+
+
+@dataclass
+class Update:
+    """One path's pseudo-gradient for one module, as the synchroniser sees it."""
+
+    update_id: str
+    module_id: str
+    path_id: int
+    phase: int
+    base_version: int
+    tokens: float
+    # flat fp32: Δ = θ_base − θ_path (dipaco.sync.module_sync.pseudo_gradient), or, with
+    # ``weighted``, the decoded contribution α·Δ as a worker pushes it
+    delta: torch.Tensor
+    arrived_at: float = 0.0
+    inner_steps: int = 0
+    weighted: bool = False
+
+    def contribution(self) -> torch.Tensor:
+        """α·Δ (computed like a sync worker group's accumulator when not ``weighted``)."""
+        if self.weighted:
+            return self.delta.to(torch.float32)
+        return torch.zeros(self.delta.numel(), dtype=torch.float32).add_(self.delta.reshape(-1), alpha=self.tokens)
+
+
+@dataclass
+class StepRecord:
+    """One outer step of one module (written to the event log)."""
+
+    module_id: str
+    version: int  # the version this step produced
+    time: float
+    update_ids: list[str]
+    paths: list[int]
+    staleness: list[int]
+    weights: list[float]  # α·d(s) per update
+    norm: float  # ‖g‖
+    trigger: str  # "quorum" | "grace" | "flush"
+    momentum_applied: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class ModuleSynchronizer:
+    """The global weights of one module and the rules for stepping them.
+
+    Args:
+        module_id: the module.
+        weights: its initial global weights, flat fp32 (copied).
+        sharing_paths: the paths that contain the module (its module group).
+        cfg: quorum, grace and staleness settings.
+        outer: keyword arguments of :func:`dipaco.sync.outer.make_outer_optimizer`
+            (:func:`dipaco.sync.outer.outer_options` of ``diloco``).
+        now: the clock time at creation (grace windows are measured from it).
+        sharing_rescale: ``diloco.sharing_rescale`` (see the module doc).
+    """
+
+    def __init__(self, module_id: str, weights: torch.Tensor, sharing_paths: Sequence[int],
+                 cfg: DecoupledConfig, outer: dict[str, Any], now: float = 0.0, *,
+                 sharing_rescale: bool = False) -> None:
+        self.module_id = module_id
+        # θ_global, outer optimiser (and the residual layout): the core shared with sync mode
+        self.core = ModuleState(module_id, weights, outer)
+        self.sharing_paths = sorted(int(p) for p in sharing_paths)
+        self.cfg = cfg
+        self.sharing_rescale = bool(sharing_rescale)
+        self.quorum = max(1, math.ceil(cfg.quorum * len(self.sharing_paths) - 1e-9))
+        self.version = 0
+        # ledger (persisted with every version): id → version it went into / drop reason
+        self.applied: dict[str, int] = {}
+        self.dropped: dict[str, str] = {}
+        self.phases: dict[str, str] = {}  # "path:phase" → update id holding that slot
+        self.pending: list[Update] = []
+        self.first_pending_at: Optional[float] = None
+        self.fill_ema: Optional[float] = None  # seconds from first pending update to quorum
+        self.alpha_ema: Optional[float] = None  # tokens per update
+        self.last_step_at = now
+        self.created_at = now
+
+    @property
+    def theta(self) -> torch.Tensor:
+        """θ_global of the module (flat fp32)."""
+        return self.core.weights
+
+    # ----------------------------------------------------------------- intake
+    def seen(self, update_id: str) -> bool:
+        """Whether this id is already applied, dropped or pending (idempotent intake)."""
+        return (update_id in self.applied or update_id in self.dropped
+                or any(u.update_id == update_id for u in self.pending))
+
+    def _drop(self, u: Update, reason: str) -> str:
+        assert reason in DROP_REASONS, reason
+        self.dropped[u.update_id] = reason
+        return reason
+
+    def offer(self, u: Update, now: float) -> Optional[str]:
+        """Take an update; return None (pending), a drop reason, or "seen" (ignored).
+
+        "seen" means the id is already accounted for (a re-read after a crash between
+        writing the version and archiving the file): it is NOT applied again.
+        """
+        if self.seen(u.update_id):
+            return "seen"
+        if u.delta.numel() != self.core.numel:
+            return self._drop(u, "bad_shape")
+        if not bool(torch.isfinite(u.delta).all()):
+            return self._drop(u, "non_finite")
+        slot = f"{u.path_id}:{u.phase}"
+        if slot in self.phases:
+            return self._drop(u, "duplicate_phase")
+        if self.version - u.base_version > self.cfg.max_staleness:
+            return self._drop(u, "stale")
+        self.phases[slot] = u.update_id
+        u.arrived_at = now
+        self.pending.append(u)
+        if self.first_pending_at is None:
+            self.first_pending_at = now
+        a = float(u.tokens)
+        self.alpha_ema = a if self.alpha_ema is None else 0.8 * self.alpha_ema + 0.2 * a
+        return None
+
+    # --------------------------------------------------------------- triggers
+    def pending_paths(self) -> int:
+        return len({u.path_id for u in self.pending})
+
+    def grace_s(self) -> float:
+        """The current grace window: grace_factor × EMA(fill time), clipped."""
+        c = self.cfg
+        base = c.grace_init_s if self.fill_ema is None else c.grace_factor * self.fill_ema
+        return min(c.grace_max_s, max(c.grace_min_s, base))
+
+    def due(self, now: float, done: Optional[set[int]] = None) -> Optional[str]:
+        """Why a step is due now ("quorum" / "grace"), or None.
+
+        ``done``: paths that finished their budget. They send nothing more, so the
+        quorum is capped at the number of sharing paths still running (waiting for a
+        path that has finished would only ever end by the grace window).
+        """
+        if not self.pending:
+            return None
+        quorum = self.quorum
+        if done:
+            # paths that can still count: those running, and finished ones whose last
+            # update is pending (a finished path's last update must not step alone while
+            # the others' updates of the same phase are still coming)
+            can = {p for p in self.sharing_paths if p not in done} | {u.path_id for u in self.pending}
+            quorum = max(1, min(quorum, len(can)))
+        if self.pending_paths() >= quorum:
+            return "quorum"
+        if now - float(self.first_pending_at) >= self.grace_s():
+            return "grace"
+        return None
+
+    # ------------------------------------------------------------------ step
+    def discount(self, staleness: int) -> float:
+        return (1.0 + max(0, staleness)) ** (-self.cfg.staleness_power)
+
+    @torch.no_grad()
+    def step(self, now: float, trigger: str = "quorum") -> Optional[StepRecord]:
+        """Merge the pending updates into one outer step; None if nothing is pending.
+
+        Staleness is re-checked here: an update that was fresh on arrival may have aged
+        while it waited (other steps of this module in between) — it is then dropped.
+        """
+        if not self.pending:
+            return None
+        if trigger == "quorum" and self.first_pending_at is not None:
+            fill = now - self.first_pending_at
+            self.fill_ema = fill if self.fill_ema is None else 0.7 * self.fill_ema + 0.3 * fill
+        # (a grace expiry leaves the EMA alone: widening it would make every learner that
+        # waits for this module wait longer whenever one sharing path is slow)
+        keep: list[Update] = []
+        for u in self.pending:
+            if self.version - u.base_version > self.cfg.max_staleness:
+                self._drop(u, "stale")
+            else:
+                keep.append(u)
+        self.pending, self.first_pending_at = [], None
+        if not keep:
+            return None
+        keep.sort(key=lambda u: (u.path_id, u.phase))  # the synchronous exchange's order
+        stal = [self.version - u.base_version for u in keep]
+        w = [float(u.tokens) * self.discount(s) for u, s in zip(keep, stal)]
+        alpha_sum = 0.0
+        for u in keep:
+            alpha_sum += float(u.tokens)
+        if {u.path_id for u in keep} >= set(self.sharing_paths):
+            denom = alpha_sum  # a whole round: synchronous mode's token-weighted mean
+        else:
+            denom = max(alpha_sum, len(self.sharing_paths) * float(self.alpha_ema or 0.0))
+        g = torch.zeros(self.core.numel, dtype=torch.float32)
+        for u, s in zip(keep, stal):
+            d = self.discount(s)
+            g += u.contribution() if d == 1.0 else u.contribution() * d
+        g = g / max(denom, 1e-12)
+        norm = float(g.norm())
+        if self.sharing_rescale:
+            g = g * math.sqrt(len(self.sharing_paths))
+        momentum = self.core.outer_step(g)
+        self.version += 1
+        for u in keep:
+            self.applied[u.update_id] = self.version
+        self.last_step_at = now
+        return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
+                          [u.path_id for u in keep], stal, w, norm, trigger, momentum)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: the core's state (``global``, ``outer.<key>``:
+        the checkpoint layout of ``outer/<module>``), version, ledger, EMAs.
+
+        Pending updates are *not* saved: their files stay in the inbox until the version
+        that applies them is written, so a restarted synchroniser re-reads them.
+        """
+        return {
+            **self.core.state_dict(),
+            "version": self.version,
+            "applied": dict(self.applied),
+            "dropped": dict(self.dropped),
+            "phases": {k: v for k, v in self.phases.items()
+                       if v in self.applied or v in self.dropped},
+            "fill_ema": self.fill_ema,
+            "alpha_ema": self.alpha_ema,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; a sync-mode ``outer/<module>`` state (no ledger)
+        loads as version 0 with an empty ledger."""
+        self.core.load_state_dict({k: v for k, v in state.items() if isinstance(v, torch.Tensor)})
+        self.version = int(state.get("version", 0))
+        self.applied = {str(k): int(v) for k, v in state.get("applied", {}).items()}
+        self.dropped = {str(k): str(v) for k, v in state.get("dropped", {}).items()}
+        self.phases = {str(k): str(v) for k, v in state.get("phases", {}).items()}
+        self.fill_ema = state.get("fill_ema")
+        self.alpha_ema = state.get("alpha_ema")
+        self.pending, self.first_pending_at = [], None

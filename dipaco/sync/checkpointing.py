@@ -1,0 +1,118 @@
+"""Checkpoints of the synchronous rounds: per-module and per-path files of one round.
+
+Layout of ``checkpoints/round_NNNNNN/`` (both sync modes; decoupled mode writes the same
+files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
+
+* ``modules/<module>.safetensors``: the module's weights (its ``state_dict``);
+* ``outer/<module>.safetensors``: :meth:`dipaco.sync.module_state.ModuleState.state_dict`
+  (θ_global, outer optimiser state, error-feedback residuals);
+* ``outer/<module>.rank<r>.safetensors``: residuals of the other holders (torch backend);
+* ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
+* ``state.json``: round, grid, and the worker grouping the residuals are keyed by.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
+from dipaco.sync.diloco import DiLoCoSync
+from dipaco.topology import Topology
+from modules import ModuleGrid
+
+__all__ = ["save_checkpoint", "load_checkpoint", "write_module_files"]
+
+
+def _log(rank: Optional[int], msg: str) -> None:
+    if rank is None or rank == 0:
+        print(f"[dipaco] {msg}", flush=True)
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed:
+        dist.barrier()
+
+
+def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict[str, torch.Tensor]) -> None:
+    """``modules/<module>`` (the live module's weights) and ``outer/<module>`` (its ModuleState)."""
+    save_state(part / "modules" / f"{module_id}.safetensors", grid.module_state_dict(module_id))
+    save_state(part / "outer" / f"{module_id}.safetensors", outer)
+
+
+def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
+                    learners: dict[int, Any], topo: Topology, rank: Optional[int],
+                    distributed: bool, my_modules: list[str]) -> Path:
+    """Every rank writes only its own files into the partial directory; rank 0 commits.
+
+    A module is written by the lowest rank that holds it; a path's inner state by local
+    rank 0 of the worker group that trains it. Barriers order mkdir → writes → commit.
+    """
+    if rank is None or rank == 0:
+        ckpts.begin(round_idx)
+    _barrier(distributed)
+    part = ckpts.partial_dir(round_idx)
+    for mid in my_modules:
+        outer = sync.syncs[mid].state_dict()
+        if not distributed or min(topo.module_ranks(mid)) == rank:
+            write_module_files(part, grid, mid, outer)
+        else:
+            # Error-feedback residuals are per rank (its worker group's, and the chunk it
+            # owns in the two-phase exchange): the other holders save theirs too, or an
+            # exact resume would lose them.
+            mine = {k: v for k, v in outer.items() if k.startswith("residual.")}
+            if mine:
+                save_state(part / "outer" / f"{mid}.rank{rank}.safetensors", mine)
+    if not distributed or topo.local_rank(rank) == 0:
+        for p, learner in learners.items():
+            save_state(part / "paths" / f"path_{p}.safetensors", learner.state_dict())
+    _barrier(distributed)
+    final = ckpts.final_dir(round_idx)
+    if rank is None or rank == 0:
+        ckpts.commit(round_idx, {"round": round_idx, "num_paths": grid.num_paths,
+                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels),
+                                 # error-feedback residuals are keyed by worker group: resume
+                                 # needs to know which grouping they belong to
+                                 "worker_groups": topo.num_groups, "group_size": topo.group_size})
+        ckpts.prune()
+    _barrier(distributed)
+    return final
+
+
+def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, Any],
+                    my_modules: list[str], topo: Topology, rank: Optional[int] = None) -> int:
+    """Load this rank's modules, outer states and paths; return the round to start from.
+
+    The worker grouping may differ from the checkpoint's (compute joined or left between
+    rounds): module weights, outer optimiser states and per-path states do not depend on
+    it and are loaded as they are; paths are simply dealt to the new groups. Only the
+    error-feedback residuals are per worker group; with a different grouping they belong
+    to no one, so they are dropped (logged): the next round sends uncompensated codec
+    error once, which is what a fresh group would do anyway.
+    """
+    state = json.loads((path / "state.json").read_text())
+    if list(state.get("levels", [])) != list(grid.levels):
+        raise CheckpointError(f"checkpoint {path} is for grid {state.get('levels')}, not {grid.levels}")
+    saved_groups = (state.get("worker_groups"), state.get("group_size"))
+    regrouped = saved_groups != (topo.num_groups, topo.group_size)
+    if regrouped:
+        _log(rank, f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
+                   f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
+                   "re-dealt and error-feedback residuals are dropped")
+    for mid in my_modules:
+        grid.load_module_state_dict(mid, load_state(path / "modules" / f"{mid}.safetensors"))
+        outer = load_state(path / "outer" / f"{mid}.safetensors")
+        own = path / "outer" / f"{mid}.rank{rank}.safetensors"
+        if rank is not None and own.exists():
+            outer.update(load_state(own))
+        if regrouped:
+            outer = {k: v for k, v in outer.items() if not k.startswith("residual.")}
+        # restores the live weights from the module's global copy as well
+        sync.syncs[mid].load_state_dict(outer)
+    for p, learner in learners.items():
+        learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
+    sync.round = int(state["round"])
+    return int(state["round"])

@@ -1,0 +1,255 @@
+"""Both sync modes on the same inputs: one per-module core, one merge.
+
+With every sharing path present and fresh (full quorum, staleness 0), a decoupled outer
+step must equal the synchronous one for unequal α, any arrival order, lossy codecs with
+error feedback, the √P rescale and any outer optimiser; the per-module state of one mode
+loads into the other; error-feedback residuals survive a round without contributions.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from dipaco import faults
+from dipaco.checkpoint import load_state, save_state
+from dipaco.config import ConfigError, to_config, validate_config
+from dipaco.decoupled.config import DecoupledConfig
+from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.service import read_update
+from dipaco.decoupled.store import encode_state
+from dipaco.decoupled.worker import encode_contribution
+from dipaco.sync.codecs import make_codec
+from dipaco.sync.diloco import DiLoCoSync
+from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from dipaco.topology import Topology
+
+NUMEL = 512  # a multiple of the int8 block: no padding in either mode
+IDS = ["s", "q0", "q1", "q2"]  # "s" is shared by the three paths, "q<p>" is path p's own
+PATHS = [["s", f"q{p}"] for p in range(3)]
+NESTEROV = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+ADAMW = {"name": "adamw", "lr": 0.05, "betas": (0.9, 0.95)}
+FULL = DecoupledConfig(quorum=1.0, momentum_every=1)
+
+
+def _modules(seed: int = 0) -> dict[str, nn.Module]:
+    torch.manual_seed(seed)
+    return {m: nn.Linear(NUMEL, 1, bias=False) for m in IDS}
+
+
+def _moved(base: torch.Tensor, r: int, p: int, m: str) -> torch.Tensor:
+    """θ_path after path p's inner steps in round r: θ_base + a fixed, seeded move."""
+    g = torch.Generator().manual_seed(1000 * r + 10 * p + IDS.index(m))
+    return base + 0.01 * torch.randn(base.numel(), generator=g)
+
+
+def _alpha(r: int, p: int) -> float:
+    return float([300, 100, 50, 170][(r + p) % 4])  # unequal, and different every round
+
+
+def _run_sync(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: bool) -> dict[str, torch.Tensor]:
+    mods = _modules()
+    topo = Topology(IDS, PATHS, world_size=3)  # each path its own worker group
+    sync = DiLoCoSync(topo, mods, codec=codec, codec_kw=codec_kw, error_feedback=True, outer=outer,
+                      sharing_rescale=rescale, lossy_exchange="all_gather")
+    for r in range(rounds):
+        for p in range(3):
+            sync.begin_path(p)
+            for m in PATHS[p]:
+                moved = _moved(sync.syncs[m].global_weights.detach(), r, p, m)
+                with torch.no_grad():
+                    mods[m].weight.copy_(moved.view_as(mods[m].weight))
+            sync.end_path(p, _alpha(r, p))
+        sync.finish_round()
+    return {m: s.global_weights.detach().clone() for m, s in sync.syncs.items()}
+
+
+def _run_decoupled(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: bool,
+                   orders: list[tuple[int, ...]]) -> dict[str, ModuleSynchronizer]:
+    mods = _modules()
+    syncs = {m: ModuleSynchronizer(m, flatten_params(list(mods[m].parameters())),
+                                   [p for p in range(3) if m in PATHS[p]], FULL, outer, sharing_rescale=rescale)
+             for m in IDS}
+    lossy = make_codec(codec, **codec_kw)
+    residuals: dict[tuple[int, str], torch.Tensor] = {}
+    for r in range(rounds):
+        updates = []
+        for p in range(3):  # every worker pulls version r, trains, pushes (in path order)
+            for m in PATHS[p]:
+                base = syncs[m].theta.clone()
+                delta = pseudo_gradient(base, _moved(base, r, p, m))
+                shared = m == "s"  # the worker's rule: a path-private module goes exact
+                codec_m = lossy if shared else make_codec("none")
+                res = residuals.get((p, m), torch.zeros(NUMEL)) if shared and lossy.lossy else None
+                payload, res = encode_contribution(delta, _alpha(r, p), codec_m, res)
+                if res is not None:
+                    residuals[(p, m)] = res
+                meta = {"update_id": f"{m}.p{p}.r{r}", "module_id": m, "path_id": p, "phase": r,
+                        "base_version": syncs[m].version, "tokens": _alpha(r, p), "codec": codec_m.name,
+                        "codec_kw": codec_kw if codec_m.lossy else {}, "numel": NUMEL, "weighted": True}
+                updates.append((p, read_update(encode_state({"payload": list(payload)}, meta))))
+        rank = {p: i for i, p in enumerate(orders[r % len(orders)])}  # the arrival order
+        for _, u in sorted(updates, key=lambda x: rank[x[0]]):
+            assert syncs[u.module_id].offer(u, 0.0) is None
+        for m, s in syncs.items():
+            assert s.due(0.0) == "quorum"
+            assert s.step(0.0) is not None
+    return syncs
+
+
+def compose_config(overrides: list[str]):
+    """The schema's defaults with dotted overrides (no Hydra: milliseconds, not a second)."""
+    return to_config(OmegaConf.from_dotlist(overrides))
+
+
+CASES = [("none", {}, NESTEROV, False), ("int8", {"block_size": 256}, NESTEROV, True),
+         ("topk", {"fraction": 0.1}, NESTEROV, True), ("int8", {"block_size": 256}, ADAMW, True),
+         ("bf16", {}, ADAMW, False)]
+
+
+@pytest.mark.parametrize("codec,codec_kw,outer,rescale", CASES)
+def test_full_quorum_decoupled_equals_sync(codec: str, codec_kw: dict, outer: dict, rescale: bool) -> None:
+    rounds = 4
+    want = _run_sync(rounds, codec, codec_kw, outer, rescale)
+    perms = list(itertools.permutations(range(3)))
+    for orders in (perms[:4], perms[2:]):  # two different arrival orders per round
+        got = _run_decoupled(rounds, codec, codec_kw, outer, rescale, orders)
+        for m in IDS:
+            torch.testing.assert_close(got[m].theta, want[m], rtol=0, atol=0, msg=f"module {m}")
+            assert got[m].version == rounds
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_issue_example_unequal_alpha_is_the_token_weighted_mean(order: tuple[int, int]) -> None:
+    """2 paths, quorum 1, lr 1, Δ = 1 each, α = 300 and 100: θ = −1.0 (it was −0.769)."""
+    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
+                           {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    alphas = {0: 300.0, 1: 100.0}
+    for p in order:
+        s.offer(Update(f"u{p}", "m", p, 0, 0, alphas[p], torch.ones(1)), 0.0)
+    s.step(0.0)
+    assert float(s.theta[0]) == -1.0
+
+
+def test_decoupled_runs_a_non_sgd_outer_optimiser() -> None:
+    s = ModuleSynchronizer("m", torch.zeros(4), [0, 1], DecoupledConfig(quorum=0.5), ADAMW)
+    assert isinstance(s.core.outer_optimizer, torch.optim.AdamW)
+    for k in range(3):
+        s.offer(Update(f"u{k}", "m", k % 2, k, s.version, 100.0, torch.ones(4)), 0.0)
+        assert s.step(0.0) is not None
+    assert s.version == 3 and bool((s.theta < 0).all())
+    assert "outer.exp_avg" in s.state_dict()
+
+
+def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
+    """outer/<module>.safetensors of a sync checkpoint → a decoupled synchroniser → sync."""
+    topo = Topology(IDS, PATHS, world_size=3)
+    mods = _modules()
+    sync = DiLoCoSync(topo, mods, codec="int8", error_feedback=True, outer=NESTEROV, lossy_exchange="all_gather")
+
+    def paths_move(by: list[float], tokens: list[float]) -> None:
+        for p in range(3):
+            sync.begin_path(p)
+            with torch.no_grad():
+                for m in PATHS[p]:
+                    mods[m].weight.add_(by[p])
+            sync.end_path(p, tokens[p])
+
+    paths_move([0.01, 0.02, 0.03], [100.0, 200.0, 300.0])
+    sync.finish_round()
+    save_state(tmp_path / "s.safetensors", sync.syncs["s"].state_dict())
+    saved = load_state(tmp_path / "s.safetensors")
+    assert {"global", "outer.momentum_buffer", "residual.0"} <= set(saved)
+
+    dec = ModuleSynchronizer("s", torch.zeros(NUMEL), [0, 1, 2], FULL, NESTEROV)
+    dec.load_state_dict(saved)
+    assert dec.version == 0 and torch.equal(dec.theta, sync.syncs["s"].global_weights.detach())
+    # one more identical step in both modes from the loaded state
+    g = torch.full((NUMEL,), 0.02)
+    for p in range(3):
+        dec.offer(Update(f"u{p}", "s", p, 1, 0, 1.0, g), 0.0)
+    dec.step(0.0)
+    paths_move([-0.02] * 3, [1.0] * 3)
+    sync.syncs["s"].error_feedback = False  # compare the optimiser, not the codec
+    sync.syncs["s"]._wire_codec = make_codec("none")
+    sync.finish_round()
+    torch.testing.assert_close(dec.theta, sync.syncs["s"].global_weights.detach(), rtol=0, atol=1e-7)
+
+    save_state(tmp_path / "back.safetensors", {k: v for k, v in dec.state_dict().items() if isinstance(v, torch.Tensor)})
+    back = DiLoCoSync(topo, _modules(), outer=NESTEROV)
+    back.syncs["s"].load_state_dict(load_state(tmp_path / "back.safetensors"))
+    assert torch.equal(back.syncs["s"].global_weights.detach(), dec.theta)
+    torch.testing.assert_close(back.syncs["s"].outer_optimizer.state[back.syncs["s"].global_weights]["momentum_buffer"],
+                               dec.core.outer_optimizer.state[dec.core.global_weights]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("nan_paths", [(0, 1), (0,)])
+def test_residuals_survive_a_round_without_contributions(nan_paths: tuple[int, ...], exchange: str) -> None:
+    topo = Topology(["a"], [["a"], ["a"]], world_size=2)
+    lin = nn.Linear(50, 1, bias=False)
+    sync = DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=True,
+                      outer=NESTEROV, lossy_exchange=exchange)
+    torch.manual_seed(0)
+
+    def round_(nan: tuple[int, ...]) -> None:
+        for p in range(2):
+            sync.begin_path(p)
+            with torch.no_grad():
+                lin.weight.add_(torch.randn(1, 50) * 0.01)
+                if p in nan:
+                    lin.weight[0, 0] = float("nan")
+            sync.end_path(p, 10.0)
+        sync.finish_round()
+
+    round_(())
+    ms = sync.syncs["a"]
+    before = {c: r.clone() for c, r in ms.residuals.items()}
+    owners = {c: r.clone() for c, r in ms.owner_residuals.items()}
+    assert bool(owners) == (exchange == "reduce_scatter")
+    theta = ms.global_weights.detach().clone()
+    assert all(float(r.abs().sum()) > 0 for r in before.values())
+    round_(nan_paths)
+    for c in nan_paths:  # no finite contribution: residual kept as it was
+        assert torch.equal(ms.residuals[c], before[c]), c
+    if len(nan_paths) == 2:  # nothing at all: no step, and the owners' residuals kept too
+        assert torch.equal(ms.global_weights.detach(), theta)
+        assert all(torch.equal(ms.owner_residuals[c], r) for c, r in owners.items())
+
+
+@pytest.mark.parametrize("override,key", [
+    ("diloco.mode=decoupled diloco.lossy_exchange=reduce_scatter", "diloco.lossy_exchange"),
+    ("diloco.mode=decoupled grid.replicas=2", "grid.replicas"),
+    ("diloco.mode=sync diloco.decoupled.quorum=1.0", "diloco.decoupled.quorum"),
+    ("diloco.mode=sync diloco.decoupled.momentum_every=2", "diloco.decoupled.momentum_every"),
+])
+def test_options_one_mode_cannot_honour_are_refused(override: str, key: str) -> None:
+    cfg = compose_config(override.split())
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    assert e.value.key == key
+
+
+def test_every_other_diloco_option_is_accepted_in_both_modes() -> None:
+    common = ["diloco.codec=int8", "diloco.error_feedback=true", "diloco.sharing_rescale=true",
+              "diloco.outer.name=adamw", "diloco.outer.momentum=0", "diloco.outer.nesterov=false",
+              "diloco.lossy_exchange=all_gather"]
+    validate_config(compose_config(["diloco.mode=decoupled", *common]))
+    validate_config(compose_config(["diloco.mode=sync", *common]))
+    validate_config(compose_config(["diloco.mode=sync", "diloco.outer.name=delayed_nesterov",
+                                    "diloco.decoupled.momentum_every=4"]))
+
+
+def test_one_fault_mechanism_for_both_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.worker_chaos() == faults.WorkerChaos()
+    monkeypatch.setenv(faults.ENV, "nan:path=1:round=2;worker_kill:every_s=1.5:max=4:seed=3;worker_delay:prob=0.5:s=0.8")
+    assert faults.worker_chaos() == faults.WorkerChaos(1.5, 4, 0.5, 0.8, 3)
+    with pytest.raises(ValueError, match="every_s > 0 and max > 0"):
+        faults.parse("worker_kill:every_s=1")
+    with pytest.raises(ValueError, match="not a float"):
+        faults.parse("worker_delay:prob=x:s=1")
