@@ -21,6 +21,7 @@ LAUNCHERS = ("local", "spawn", "torchrun")
 ROUTER_METHODS = ("product", "flat", "random")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
+MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|> (dipaco/data/tokenizer.py)
 
 
 class ConfigError(ValueError):
@@ -206,10 +207,29 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
     """Turn a Hydra DictConfig (or a dict) into a typed :class:`Config` object."""
     if isinstance(cfg, Config):
         return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    schema = OmegaConf.structured(Config)
+    unknown = _unknown_keys(OmegaConf.to_container(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg,
+                                                   resolve=False), schema)
+    if unknown:
+        # Hydra's `+key=value` bypasses the schema; a misspelt key must not be ignored
+        raise ConfigError(unknown[0], "unknown key: no such setting in dipaco's config schema",
+                          "remove it (dipaco-train --cfg job lists every key)")
+    merged = OmegaConf.merge(schema, cfg)
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
     return obj
+
+
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a plain dict) that ``schema`` (a structured config) lacks."""
+    out: list[str] = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if k not in schema:
+            out.append(key)
+        elif isinstance(v, dict) and OmegaConf.is_dict(schema[k]):
+            out += _unknown_keys(v, schema[k], key + ".")
+    return out
 
 
 def resolve_derived(cfg: Config) -> Config:
@@ -298,6 +318,12 @@ def validate_config(cfg: Config) -> None:
     _require(t.keep_last >= 1, "trainer.keep_last", "must keep at least one checkpoint", "e.g. 2")
     _require(la.name in LAUNCHERS, "launcher", f"unknown launcher {la.name!r}", f"use one of {LAUNCHERS}")
     _require(la.nproc >= 1 and la.group_size >= 1, "launcher.nproc", "must be >= 1", "e.g. launcher.nproc=4")
+    # options the chosen launcher never reads are refused rather than silently ignored
+    _require(la.name != "local" or la.group_size == 1, "launcher.group_size",
+             "launcher=local runs one process, so there is no worker group to split",
+             "add launcher=spawn (ranks on this host) or drop launcher.group_size")
+    _require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
+             "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
     if la.name == "spawn":
         _require(la.nproc % la.group_size == 0, "launcher.nproc",
                  f"world size {la.nproc} is not a multiple of launcher.group_size={la.group_size}",
@@ -309,6 +335,9 @@ def validate_config(cfg: Config) -> None:
     _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              "use a batch size that is a multiple of the group size")
+    _require(m.vocab_size >= MIN_VOCAB, "model.vocab_size",
+             f"{m.vocab_size} is too small: a byte-level BPE needs {MIN_VOCAB} tokens (256 bytes + end-of-text)",
+             f"use model.vocab_size={MIN_VOCAB} or more (tiny uses 512)")
     try:
         m.validate()
     except ValueError as e:

@@ -13,18 +13,75 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import signal
 import socket
+import threading
 import uuid
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from dipaco.checkpoint import CheckpointManager
 from dipaco.config import Config
+from dipaco.run_dir import RunDir
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message says which and where its log is."""
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def require_torchrun_env() -> None:
+    """launcher=torchrun outside torchrun is one line naming the missing variables."""
+    missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+    if missing:
+        raise LaunchError(f"launcher=torchrun but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          "not set: start with `torchrun --nproc-per-node=N -m dipaco.cli.train launcher=torchrun "
+                          "...`, or use launcher=local / launcher=spawn")
+
+
+class stop_signals:
+    """``with stop_signals(): ...``: SIGTERM/SIGINT ask the rounds to stop at the next round
+    boundary (checkpoint written) instead of killing the process mid-write. A second
+    signal stops at once. ``stop_signals.received`` names the signal, or is ``None``.
+    """
+
+    received: Optional[str] = None
+
+    def __enter__(self) -> "stop_signals":
+        stop_signals.received = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, _on_stop_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _on_stop_signal(signum: int, _frame: Any) -> None:
+    if stop_signals.received is not None:  # the second one: stop now
+        signal.signal(signum, signal.SIG_DFL)
+        raise KeyboardInterrupt
+    stop_signals.received = signal.Signals(signum).name
+    print(f"[dipaco] {stop_signals.received}: stopping after this round (checkpoint written); "
+          "send it again to stop at once", flush=True)
+
+
+def stop_requested(distributed: bool) -> bool:
+    """Whether any rank got a stop signal; in a distributed run all ranks agree (one
+    all-reduce per round), so they stop after the same round."""
+    flag = stop_signals.received is not None
+    if not distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 def free_port() -> int:
@@ -70,7 +127,8 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run_dir: str, args: tupl
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s)
     try:
-        return fn(cfg, run_dir, rank, world, *args)
+        with stop_signals():  # the elastic agent forwards SIGTERM to its workers
+            return fn(cfg, run_dir, rank, world, *args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -98,6 +156,7 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
         return _rank_entry(fn, cfg_dict, run_dir, args)
     if name != "spawn":
         raise LaunchError(f"unknown launcher {name!r}")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -124,7 +183,20 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
             for r, f in sorted(e.failures.items())
         )
         raise LaunchError(f"a rank failed: {failures}") from None
+    except SignalException as e:
+        # the agent stopped the ranks (they checkpoint at the round boundary if they can)
+        stop_signals.received = stop_signals.received or signal.Signals(e.sigval).name
+        return _stopped_result(cfg, run_dir)
     return results[0]
+
+
+def _stopped_result(cfg: Config, run_dir: str) -> dict:
+    """What a launch stopped by a signal leaves: the newest complete checkpoint."""
+    ckpt = CheckpointManager(RunDir.at(run_dir).checkpoints).latest_valid()
+    done = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+    return {"rounds": cfg.trainer.rounds, "completed_rounds": done, "start_round": done, "checkpoint": str(ckpt),
+            "world_size": cfg.launcher.nproc, "tokens": 0, "bytes_sent": 0, "compute_s": 0.0, "wait_s": 0.0,
+            "sync_s": 0.0}
 
 
 def _supports_prefix() -> bool:

@@ -25,6 +25,7 @@ from dipaco.config import Config, codec_kwargs
 from dipaco.data import TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.schedule import total_inner_steps, warmup_steps
+from dipaco.launch import stop_requested
 from dipaco.learner import PathLearner
 from dipaco.run_dir import RunDir
 from dipaco.sync.data_parallel import allreduce_gradients
@@ -154,6 +155,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         sent = sum(int(m.get("bytes_sent", 0)) for m in module_stats.values())
         bytes_sent += sent
         record = {"paths": path_stats, "modules": module_stats, "bytes_sent": sent,
+                  "tokens": sum(v["tokens"] for v in path_stats.values()),
                   "compute_s": t1 - t0, "wait_s": tb - t1, "sync_s": t2 - tb}
         everyone = _gather(record, distributed)
         if rank is None or rank == 0:
@@ -162,6 +164,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
             _log(rank, f"round {r + 1}/{R}: mean path loss {np.mean(list(losses.values())):.4f}, "
                        f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
         stop = cfg.trainer.stop_after_rounds is not None and r + 1 >= cfg.trainer.stop_after_rounds
+        stop = stop_requested(distributed) or stop  # SIGTERM/SIGINT: every rank stops after this round
         if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:
             last_ckpt = _save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
         if stop:
@@ -229,6 +232,7 @@ def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
         "paths": paths,
         "modules": modules,
         "bytes_sent": sum(r["bytes_sent"] for r in records),
+        "tokens": sum(r["tokens"] for r in records),  # every rank's (worker groups split batches)
         "compute_s": max(r["compute_s"] for r in records),
         "wait_s": max(r["wait_s"] for r in records),
         "sync_s": max(r["sync_s"] for r in records),

@@ -1,10 +1,17 @@
 """The one piece of Hydra glue both Hydra CLIs share: typed config + run directory."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from dipaco.config import Config, to_config
+
+# Written by Hydra into the run directory before any dipaco code runs; on an existing
+# run they are switched off, so a refused command leaves the directory byte-identical.
+_QUIET_HYDRA = ("hydra.output_subdir=null", "hydra/job_logging=none")
 
 
 def config_from_hydra(cfg: DictConfig) -> Config:
@@ -13,3 +20,25 @@ def config_from_hydra(cfg: DictConfig) -> Config:
     if conf.run_dir is None:
         conf.run_dir = HydraConfig.get().runtime.output_dir
     return conf
+
+
+def command_line_overrides() -> list[str]:
+    """The overrides the user typed (``model=tiny``, ``+trainer.x=1``), not Hydra's own."""
+    return list(HydraConfig.get().overrides.task)
+
+
+def protect_run_dir(argv: list[str]) -> list[str]:
+    """The command line to hand to Hydra: ``--debug`` taken out (it sets DIPACO_DEBUG,
+    keeping tracebacks), and Hydra's own files (``.hydra/``, ``<job>.log``) switched off
+    when ``hydra.run.dir`` already holds a run, so nothing there is touched before
+    dipaco's checks have passed."""
+    if "--debug" in argv:
+        os.environ["DIPACO_DEBUG"] = "1"
+        argv = [a for a in argv if a != "--debug"]
+    if "-m" in argv or "--multirun" in argv:
+        return argv
+    run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if run_dirs and (Path(run_dirs[-1]).expanduser() / "config.yaml").is_file():
+        given = {a.split("=", 1)[0] for a in argv}
+        argv = argv + [q for q in _QUIET_HYDRA if q.split("=", 1)[0] not in given]
+    return argv
