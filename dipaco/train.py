@@ -116,8 +116,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: fl
                          f"complete checkpoint {result['checkpoint']}; continue with: "
                          f"dipaco-train hydra.run.dir={run.root} resume=true")
     if result["completed_rounds"] < cfg.trainer.rounds:
-        _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; "
-             f"continue with resume=true")
+        _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; continue with: "
+             f"dipaco-train hydra.run.dir={run.root} resume=true")
         return {"stopped_at_round": result["completed_rounds"], "checkpoint": result["checkpoint"]}
 
     if result.get("start_round", 0) > 0 and cfg.diloco.mode == "sync":
