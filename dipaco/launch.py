@@ -12,6 +12,7 @@ time (the monitor interval plus the collective timeout) instead of hanging it.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
 import signal
 import socket
@@ -160,6 +161,11 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # the agent's own warnings ("Received 15 death signal ...") would break the one-line
+    # rule; what went wrong is in the LaunchError / RunStopped line instead
+    for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):  # each has its own level
+        logging.getLogger(name).setLevel(logging.ERROR)
     port = free_port()
     extra = {"log_line_prefix_template": "[rank${rank}] "} if _supports_prefix() else {}
     lc = LaunchConfig(
@@ -194,7 +200,8 @@ def _stopped_result(cfg: Config, run_dir: str) -> dict:
     """What a launch stopped by a signal leaves: the newest complete checkpoint."""
     ckpt = CheckpointManager(RunDir.at(run_dir).checkpoints).latest_valid()
     done = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
-    return {"rounds": cfg.trainer.rounds, "completed_rounds": done, "start_round": done, "checkpoint": str(ckpt),
+    return {"rounds": cfg.trainer.rounds, "completed_rounds": done, "start_round": done,
+            "checkpoint": str(ckpt) if ckpt is not None else None,
             "world_size": cfg.launcher.nproc, "tokens": 0, "bytes_sent": 0, "compute_s": 0.0, "wait_s": 0.0,
             "sync_s": 0.0}
 

@@ -112,8 +112,10 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: fl
             wall0: float) -> dict[str, Any]:
     """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
     if result["completed_rounds"] < cfg.trainer.rounds and stop_signals.received:
-        raise RunStopped(f"stopped by {stop_signals.received} after round {result['completed_rounds']}; last "
-                         f"complete checkpoint {result['checkpoint']}; continue with: "
+        done = result["completed_rounds"]
+        where = (f"after round {done}; last complete checkpoint {result['checkpoint']}" if result["checkpoint"]
+                 else "before the first checkpoint")
+        raise RunStopped(f"stopped by {stop_signals.received} {where}; continue with: "
                          f"dipaco-train hydra.run.dir={run.root} resume=true")
     if result["completed_rounds"] < cfg.trainer.rounds:
         _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; continue with: "
