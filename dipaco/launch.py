@@ -44,16 +44,16 @@ def require_torchrun_env() -> None:
                           "...`, or use launcher=local / launcher=spawn")
 
 
-class stop_signals:
-    """``with stop_signals(): ...``: SIGTERM/SIGINT ask the rounds to stop at the next round
+class StopSignals:
+    """``with StopSignals(): ...``: SIGTERM/SIGINT ask the rounds to stop at the next round
     boundary (checkpoint written) instead of killing the process mid-write. A second
-    signal stops at once. ``stop_signals.received`` names the signal, or is ``None``.
+    signal stops at once. ``StopSignals.received`` names the signal, or is ``None``.
     """
 
     received: Optional[str] = None
 
-    def __enter__(self) -> "stop_signals":
-        stop_signals.received = None
+    def __enter__(self) -> "StopSignals":
+        StopSignals.received = None
         self._old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -63,21 +63,22 @@ class stop_signals:
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        StopSignals.received = None  # a later run in this process starts unsignalled
 
 
 def _on_stop_signal(signum: int, _frame: Any) -> None:
-    if stop_signals.received is not None:  # the second one: stop now
+    if StopSignals.received is not None:  # the second one: stop now
         signal.signal(signum, signal.SIG_DFL)
         raise KeyboardInterrupt
-    stop_signals.received = signal.Signals(signum).name
-    print(f"[dipaco] {stop_signals.received}: stopping after this round (checkpoint written); "
+    StopSignals.received = signal.Signals(signum).name
+    print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
           "send it again to stop at once", flush=True)
 
 
 def stop_requested(distributed: bool) -> bool:
     """Whether any rank got a stop signal; in a distributed run all ranks agree (one
     all-reduce per round), so they stop after the same round."""
-    flag = stop_signals.received is not None
+    flag = StopSignals.received is not None
     if not distributed:
         return flag
     t = torch.tensor([1.0 if flag else 0.0])
@@ -128,7 +129,7 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run_dir: str, args: tupl
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s)
     try:
-        with stop_signals():  # the elastic agent forwards SIGTERM to its workers
+        with StopSignals():  # the elastic agent forwards SIGTERM to its workers
             return fn(cfg, run_dir, rank, world, *args)
     finally:
         if dist.is_initialized():
@@ -157,6 +158,8 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
         return _rank_entry(fn, cfg_dict, run_dir, args)
     if name != "spawn":
         raise LaunchError(f"unknown launcher {name!r}")
+    if StopSignals.received:  # asked to stop while preparing: ranks would never hear of it
+        return _stopped_result(cfg, run_dir)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -191,7 +194,7 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
         raise LaunchError(f"a rank failed: {failures}") from None
     except SignalException as e:
         # the agent stopped the ranks (they checkpoint at the round boundary if they can)
-        stop_signals.received = stop_signals.received or signal.Signals(e.sigval).name
+        StopSignals.received = StopSignals.received or signal.Signals(e.sigval).name
         return _stopped_result(cfg, run_dir)
     return results[0]
 

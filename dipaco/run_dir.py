@@ -153,16 +153,16 @@ def prior_totals(run: "RunDir", result: dict, rounds_s: float) -> tuple[dict, fl
     On resume the ranks cut ``metrics.jsonl`` to the checkpoint's round before re-running
     later rounds, so its lines up to ``start_round`` are exactly the rounds this launch
     did not train. Returns the whole run's result (``start_round`` 0, counted from the
-    first round) and rounds time (summed over launches).
+    first round) and rounds time (summed over launches). Rounds missing from the file
+    are counted in ``totals_missing_rounds``.
     """
     start = int(result["start_round"])
     lines = [json.loads(x) for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()] \
         if run.metrics.is_file() else []
     before = [x for x in lines if 0 < int(x.get("round", 0)) <= start]
-    if len(before) != start:
-        raise RunDirError(f"{run.metrics} holds {len(before)} of the {start} rounds before the resume: "
-                          "the totals in summary.json cannot be made whole")
     out = dict(result, start_round=0, resumed_from_round=start)
+    if len(before) != start:  # metrics.jsonl deleted or edited by hand: say so, do not guess
+        out["totals_missing_rounds"] = start - len(before)
     for key in ("bytes_sent", "compute_s", "wait_s", "sync_s"):
         out[key] = result.get(key, 0) + sum(x.get(key, 0) for x in before)
     out["tokens"] = result["tokens"] + sum(

@@ -21,7 +21,7 @@ from dipaco.config import Config, ConfigError, codec_kwargs, validate_config
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.fingerprint import Fingerprints
-from dipaco.launch import launch, require_torchrun_env, stop_signals
+from dipaco.launch import StopSignals, launch, require_torchrun_env
 from dipaco.prepare import Prepared, prepare, shards_fingerprint
 from dipaco.resume import check_fresh, finished_summary, has_saved_config, resume_config
 from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
@@ -67,7 +67,7 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
         if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
             return _train_under_torchrun(cfg, run, changes)
     check_unlocked(run.root)
-    with RunLock(run.root, log=_log), disk_full_guard(run), stop_signals():
+    with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
         if cfg.launcher.name == "torchrun":
             return _train_under_torchrun(cfg, run, changes)
         return _train(cfg, run, changes)
@@ -111,11 +111,11 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
 def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
             wall0: float) -> dict[str, Any]:
     """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
-    if result["completed_rounds"] < cfg.trainer.rounds and stop_signals.received:
+    if result["completed_rounds"] < cfg.trainer.rounds and StopSignals.received:
         done = result["completed_rounds"]
         where = (f"after round {done}; last complete checkpoint {result['checkpoint']}" if result["checkpoint"]
                  else "before the first checkpoint")
-        raise RunStopped(f"stopped by {stop_signals.received} {where}; continue with: "
+        raise RunStopped(f"stopped by {StopSignals.received} {where}; continue with: "
                          f"dipaco-train hydra.run.dir={run.root} resume=true")
     if result["completed_rounds"] < cfg.trainer.rounds:
         _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; continue with: "
@@ -346,6 +346,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "timings": prep.timings,
         "launcher": cfg.launcher.name,
         "codec": cfg.diloco.codec,
+        "resumed_from_round": result.get("resumed_from_round"),  # totals count every round anyway
+        "totals_missing_rounds": result.get("totals_missing_rounds", 0),
         "decoupled": result.get("decoupled"),  # goodput, staleness, drops (diloco.mode=decoupled)
         "tag": cfg.tag,
         "seed": cfg.seed,
