@@ -18,6 +18,7 @@ from dipaco.config import Config, ConfigError
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, progress_bars, tokenize_dataset
 from dipaco.fingerprint import Fingerprints
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
+from dipaco.progress import bars_enabled
 from dipaco.schedule import warmup_steps
 from dipaco.run_dir import RunDir, RunDirError
 from router import expand_replicas
@@ -98,7 +99,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     t = cfg.trainer
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    corpus = load_corpus(cfg.data, progress=t.progress)
+    corpus = load_corpus(cfg.data, progress=bars_enabled(t.progress))
     if corpus.skipped:
         _log(f"skipped documents: {dict(corpus.skipped)}")
     train_ds = corpus.split("train")

@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -26,8 +27,10 @@ from dipaco.prepare import Prepared, prepare, shards_fingerprint
 from dipaco.resume import check_fresh, finished_summary, has_saved_config, resume_config
 from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
 from dipaco.run_lock import RunLock, check_unlocked
+from dipaco.slurm import slurm_rendezvous
 from dipaco.build import build_grid, build_topology
 from dipaco.rounds import run_rank
+from dipaco.tracking import MetricsWriter
 from router import expand_replicas
 from modules import PathModel
 
@@ -62,13 +65,15 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
         _log(f"resume=true: {run.root} holds no run yet (no config.yaml); starting a new run from round 0")
     else:
         check_fresh(run)
-    if cfg.launcher.name == "torchrun":
+    if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
+    if cfg.launcher.name in ("torchrun", "slurm"):
         require_torchrun_env()
         if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
             return _train_under_torchrun(cfg, run, changes)
     check_unlocked(run.root)
     with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
-        if cfg.launcher.name == "torchrun":
+        if cfg.launcher.name in ("torchrun", "slurm"):
             return _train_under_torchrun(cfg, run, changes)
         return _train(cfg, run, changes)
 
@@ -84,6 +89,8 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if not cfg.resume:
         run.metrics.unlink(missing_ok=True)  # a fresh run's rounds start a fresh log
+        # events of an earlier attempt in this directory would mix into the new curves
+        shutil.rmtree(run.tensorboard, ignore_errors=True)
     if cfg.launcher.name == "local" and cfg.launcher.nproc > 1:
         _log(f"launcher=local runs one process; launcher.nproc={cfg.launcher.nproc} only sets the simulated "
              "worker groups (launcher=spawn starts that many ranks)")
@@ -130,6 +137,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: fl
     routed = _evaluate(cfg, run, prep, Path(result["checkpoint"]))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
     write_json(run.summary, summary)
+    with MetricsWriter(run, cfg) as writer:
+        writer.log_summary(summary, step=cfg.trainer.rounds)
     if cfg.trainer.plots:
         from dipaco.plots import write_plots
 
@@ -144,6 +153,7 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
 
     All ranks must see the same run directory (pass ``hydra.run.dir`` on a shared
     filesystem); the other ranks wait at a barrier while rank 0 routes and shards.
+    Under ``launcher=slurm`` each srun task's SLURM env becomes the torchrun env first.
     """
     import torch.distributed as dist
 
