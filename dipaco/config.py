@@ -24,6 +24,7 @@ LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 ROUTER_METHODS = ("product", "flat", "random")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
+MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|> (dipaco/data/tokenizer.py)
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -253,7 +254,14 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
     """Turn a Hydra DictConfig (or a dict) into a typed :class:`Config` object."""
     if isinstance(cfg, Config):
         return cfg
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    schema = OmegaConf.structured(Config)
+    unknown = _unknown_keys(OmegaConf.to_container(OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg,
+                                                   resolve=False), schema)
+    if unknown:
+        # Hydra's `+key=value` bypasses the schema; a misspelt key must not be ignored
+        raise ConfigError(unknown[0], "unknown key: no such setting in dipaco's config schema",
+                          "remove it (dipaco-train --cfg job lists every key)")
+    merged = OmegaConf.merge(schema, cfg)
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, Config)
     return obj
@@ -266,6 +274,18 @@ def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
     if cfg.data.tokenizer and "model.vocab_size" not in given:
         cfg.model.vocab_size = Tokenizer.load(cfg.data.tokenizer).vocab_size
     return cfg
+
+
+def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a plain dict) that ``schema`` (a structured config) lacks."""
+    out: list[str] = []
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if k not in schema:
+            out.append(key)
+        elif isinstance(v, dict) and OmegaConf.is_dict(schema[k]):
+            out += _unknown_keys(v, schema[k], key + ".")
+    return out
 
 
 def resolve_derived(cfg: Config) -> Config:
@@ -353,6 +373,12 @@ def validate_config(cfg: Config) -> None:
     _require(t.keep_last >= 1, "trainer.keep_last", "must keep at least one checkpoint", "e.g. 2")
     _require(la.name in LAUNCHERS, "launcher", f"unknown launcher {la.name!r}", f"use one of {LAUNCHERS}")
     _require(la.nproc >= 1 and la.group_size >= 1, "launcher.nproc", "must be >= 1", "e.g. launcher.nproc=4")
+    # options the chosen launcher never reads are refused rather than silently ignored
+    _require(la.name != "local" or la.group_size == 1, "launcher.group_size",
+             "launcher=local runs one process, so there is no worker group to split",
+             "add launcher=spawn (ranks on this host) or drop launcher.group_size")
+    _require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
+             "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
     if la.name == "slurm":
         _validate_slurm(la)
     if la.name in ("spawn", "slurm"):
@@ -369,6 +395,9 @@ def validate_config(cfg: Config) -> None:
              "use a batch size that is a multiple of the group size")
     for key, problem, fix in device_problems(t, la):
         raise ConfigError(key, problem, fix)
+    _require(m.vocab_size >= MIN_VOCAB, "model.vocab_size",
+             f"{m.vocab_size} is too small: a byte-level BPE needs {MIN_VOCAB} tokens (256 bytes + end-of-text)",
+             f"use model.vocab_size={MIN_VOCAB} or more (tiny uses 512)")
     _validate_logging(cfg.logging)
     try:
         m.validate()

@@ -14,20 +14,79 @@ time (the monitor interval plus the collective timeout) instead of hanging it.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
+import signal
 import socket
+import threading
 import uuid
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from dipaco.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.device import rank_device
+from dipaco.run_dir import RunDir
 
 
 class LaunchError(RuntimeError):
     """A rank failed; the message says which and where its log is."""
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def require_torchrun_env() -> None:
+    """launcher=torchrun outside torchrun is one line naming the missing variables."""
+    missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+    if missing:
+        raise LaunchError(f"launcher=torchrun but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          "not set: start with `torchrun --nproc-per-node=N -m dipaco.cli.train launcher=torchrun "
+                          "...`, or use launcher=local / launcher=spawn")
+
+
+class StopSignals:
+    """``with StopSignals(): ...``: SIGTERM/SIGINT ask the rounds to stop at the next round
+    boundary (checkpoint written) instead of killing the process mid-write. A second
+    signal stops at once. ``StopSignals.received`` names the signal, or is ``None``.
+    """
+
+    received: Optional[str] = None
+
+    def __enter__(self) -> "StopSignals":
+        StopSignals.received = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, _on_stop_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        StopSignals.received = None  # a later run in this process starts unsignalled
+
+
+def _on_stop_signal(signum: int, _frame: Any) -> None:
+    if StopSignals.received is not None:  # the second one: stop now
+        signal.signal(signum, signal.SIG_DFL)
+        raise KeyboardInterrupt
+    StopSignals.received = signal.Signals(signum).name
+    print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
+          "send it again to stop at once", flush=True)
+
+
+def stop_requested(distributed: bool) -> bool:
+    """Whether any rank got a stop signal; in a distributed run all ranks agree (one
+    all-reduce per round), so they stop after the same round."""
+    flag = StopSignals.received is not None
+    if not distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 def free_port() -> int:
@@ -71,7 +130,8 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run_dir: str, args: tupl
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
     try:
-        return fn(cfg, run_dir, rank, world, *args)
+        with StopSignals():  # the elastic agent forwards SIGTERM to its workers
+            return fn(cfg, run_dir, rank, world, *args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -99,9 +159,17 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
         return _rank_entry(fn, cfg_dict, run_dir, args)
     if name != "spawn":
         raise LaunchError(f"unknown launcher {name!r}")
+    if StopSignals.received:  # asked to stop while preparing: ranks would never hear of it
+        return _stopped_result(cfg, run_dir)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # the agent's own warnings ("Received 15 death signal ...") would break the one-line
+    # rule; what went wrong is in the LaunchError / RunStopped line instead
+    for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):  # each has its own level
+        logging.getLogger(name).setLevel(logging.ERROR)
     port = free_port()
     extra = {"log_line_prefix_template": "[rank${rank}] "} if _supports_prefix() else {}
     lc = LaunchConfig(
@@ -125,7 +193,21 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
             for r, f in sorted(e.failures.items())
         )
         raise LaunchError(f"a rank failed: {failures}") from None
+    except SignalException as e:
+        # the agent stopped the ranks (they checkpoint at the round boundary if they can)
+        StopSignals.received = StopSignals.received or signal.Signals(e.sigval).name
+        return _stopped_result(cfg, run_dir)
     return results[0]
+
+
+def _stopped_result(cfg: Config, run_dir: str) -> dict:
+    """What a launch stopped by a signal leaves: the newest complete checkpoint."""
+    ckpt = CheckpointManager(RunDir.at(run_dir).checkpoints).latest_valid()
+    done = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+    return {"rounds": cfg.trainer.rounds, "completed_rounds": done, "start_round": done,
+            "checkpoint": str(ckpt) if ckpt is not None else None,
+            "world_size": cfg.launcher.nproc, "tokens": 0, "bytes_sent": 0, "compute_s": 0.0, "wait_s": 0.0,
+            "sync_s": 0.0}
 
 
 def _supports_prefix() -> bool:

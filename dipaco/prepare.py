@@ -13,10 +13,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from dipaco.checkpoint import write_json
+from dipaco.checkpoint import sha256_file, write_json
 from dipaco.config import Config, ConfigError
-from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_to_docs
+from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, progress_bars, tokenize_to_docs
 from dipaco.device import model_device, to_device
+from dipaco.fingerprint import Fingerprints
 from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
 from dipaco.progress import bars_enabled
 from dipaco.schedule import warmup_steps
@@ -108,15 +109,14 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         _log(f"skipped documents: {dict(corpus.skipped)}")
     train_ds = corpus.split("train")
     val_ds = corpus.split("validation")
-    if len(train_ds) == 0:
-        from dipaco.data import DataError
-
-        raise DataError("no training documents after filtering; check data.path / data.max_documents")
+    _require_splits(cfg, corpus.num_documents, len(train_ds), len(val_ds))
     timings["load_s"] = time.perf_counter() - t0
     _log(f"corpus: {corpus.num_documents} documents ({len(train_ds)} train, {len(val_ds)} validation)")
 
     t0 = time.perf_counter()
-    tokenizer = _tokenizer(cfg, run, train_ds)
+    fps = Fingerprints(run, cfg, _log)
+    data_fp = dataset_content_hash(train_ds) + ":" + dataset_content_hash(val_ds)
+    tokenizer = _tokenizer(cfg, run, train_ds, fps, data_fp)
     cache_dir = cfg.data.cache_dir or str(run.cache)
     # memory-mapped: from here on documents are read by offset, never held in memory
     train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
@@ -128,9 +128,10 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     # Dense warm-up: the paper initialises every path from a dense model.
     n_warm = warmup_steps(cfg)
     warm_grid = None
+    want_warm = fps.want("warmup", data=data_fp, tokenizer=tokenizer.sha256, steps=n_warm)
     if n_warm > 0:
         t0 = time.perf_counter()
-        if (run.warmup / "modules.safetensors").exists():
+        if fps.reusable("warmup", want_warm, (run.warmup / "modules.safetensors").exists(), "warmup/"):
             from dipaco.dense import dense_grid
 
             warm_grid = dense_grid(cfg)
@@ -142,12 +143,15 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
                                            stream_id=WARMUP_STREAM_ID, progress_desc="warm-up")
             save_dense(run.warmup, warm_grid, {"steps": n_warm, "loss": stats.loss,
                                                 "tokens": stats.tokens, "seconds": stats.seconds})
+            fps.record("warmup", want_warm)
         timings["warmup_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     r = cfg.router
     featurizer_fn = lm_featurizer(warm_grid) if r.featurizer == "lm" else None
-    if (run.router / "manifest.json").exists():
+    want = fps.want("router", data=data_fp, tokenizer=tokenizer.sha256,
+                    features=want_warm if r.featurizer == "lm" else r.featurizer)
+    if fps.reusable("router", want, (run.router / "manifest.json").exists(), "router/"):
         try:
             router = Router.load(run.router, expected_grid=list(cfg.grid.levels), featurizer_fn=featurizer_fn)
         except ValueError as e:  # another grid, a corrupt array, a missing file: the user's to fix
@@ -155,10 +159,15 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     else:
         router = _fit_router(cfg, train_ids, featurizer_fn)
         router.save(run.router)
+        fps.record("router", want)
     assignments = assign_in_batches(router, train_ids)
-    with progress_bars(t.progress):
-        write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
-                     router.num_paths * cfg.grid.replicas, run.shards)
+    want_shards = shards_fingerprint(fps, run)
+    reuse_shards = fps.reusable("shards", want_shards, run.shards.is_dir() and run.routing_report.is_file(),
+                                "shards/")
+    if not reuse_shards:
+        with progress_bars(t.progress):
+            write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
+                         router.num_paths * cfg.grid.replicas, run.shards)
     best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, dtype=np.int64)
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     # per-document path lists: shard sizes and imbalance are the training shards' (every
@@ -166,7 +175,15 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     report = routing_report(assignments, num_paths=router.num_paths,
                             labels=list(train_ds["label"]) if labels is not None else None)
     report["validation"] = routing_report(best, num_paths=router.num_paths, labels=labels)
-    write_json(run.routing_report, report)
+    if reuse_shards:  # as written with the shards (a re-shard adds to it)
+        report = run.read_json(run.routing_report)
+    else:
+        write_json(run.routing_report, report)
+        fps.record("shards", want_shards)
+    want = fps.want("checkpoints", data=data_fp, tokenizer=tokenizer.sha256)
+    if not fps.reusable("checkpoints", want, run.checkpoints.is_dir() and any(run.checkpoints.iterdir()),
+                        "checkpoints/"):
+        fps.record("checkpoints", want)
     timings["route_s"] = time.perf_counter() - t0
     nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
@@ -175,25 +192,46 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
                     timings=timings)
 
 
-def _tokenizer(cfg: Config, run: RunDir, train_ds: Any) -> Tokenizer:
-    """The run's tokenizer: reloaded on resume, else ``data.tokenizer``, else a BPE trained here."""
+def _tokenizer(cfg: Config, run: RunDir, train_ds: Any, fps: Fingerprints, data_fp: str) -> Tokenizer:
+    """The run's tokenizer: reused when its fingerprint matches (resume), else
+    ``data.tokenizer``, else a byte-level BPE trained on the training split."""
     given = Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None
-    if run.tokenizer.exists():
+    # a given tokenizer is part of what the run's tokenizer is made from
+    want = fps.want("tokenizer", data=data_fp, given=given.sha256 if given is not None else None)
+    if fps.reusable("tokenizer", want, run.tokenizer.exists(), "tokenizer.json"):
         tokenizer = Tokenizer.load(run.tokenizer)
         if given is not None and given.sha256 != tokenizer.sha256:
             raise RunDirError(f"{run.tokenizer} differs from data.tokenizer={cfg.data.tokenizer}; a run keeps "
                               "its tokenizer. Fix: drop data.tokenizer or use a new run directory")
-    elif given is not None:
-        tokenizer = given
-        tokenizer.save(run.tokenizer)
     else:
-        tokenizer = Tokenizer.train(_capped_texts(train_ds, TOKENIZER_TRAIN_CHARS),
-                                    vocab_size=cfg.model.vocab_size)
+        tokenizer = given if given is not None else Tokenizer.train(
+            _capped_texts(train_ds, TOKENIZER_TRAIN_CHARS), vocab_size=cfg.model.vocab_size)
         tokenizer.save(run.tokenizer)
+        fps.record("tokenizer", want)
     if tokenizer.vocab_size > cfg.model.vocab_size:  # data.tokenizer is checked earlier, in validate_config
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} cannot hold the {tokenizer.vocab_size} "
                           f"token ids of {run.tokenizer}", f"set model.vocab_size={tokenizer.vocab_size}")
     return tokenizer
+
+
+def shards_fingerprint(fps: Fingerprints, run: RunDir) -> dict:
+    """What the shards on disk must have been made from: the router as saved (a
+    discriminative re-shard rewrites both) and the data the router assigned."""
+    return fps.want("shards", router=sha256_file(run.router / "manifest.json"),
+                    data=fps.saved.get("router", {}).get("data"))
+
+
+def _require_splits(cfg: Config, num_documents: int, num_train: int, num_val: int) -> None:
+    """Too few documents for the splits is one line naming the minimum, not an IndexError."""
+    d = cfg.data
+    # splits are by a hash of each document id: about val_fraction of them land in
+    # validation, so ~2/val_fraction documents leave at least one there in practice
+    minimum = max(3, int(np.ceil(2 / max(d.val_fraction, 1e-9))))
+    if num_train == 0 or num_val == 0:
+        which = "training" if num_train == 0 else "validation"
+        raise DataError(f"{num_documents} usable documents left no {which} document "
+                        f"(data.val_fraction={d.val_fraction}, data.test_fraction={d.test_fraction}); "
+                        f"use at least {minimum} documents (check data.path / data.max_documents)")
 
 
 def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Callable]) -> Any:

@@ -25,6 +25,7 @@ from dipaco.config import Config
 from dipaco.data import TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory
+from dipaco.launch import stop_requested
 from dipaco.schedule import lr_at, total_inner_steps, warmup_steps
 from dipaco.learner import PathLearner
 from dipaco.progress import progress_bar
@@ -160,6 +161,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
         sent = sum(int(m.get("bytes_sent", 0)) for m in module_stats.values())
         bytes_sent += sent
         record = {"paths": path_stats, "modules": module_stats, "bytes_sent": sent,
+                  "tokens": sum(v["tokens"] for v in path_stats.values()),
                   "compute_s": t1 - t0, "wait_s": tb - t1, "sync_s": t2 - tb}
         everyone = _gather(record, distributed)
         if writer is not None:
@@ -168,6 +170,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
             _log(rank, f"round {r + 1}/{R}: mean path loss {np.mean(list(losses.values())):.4f}, "
                        f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
         stop = cfg.trainer.stop_after_rounds is not None and r + 1 >= cfg.trainer.stop_after_rounds
+        stop = stop_requested(distributed) or stop  # SIGTERM/SIGINT: every rank stops after this round
         if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:
             last_ckpt = save_checkpoint(ckpts, r + 1, grid, sync, learners, topo, rank, distributed, my_modules)
         if stop:
@@ -238,6 +241,8 @@ def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[
             modules.setdefault(mid, s)  # every holder reports the same outer step
     line = round_record(round_idx, "sync", paths, modules,
                         bytes_sent=sum(r["bytes_sent"] for r in records),
+                        # every rank's tokens (the ranks of a worker group split its batches)
+                        tokens=sum(r["tokens"] for r in records),
                         compute_s=max(r["compute_s"] for r in records),
                         wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records))
     return {**line, "outer_lr": outer_lr}

@@ -5,16 +5,23 @@ Every file a run writes is named here; the trainer, ``dipaco-route`` and
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from omegaconf import OmegaConf
 
 
 class RunDirError(ValueError):
     """A run directory that is missing, incomplete or corrupt (message names the file)."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped for a reason outside its config (a signal, a full disk); the
+    message names the last complete checkpoint and the resume command. Exit code 1."""
 
 
 @dataclass(frozen=True)
@@ -116,3 +123,52 @@ class RunDir:
         if ckpt is None:
             raise RunDirError(f"no valid checkpoint under {self.checkpoints}")
         return ckpt
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # safetensors reports its Rust io::Error as text
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and ("No space left" in text or "StorageFull" in text)
+
+
+@contextlib.contextmanager
+def disk_full_guard(run: "RunDir") -> Iterator[None]:
+    """A full disk (ENOSPC, also inside safetensors) becomes one line naming what was
+    being written, the last complete checkpoint and the resume command."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        what = getattr(e, "filename", None) or "a file in the run directory"
+        try:
+            last = str(run.latest_checkpoint())
+        except (RunDirError, OSError):
+            last = "none yet"
+        raise RunStopped(f"disk full while writing {what}; last complete checkpoint: {last}; free space, "
+                         f"then continue with: dipaco-train hydra.run.dir={run.root} resume=true") from None
+
+
+def prior_totals(run: "RunDir", result: dict, rounds_s: float) -> tuple[dict, float]:
+    """``result`` of a resumed launch plus the rounds before it, from ``metrics.jsonl``.
+
+    On resume the ranks cut ``metrics.jsonl`` to the checkpoint's round before re-running
+    later rounds, so its lines up to ``start_round`` are exactly the rounds this launch
+    did not train. Returns the whole run's result (``start_round`` 0, counted from the
+    first round) and rounds time (summed over launches). Rounds missing from the file
+    are counted in ``totals_missing_rounds``.
+    """
+    start = int(result["start_round"])
+    lines = [json.loads(x) for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()] \
+        if run.metrics.is_file() else []
+    before = [x for x in lines if 0 < int(x.get("round", 0)) <= start]
+    out = dict(result, start_round=0, resumed_from_round=start)
+    if len(before) != start:  # metrics.jsonl deleted or edited by hand: say so, do not guess
+        out["totals_missing_rounds"] = start - len(before)
+    for key in ("bytes_sent", "compute_s", "wait_s", "sync_s"):
+        out[key] = result.get(key, 0) + sum(x.get(key, 0) for x in before)
+    out["tokens"] = result["tokens"] + sum(
+        x["tokens"] if "tokens" in x else sum(p["tokens"] for p in x["paths"].values()) for x in before)
+    return out, rounds_s + sum(x.get("compute_s", 0) + x.get("wait_s", 0) + x.get("sync_s", 0) for x in before)

@@ -7,22 +7,26 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from dipaco.checkpoint import load_state, write_json
+from dipaco.checkpoint import atomic_write_text, load_state, write_json
 from dipaco.config import Config, ConfigError, codec_kwargs, validate_config
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.evaluate import evaluate_routed, evaluate_single
-from dipaco.launch import launch
-from dipaco.prepare import Prepared, prepare
-from dipaco.run_dir import RunDir
+from dipaco.fingerprint import Fingerprints
+from dipaco.launch import StopSignals, launch, require_torchrun_env
+from dipaco.prepare import Prepared, prepare, shards_fingerprint
+from dipaco.resume import check_fresh, finished_summary, has_saved_config, resume_config
+from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
+from dipaco.run_lock import RunLock, check_unlocked
 from dipaco.slurm import slurm_rendezvous
 from dipaco.build import build_grid, build_topology
 from dipaco.rounds import run_rank
@@ -35,17 +39,66 @@ def _log(msg: str) -> None:
     print(f"[dipaco] {msg}", flush=True)
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run the job described by ``cfg`` in ``cfg.run_dir``; return the summary dict."""
+def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+    """Run the job described by ``cfg`` in ``cfg.run_dir``; return the summary dict.
+
+    With ``resume=true`` the run's saved ``config.yaml`` is the config; ``overrides``
+    (the command line, as Hydra's task overrides) says which keys were asked for, and
+    only keys that do not shape the run may change (:mod:`dipaco.resume`). ``None``:
+    every key of ``cfg`` counts as asked for. Nothing is written to the run directory
+    before every check has passed.
+    """
     validate_config(cfg)
     if not cfg.run_dir:
         raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
     run = RunDir.at(cfg.run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
-    _check_resume(cfg, run)
+    changes: dict[str, list] = {}
+    if cfg.resume and has_saved_config(run):
+        cfg, changes = resume_config(cfg, run, overrides)
+        validate_config(cfg)
+        done = finished_summary(cfg, run)
+        if done is not None:
+            _log(f"{run.root} is already finished ({done.get('rounds')} rounds, summary.json); nothing to do "
+                 "(to train longer: resume=true trainer.rounds=N)")
+            return done
+    elif cfg.resume:
+        _log(f"resume=true: {run.root} holds no run yet (no config.yaml); starting a new run from round 0")
+    else:
+        check_fresh(run)
+    if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
     if cfg.launcher.name in ("torchrun", "slurm"):
-        return _train_under_torchrun(cfg, run)
-    OmegaConf.save(OmegaConf.structured(cfg), run.config)
+        require_torchrun_env()
+        if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
+            return _train_under_torchrun(cfg, run, changes)
+    check_unlocked(run.root)
+    with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
+        if cfg.launcher.name in ("torchrun", "slurm"):
+            return _train_under_torchrun(cfg, run, changes)
+        return _train(cfg, run, changes)
+
+
+def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
+    """config.yaml (atomically), and the allowed changes a resume made, one JSON line each."""
+    _log(f"run directory: {run.root}")
+    if changes:
+        _log("resume changes " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        with open(run.root / "resumes.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
+    if changes or not run.config.is_file() or not cfg.resume:
+        atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    if not cfg.resume:
+        run.metrics.unlink(missing_ok=True)  # a fresh run's rounds start a fresh log
+        # events of an earlier attempt in this directory would mix into the new curves
+        shutil.rmtree(run.tensorboard, ignore_errors=True)
+    if cfg.launcher.name == "local" and cfg.launcher.nproc > 1:
+        _log(f"launcher=local runs one process; launcher.nproc={cfg.launcher.nproc} only sets the simulated "
+             "worker groups (launcher=spawn starts that many ranks)")
+
+
+def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]:
+    """The job, with the checks passed and the directory locked."""
+    _save_config(cfg, run, changes)
     wall0 = time.perf_counter()
 
     prep = prepare(cfg, run)
@@ -65,11 +118,21 @@ def train(cfg: Config) -> dict[str, Any]:
 def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
             wall0: float) -> dict[str, Any]:
     """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
+    if result["completed_rounds"] < cfg.trainer.rounds and StopSignals.received:
+        done = result["completed_rounds"]
+        where = (f"after round {done}; last complete checkpoint {result['checkpoint']}" if result["checkpoint"]
+                 else "before the first checkpoint")
+        raise RunStopped(f"stopped by {StopSignals.received} {where}; continue with: "
+                         f"dipaco-train hydra.run.dir={run.root} resume=true")
     if result["completed_rounds"] < cfg.trainer.rounds:
-        _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; "
-             f"continue with resume=true")
+        _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; continue with: "
+             f"dipaco-train hydra.run.dir={run.root} resume=true")
         return {"stopped_at_round": result["completed_rounds"], "checkpoint": result["checkpoint"]}
 
+    if result.get("start_round", 0) > 0 and cfg.diloco.mode == "sync":
+        # totals of the whole run, not of this launch: the resumed-from rounds' traffic,
+        # tokens and time come from metrics.jsonl, cut to the checkpoint on resume
+        result, rounds_s = prior_totals(run, result, rounds_s)
     baseline = _dense_baseline(cfg, run, prep)
     routed = _evaluate(cfg, run, prep, Path(result["checkpoint"]))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
@@ -81,10 +144,11 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: fl
 
         write_plots(run)
     _print_table(summary)
+    _log(f"run directory: {run.root}")
     return summary
 
 
-def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
+def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]:
     """Every process is already a rank: rank 0 prepares, all train, rank 0 finishes.
 
     All ranks must see the same run directory (pass ``hydra.run.dir`` on a shared
@@ -95,9 +159,6 @@ def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
 
     from dipaco.launch import init_distributed
 
-    if cfg.launcher.name == "slurm":
-        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
-
     if cfg.router.reshard_at_round is not None:
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
                           "use launcher=spawn on one host, or drop the re-shard")
@@ -105,7 +166,7 @@ def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
     wall0 = time.perf_counter()
     prep = None
     if rank == 0:
-        OmegaConf.save(OmegaConf.structured(cfg), run.config)
+        _save_config(cfg, run, changes)
         prep = prepare(cfg, run)
     dist.barrier()
     t0 = time.perf_counter()
@@ -176,6 +237,8 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
         with progress_bars(cfg.trainer.progress):
             write_shards(prep.train_dataset, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                          grid.num_paths * cfg.grid.replicas, run.shards)
+        fps = Fingerprints(run, cfg, _log)
+        fps.record("shards", shards_fingerprint(fps, run))
         best = losses[keep].argmin(axis=1)
         info["agreement_with_kmeans"] = float(np.mean(prep.router.kmeans_costs(
             [d for d, ok in zip(sample, keep) if ok]).argmin(axis=1) == best))
@@ -189,25 +252,15 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
     return info
 
 
-def _check_resume(cfg: Config, run: RunDir) -> None:
-    """A fresh run refuses a directory that already holds checkpoints (no silent overwrite)."""
-    if not cfg.resume and run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
-        raise ConfigError("resume", f"{run.root} already holds checkpoints",
-                          "pass resume=true to continue it, or choose another hydra.run.dir")
-    if not cfg.resume and run.metrics.exists():
-        run.metrics.unlink(missing_ok=True)  # every torchrun rank gets here
-    if not cfg.resume:
-        # events of an earlier attempt in this directory would mix into the new curves
-        shutil.rmtree(run.tensorboard, ignore_errors=True)
-
-
 def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
     """Dense model of one path's size, same inner steps as a path, all training data."""
     if not cfg.trainer.dense_baseline:
         return {}
     steps = cfg.trainer.rounds * cfg.diloco.inner_steps
     t = cfg.trainer
-    if (run.baseline / "modules.safetensors").exists():
+    saved = run.baseline / "info.json"
+    if (run.baseline / "modules.safetensors").exists() and saved.is_file() \
+            and run.read_json(saved).get("steps") == steps + prep.warmup_steps:  # not from fewer rounds
         grid = dense_grid(cfg)
         for mid, sd in load_dense_state(run.baseline).items():
             grid.load_module_state_dict(mid, sd)
@@ -308,6 +361,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "precision": cfg.trainer.precision,
         "peak_memory_bytes": result.get("peak_memory_bytes"),
         "codec": cfg.diloco.codec,
+        "resumed_from_round": result.get("resumed_from_round"),  # totals count every round anyway
+        "totals_missing_rounds": result.get("totals_missing_rounds", 0),
         "decoupled": result.get("decoupled"),  # goodput, staleness, drops (diloco.mode=decoupled)
         "tag": cfg.tag,
         "seed": cfg.seed,

@@ -26,6 +26,7 @@ from dipaco import faults
 from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, sha256_file, write_json
 from dipaco.config import ConfigError, compose_config
 from dipaco.launch import LaunchError
+from dipaco.run_dir import RunDirError, RunStopped
 from dipaco.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,7 +207,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(
         real_save(path, state)
 
     monkeypatch.setattr(trainer, "save_state", dying_save)
-    with pytest.raises(OSError, match="injected"):
+    with pytest.raises(RunStopped, match="disk full .* last complete checkpoint: .*round_000001"):
         run_train(copy_of_base, "resume=true", "trainer.stop_after_rounds=2")
     assert any("round_000002.partial" in w for w in written), "the crash must hit mid-write"
     assert (copy_of_base / "checkpoints" / "round_000002.partial").is_dir()
@@ -394,24 +395,31 @@ def _stdlib_docs_as_jsonl(base_run: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_router_from_a_different_grid_is_refused(base_run: Path, tmp_path: Path) -> None:
-    """A run directory whose router/ was fitted for [2,2], trained with grid [4]: a clear error, no shards."""
+    """Resuming a run whose config.yaml was hand-edited to grid [4] while router/ was fitted
+    for [2,2] (a directory from before fingerprints): a clear error, nothing rewritten."""
+    run = _regridded_copy(base_run, tmp_path)
+    with pytest.raises(RunDirError, match=r"router was fitted for grid \[2, 2\] but grid \[4\]"):
+        train(compose_config(["resume=true"], run), overrides=["resume=true"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round_000001", "round_000002"]
+
+
+def _regridded_copy(base_run: Path, tmp_path: Path) -> Path:
     run = tmp_path / "run"
-    run.mkdir()
-    shutil.copytree(base_run / "router", run / "router")
-    with pytest.raises(ValueError, match=r"router was fitted for grid \[2, 2\] but grid \[4\]"):
-        run_train(run, "grid.levels=[4]")
-    assert not (run / "checkpoints").exists()
+    shutil.copytree(base_run, run)
+    (run / "fingerprints.json").unlink()
+    cfg = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(cfg.replace("levels:\n  - 2\n  - 2\n", "levels:\n  - 4\n"))
+    return run
 
 
 @pytest.mark.slow
 def test_router_from_a_different_grid_is_one_line_in_the_cli(base_run: Path, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
-    shutil.copytree(base_run / "router", run / "router")
-    proc = subprocess.run([sys.executable, "-c", "from dipaco.cli.train import main; main()", *BASE,
-                           "grid.levels=[4]", f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True,
+    run = _regridded_copy(base_run, tmp_path)
+    proc = subprocess.run([sys.executable, "-c", "from dipaco.cli.train import main; main()",
+                           "resume=true", f"hydra.run.dir={run}"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert "router was fitted for grid" in proc.stderr
 
 
 @pytest.mark.parametrize(("override", "key"), [("diloco.codec=gzip", "diloco.codec"),

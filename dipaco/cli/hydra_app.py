@@ -1,7 +1,9 @@
 """The Hydra glue the Hydra CLIs share: typed config + run directory, and a pre-launch check."""
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -10,6 +12,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
 from dipaco.config import Config, resolve_tokenizer_vocab, to_config, validate_config
+
+# Written by Hydra into the run directory before any dipaco code runs; on an existing
+# run they are switched off, so a refused command leaves the directory byte-identical.
+_QUIET_HYDRA = ("hydra.output_subdir=null", "hydra/job_logging=none")
 
 
 def config_from_hydra(cfg: DictConfig) -> Config:
@@ -23,6 +29,28 @@ def config_from_hydra(cfg: DictConfig) -> Config:
     if conf.run_dir is None:
         conf.run_dir = hydra.runtime.output_dir
     return resolve_tokenizer_vocab(conf, hydra.overrides.task)
+
+
+def command_line_overrides() -> list[str]:
+    """The overrides the user typed (``model=tiny``, ``+trainer.x=1``), not Hydra's own."""
+    return list(HydraConfig.get().overrides.task)
+
+
+def protect_run_dir(argv: list[str]) -> list[str]:
+    """The command line to hand to Hydra: ``--debug`` taken out (it sets DIPACO_DEBUG,
+    keeping tracebacks), and Hydra's own files (``.hydra/``, ``<job>.log``) switched off
+    when ``hydra.run.dir`` already holds a run, so nothing there is touched before
+    dipaco's checks have passed."""
+    if "--debug" in argv:
+        os.environ["DIPACO_DEBUG"] = "1"
+        argv = [a for a in argv if a != "--debug"]
+    if "-m" in argv or "--multirun" in argv:
+        return argv
+    run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    if run_dirs and (Path(run_dirs[-1]).expanduser() / "config.yaml").is_file():
+        given = {a.split("=", 1)[0] for a in argv}
+        argv = argv + [q for q in _QUIET_HYDRA if q.split("=", 1)[0] not in given]
+    return argv
 
 
 class ValidateBeforeLaunch(Callback):

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(e)
     e.add_argument("--path", required=True, metavar="P", help="path id (e.g. 9) or module index per level (e.g. 2,1)")
     e.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
-    e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    e.add_argument("--force", action="store_true",
+                   help="replace an earlier export in --out (never a run directory or a folder it did not write)")
     e.add_argument("--format", choices=("dipaco", "hf"), default="dipaco",
                    help="dipaco (default): the layout above; hf: a Hugging Face Llama checkpoint "
                         "(config.json, model.safetensors, tokenizer files) for "

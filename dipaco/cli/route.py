@@ -1,17 +1,25 @@
 """``dipaco-route``: fit the router on a dataset, write shards and the routing report.
 
 Same config groups as ``dipaco-train``; the output directory then serves as the start
-of a training run (``dipaco-train hydra.run.dir=DIR resume=true`` reuses it).
+of a training run (``dipaco-train hydra.run.dir=DIR`` reuses what it wrote when the
+fingerprints match, ``resume=true`` continues with its saved config). It writes only a
+new directory: one that already holds a run (``config.yaml``) is refused, untouched.
 """
 from __future__ import annotations
 
 import json
+import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dipaco.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
-from dipaco.config import register_configs
+from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir
+from dipaco.config import register_configs, validate_config
+from dipaco.prepare import prepare
+from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
+from dipaco.run_lock import RunLock, check_unlocked
 
 register_configs()
 
@@ -19,23 +27,23 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> None:
-    from dipaco.cli.hydra_app import config_from_hydra
-    from dipaco.config import validate_config
-    from dipaco.prepare import prepare
-    from dipaco.run_dir import RunDir
-
     conf = config_from_hydra(cfg)
     validate_config(conf)
     run = RunDir.at(conf.run_dir)
-    run.root.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(conf), run.config)
-    prep = prepare(conf, run)
+    if run.config.exists():
+        raise RunDirError(f"{run.root} already holds a run (config.yaml); dipaco-route writes a new run "
+                          "directory: choose another hydra.run.dir")
+    check_unlocked(run.root)
+    with RunLock(run.root), disk_full_guard(run):
+        atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(conf)))
+        prep = prepare(conf, run)
     keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity")
     print(json.dumps({k: prep.report.get(k) for k in keys}))
 
 
 def main() -> None:
     """Console-script entry point."""
+    sys.argv[1:] = protect_run_dir(sys.argv[1:])
     _app()
 
 

@@ -1,14 +1,20 @@
 """``dipaco-train``: route → train paths with per-module DiLoCo → evaluate → summary.
 
 A thin ``@hydra.main`` over :func:`dipaco.train.train`, which tests call directly.
+``dipaco-train hydra.run.dir=D resume=true`` needs nothing else: the run's saved config
+is used (:mod:`dipaco.resume`).
 """
 from __future__ import annotations
+
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from dipaco.cli.errors import report_user_errors
+from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, protect_run_dir
 from dipaco.config import register_configs
+from dipaco.train import train
 
 register_configs()
 
@@ -16,17 +22,15 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> float:
-    from dipaco.cli.hydra_app import config_from_hydra
-    from dipaco.train import train
-
     conf = config_from_hydra(cfg)
-    summary = train(conf)
+    summary = train(conf, overrides=command_line_overrides())
     # Returned for Hydra sweepers that optimise an objective.
     return float(summary.get("routed_ppl", float("nan")))
 
 
 def main() -> None:
     """Console-script entry point."""
+    sys.argv[1:] = protect_run_dir(sys.argv[1:])
     _app()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,50 @@ from modules import ModelConfig, ModuleGrid, PathModel
 
 EXPORT_FORMAT = "dipaco-path"
 EXPORT_VERSION = 1
+# Every export directory holds this file: ``--force`` replaces only a directory that has
+# it, so it can never empty a run directory or anything else it did not write.
+EXPORT_MARKER = ".dipaco-export"
+# Names that mark a dipaco run directory (never replaced, whatever else it holds).
+_RUN_FILES = ("config.yaml", "checkpoints", "router", "metrics.jsonl")
+
+
+def check_export_target(out: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` that is a file, a run directory, or a non-empty directory
+    without :data:`EXPORT_MARKER` (``overwrite`` only replaces an earlier export)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a directory; choose a new --out")
+    if any((out / name).exists() for name in _RUN_FILES):
+        raise FileExistsError(f"--out {out} is a dipaco run directory; it is never replaced: choose a new --out")
+    if not any(out.iterdir()):
+        return
+    if not (out / EXPORT_MARKER).is_file():
+        raise FileExistsError(f"--out {out} is not empty and is not a dipaco export (no {EXPORT_MARKER}); "
+                              "--force replaces only an earlier export: choose a new --out")
+    if not overwrite:
+        raise FileExistsError(f"{out} is not empty: it holds an earlier export (pass --force to replace it)")
+
+
+def publish_directory(tmp: Path, out: Path) -> Path:
+    """Move the finished export ``tmp`` to ``out``, replacing an earlier export there
+    (set aside first, restored if the move fails); ``tmp`` never stays behind."""
+    if not (tmp / EXPORT_MARKER).exists():
+        (tmp / EXPORT_MARKER).write_text(f"{EXPORT_FORMAT} v{EXPORT_VERSION}\n", encoding="utf-8")
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / "export")
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old / "export", out)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 # --------------------------------------------------------------------------- export
@@ -28,24 +73,31 @@ def export_path(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,
     Layout: ``model.safetensors`` (keys ``<module_id>/<param>``), ``config.json``
     (ModelConfig, the path, module ids, grid shape, source run and checkpoint),
     ``tokenizer.json`` and ``manifest.json`` (sha256 + size of each, the checkpoint
-    format, so :meth:`CheckpointManager.verify` checks it). Written into a temporary
-    sibling directory, then renamed: never half-written.
+    format, so :meth:`CheckpointManager.verify` checks it) and :data:`EXPORT_MARKER`.
+    Written into a temporary sibling directory, then renamed: never half-written, and
+    nothing is left behind on failure. ``overwrite`` replaces only an earlier export.
     """
     out = Path(out_dir).expanduser().resolve()
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty (pass --force to replace it)")
+    check_export_target(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_export(run, int(path_id), tmp)
+        return publish_directory(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_export(run: InferenceRun, path_id: int, tmp: Path) -> None:
     grid = run.new_grid()
     module_ids = grid.module_ids_of_path(int(path_id))
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tensors: dict[str, torch.Tensor] = {}
     for mid in module_ids:
         run.load_module_into(grid, mid)
         for name, t in grid.module_state_dict(mid).items():
             tensors[f"{mid}/{name}"] = t
     save_tensors(tmp / "model.safetensors", tensors, meta={"format": EXPORT_FORMAT, "module_ids": module_ids})
-    shutil.copyfile(run.run.tokenizer, tmp / "tokenizer.json")
+    run.tokenizer.save(tmp / "tokenizer.json")  # keeps a non-default eos (a plain copy would not)
     g = run.cfg.grid
     write_json(tmp / "config.json", {
         "format": EXPORT_FORMAT,
@@ -62,13 +114,10 @@ def export_path(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,
                    "module_sha256": {mid: run.manifest["files"][f"modules/{mid}.safetensors"]["sha256"]
                                      for mid in module_ids}},
     })
+    (tmp / EXPORT_MARKER).write_text(f"{EXPORT_FORMAT} v{EXPORT_VERSION}\n", encoding="utf-8")
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     write_json(tmp / MANIFEST, {"files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
                                           for p in files}})
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
 
 
 def load_exported_path(directory: str | os.PathLike) -> tuple[PathModel, Any]:

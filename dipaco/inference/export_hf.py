@@ -24,12 +24,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dipaco.checkpoint import save_tensors, write_json
+from dipaco.inference.export import check_export_target, publish_directory
 from dipaco.inference.run import InferenceRun
 from modules import ModelConfig, PathModel
 
@@ -112,24 +114,23 @@ def write_llama(model: PathModel, tokenizer: Any, out_dir: str | os.PathLike, *,
     """Write ``model`` (one path) and ``tokenizer`` as a Llama directory that
     ``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer`` load."""
     out = Path(out_dir).expanduser().resolve()
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty (pass --force to replace it)")
+    # the same rule as the dipaco export: --force replaces only an earlier export
+    check_export_target(out, overwrite)
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ExportError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                           f"{model.cfg.vocab_size} embedding rows")
     tensors = llama_state_dict(model)
     num_layers = len(model.levels) * model.cfg.layers_per_level
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_tensors(staging / "model.safetensors", tensors, meta={"format": "pt"})
-    write_json(staging / "config.json", llama_config(model.cfg, num_layers, tokenizer.eos_id))
-    write_json(staging / "generation_config.json", {"eos_token_id": int(tokenizer.eos_id)})
-    tokenizer.save_pretrained(str(staging), model_max_length=model.cfg.max_seq_len)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(staging, out)  # a reader never sees a half-written checkpoint
-    return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        save_tensors(staging / "model.safetensors", tensors, meta={"format": "pt"})
+        write_json(staging / "config.json", llama_config(model.cfg, num_layers, tokenizer.eos_id))
+        write_json(staging / "generation_config.json", {"eos_token_id": int(tokenizer.eos_id)})
+        tokenizer.save_pretrained(str(staging), model_max_length=model.cfg.max_seq_len)
+        return publish_directory(staging, out)  # a reader never sees a half-written checkpoint
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def export_path_hf(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,

@@ -7,7 +7,8 @@ __all__ = ["round_record"]
 
 
 def round_record(round_idx: int, mode: str, paths: dict[str, dict], modules: dict[str, dict], *,
-                 bytes_sent: int, compute_s: float, wait_s: float = 0.0, sync_s: float = 0.0) -> dict[str, Any]:
+                 bytes_sent: int, compute_s: float, wait_s: float = 0.0, sync_s: float = 0.0,
+                 tokens: int = 0) -> dict[str, Any]:
     """One round's line: per-path loss/tokens/seconds, per-module sync statistics, bytes
     sent and the time split (``compute_s``: slowest worker group's inner steps;
     ``wait_s``: waiting for it; ``sync_s``: exchange + outer step).
@@ -16,5 +17,5 @@ def round_record(round_idx: int, mode: str, paths: dict[str, dict], modules: dic
     its outer steps are per module, in ``events/sync-*.jsonl``).
     """
     return {"round": int(round_idx), "mode": mode, "paths": paths, "modules": modules,
-            "bytes_sent": int(bytes_sent), "compute_s": float(compute_s), "wait_s": float(wait_s),
+            "bytes_sent": int(bytes_sent), "tokens": int(tokens), "compute_s": float(compute_s), "wait_s": float(wait_s),
             "sync_s": float(sync_s)}
