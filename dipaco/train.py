@@ -15,13 +15,13 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dipaco.checkpoint import load_state, write_json
-from dipaco.config import Config, ConfigError, codec_kwargs, validate_config
+from dipaco.config import Config, ConfigError, validate_config
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.launch import launch
 from dipaco.prepare import Prepared, prepare
 from dipaco.run_dir import RunDir
-from dipaco.build import build_grid, build_topology
+from dipaco.build import build_comm_plan, build_grid
 from dipaco.rounds import run_rank
 from router import expand_replicas
 from modules import PathModel
@@ -249,10 +249,8 @@ def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str,
 def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
              baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
     grid = build_grid(cfg)
-    topo = build_topology(cfg, grid, result["world_size"], cfg.launcher.name != "local")
     counts = {m: grid.param_count(m) for m in grid.module_ids}
-    plan = topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
-                     lossy_exchange=cfg.diloco.lossy_exchange, **codec_kwargs(cfg.diloco))
+    plan = build_comm_plan(cfg, result["world_size"])
     rounds_done = result["rounds"] - result["start_round"]
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
     routed_ppl = routed["once"]["ppl"]

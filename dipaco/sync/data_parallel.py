@@ -19,6 +19,8 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from dipaco.comm_plan import ring_allreduce_bytes
+
 __all__ = ["allreduce_gradients", "broadcast_parameters"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -42,10 +44,8 @@ def allreduce_gradients(
         bucket_bytes: target bucket size.
 
     Returns:
-        Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.topology`).
+        Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.comm_plan`).
     """
-    from dipaco.topology import ring_allreduce_bytes
-
     plist = [p for p in params if p.requires_grad]
     if group_size <= 1 or group is None or not plist:
         return 0

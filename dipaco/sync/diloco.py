@@ -32,7 +32,8 @@ from torch import nn
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.comm import LocalComm, TorchComm
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
-from dipaco.topology import LOSSY_EXCHANGES, CommPlan, Topology
+from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
+from dipaco.topology import Topology
 
 __all__ = ["DiLoCoSync", "RoundStats"]
 
@@ -230,9 +231,8 @@ class DiLoCoSync:
         counts = {m: s.numel for m, s in self.syncs.items()}
         missing = [m for m in self.topology.module_ids if m not in counts]
         if missing:
-            raise ValueError(f"this rank does not hold {missing}; call Topology.plan with every module's size")
-        kw = {k: v for k, v in vars(self.codec).items()}
-        return self.topology.plan(counts, self.codec.name, inner_steps, lossy_exchange=self.lossy_exchange, **kw)
+            raise ValueError(f"this rank does not hold {missing}; call dipaco.comm_plan.plan_round with every module's size")
+        return plan_round(self.topology, counts, self.codec, inner_steps, self.lossy_exchange)
 
     # ----------------------------------------------------------------- checks and state
     def weights_hash(self) -> dict[str, str]:
