@@ -5,7 +5,7 @@
 
 Two sources, which must agree:
 
-* planned: ``dipaco.topology.Topology.plan`` for one worker group per path (world size
+* planned: ``dipaco.comm_plan.plan_round`` for one worker group per path (world size
   = P, G = 1), model=small, H = 50; the DDP equivalent is the same path model trained
   data parallel over the same P ranks, all-reducing every gradient every inner step.
 * measured: short real runs (local backend, model=tiny) per codec; the local backend
