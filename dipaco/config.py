@@ -14,6 +14,7 @@ from typing import Any, List, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
+from dipaco.sync.codecs import CODECS
 from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
@@ -238,8 +239,6 @@ def validate_config(cfg: Config) -> None:
     Called before any work (tokenizer, routing, ranks), so a bad sweep point fails in
     milliseconds with the key to change.
     """
-    from dipaco.sync.codecs import CODECS
-
     resolve_derived(cfg)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model

@@ -2,8 +2,8 @@
 
 The Hydra process resolves the config once and prepares everything that must happen
 before ranks exist (tokenizer, router fit: faiss must not run in a process forked after
-its OpenMP threads started, NOTES.md). It then calls :func:`launch`, which runs
-``fn(cfg_dict, run_dir, *args)`` on every rank and returns rank 0's result.
+its OpenMP threads started: docs/design.md, "Processes"). It then calls :func:`launch`, which runs
+``fn(cfg, run, rank, world_size, *args)`` on every rank and returns rank 0's result.
 
 ``spawn`` uses torch.distributed's elastic launch API: the agent watches its workers and,
 when one dies, stops the others and raises, so a killed rank ends the run in bounded
@@ -19,8 +19,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
-from dipaco.config import Config
+from dipaco.config import Config, to_config
+from dipaco.run_dir import RunDir
 
 
 class LaunchError(RuntimeError):
@@ -61,41 +63,37 @@ def _set_threads(cfg: Config, local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run_dir: str, args: tuple) -> Any:
+def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
     """Body of one spawned or torchrun rank."""
-    from dipaco.config import to_config
-
     cfg = to_config(cfg_dict)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s)
     try:
-        return fn(cfg, run_dir, rank, world, *args)
+        return fn(cfg, run, rank, world, *args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any:
-    """Run ``fn(cfg, run_dir, rank, world_size, *args)`` on every rank; return rank 0's value.
+def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
+    """Run ``fn(cfg, run, rank, world_size, *args)`` on every rank; return rank 0's value.
 
     ``local``: one call in this process with ``rank=None`` (the local backend plays every
     worker group). ``spawn``: ``launcher.nproc`` processes on this host. ``torchrun``:
     this process is already one rank; the env says which.
     """
-    from omegaconf import OmegaConf
-
     name = cfg.launcher.name
     if name == "local":
         _set_threads(cfg, 1)
-        return fn(cfg, run_dir, None, 1, *args)
+        return fn(cfg, run, None, 1, *args)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if name == "torchrun":
         if "RANK" not in os.environ:
             raise LaunchError("launcher=torchrun but RANK is not set: start with `torchrun ... dipaco-train ...`")
         if dist.is_initialized():  # train() joined the group already (rank 0 prepared)
-            return fn(cfg, run_dir, dist.get_rank(), dist.get_world_size(), *args)
-        return _rank_entry(fn, cfg_dict, run_dir, args)
+            return fn(cfg, run, dist.get_rank(), dist.get_world_size(), *args)
+        return _rank_entry(fn, cfg_dict, run, args)
     if name != "spawn":
         raise LaunchError(f"unknown launcher {name!r}")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -117,7 +115,7 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
         **extra,
     )
     try:
-        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run_dir, args)
+        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args)
     except ChildFailedError as e:
         failures = "; ".join(
             f"rank {r} exited with {f.exitcode} ({f.message or 'no message'})"

@@ -15,12 +15,13 @@ import torch
 
 from dipaco.checkpoint import write_json
 from dipaco.config import Config
-from dipaco.data import Tokenizer, load_corpus, progress_bars, tokenize_dataset
-from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
-from dipaco.schedule import warmup_steps
+from dipaco.data import DataError, Tokenizer, load_corpus, progress_bars, tokenize_dataset
+from dipaco.dense import WARMUP_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.run_dir import RunDir, RunDirError
-from router import expand_replicas
-from router import Router, routing_report, write_shards
+from dipaco.schedule import warmup_steps
+from modules import PathModel
+from router import (CallableFeaturizer, Router, TokenTfidfFeaturizer, expand_replicas, routing_report,
+                    write_shards)
 
 # The tokenizer is trained on at most this many characters of training text: enough
 # for a few-thousand-token BPE, and seconds on 2 cores (NOTES.md: 10 MB in ~3 s).
@@ -48,8 +49,6 @@ def _log(msg: str) -> None:
 
 def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]], np.ndarray]:
     """Mean final hidden state of each prefix under the dense model (the paper's features)."""
-    from modules import PathModel
-
     model = PathModel(grid, 0).eval()
     captured: list[torch.Tensor] = []
     # The head's input is the last hidden state; a hook reads it without a second API.
@@ -103,8 +102,6 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     train_ds = corpus.split("train")
     val_ds = corpus.split("validation")
     if len(train_ds) == 0:
-        from dipaco.data import DataError
-
         raise DataError("no training documents after filtering; check data.path / data.max_documents")
     timings["load_s"] = time.perf_counter() - t0
     _log(f"corpus: {corpus.num_documents} documents ({len(train_ds)} train, {len(val_ds)} validation)")
@@ -133,8 +130,6 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     if n_warm > 0:
         t0 = time.perf_counter()
         if (run.warmup / "modules.safetensors").exists():
-            from dipaco.dense import dense_grid
-
             warm_grid = dense_grid(cfg)
             for mid, sd in load_dense_state(run.warmup).items():
                 warm_grid.load_module_state_dict(mid, sd)
@@ -181,12 +176,8 @@ def _fit_router(cfg: Config, train_ids: list[np.ndarray], featurizer_fn: Optiona
     r = cfg.router
     featurizer = None
     if featurizer_fn is not None:
-        from router import CallableFeaturizer
-
         featurizer = CallableFeaturizer(featurizer_fn, dim=cfg.model.d_model)
     else:
-        from router import TokenTfidfFeaturizer
-
         featurizer = TokenTfidfFeaturizer(dim=r.feature_dim, seed=cfg.seed)
     return Router.fit(train_ids, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, method=r.method,
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,

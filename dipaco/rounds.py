@@ -19,16 +19,18 @@ import numpy as np
 import torch.distributed as dist
 
 from dipaco import faults
-from dipaco.checkpoint import CheckpointManager, load_state, save_state
 from dipaco.build import build_grid, build_topology
+from dipaco.checkpoint import CheckpointError, CheckpointManager, atomic_write_text, load_state, save_state
 from dipaco.config import Config, codec_kwargs
-from dipaco.data import TokenStream
+from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
-from dipaco.schedule import total_inner_steps, warmup_steps
 from dipaco.learner import PathLearner
+from dipaco.results import RoundsResult
 from dipaco.run_dir import RunDir
+from dipaco.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
+from dipaco.sync.groups import ProcessGroups
 from dipaco.topology import Topology
 from modules import ModuleGrid, PathModel, init_grid_from_dense
 from router import load_shard
@@ -53,9 +55,8 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) -> dict:
+def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> RoundsResult:
     """Train the DiPaCo rounds; ``rank=None`` is the local backend (all groups here)."""
-    run = RunDir.at(run_dir)
     distributed = rank is not None
     grid = build_grid(cfg)
     topo = build_topology(cfg, grid, world_size, distributed)
@@ -76,8 +77,6 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     pgroups = None
     worker_pg = None
     if distributed:
-        from dipaco.sync.groups import ProcessGroups
-
         pgroups = ProcessGroups(topo, rank, cfg.launcher.backend)
         worker_pg = pgroups.worker_group(topo.group_of_rank(rank))
     d = cfg.diloco
@@ -174,24 +173,22 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     totals = _gather({"tokens": tokens, "bytes_sent": bytes_sent, "train_s": train_s, "wait_s": wait_s,
                       "sync_s": sync_s},
                      distributed)
-    return {
-        "rounds": R,
-        "completed_rounds": r + 1 if start_round < R else R,
-        "world_size": world_size,
-        "start_round": start_round,
-        "tokens": sum(t["tokens"] for t in totals),
-        "bytes_sent": sum(t["bytes_sent"] for t in totals),
-        "compute_s": max(t["train_s"] for t in totals),
-        "wait_s": max(t["wait_s"] for t in totals),
-        "sync_s": max(t["sync_s"] for t in totals),
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-    }
+    return RoundsResult(
+        rounds=R,
+        completed_rounds=r + 1 if start_round < R else R,
+        start_round=start_round,
+        world_size=world_size,
+        tokens=sum(t["tokens"] for t in totals),
+        bytes_sent=sum(t["bytes_sent"] for t in totals),
+        compute_s=max(t["train_s"] for t in totals),
+        wait_s=max(t["wait_s"] for t in totals),
+        sync_s=max(t["sync_s"] for t in totals),
+        checkpoint=str(last_ckpt) if last_ckpt else None,
+    )
 
 
 
 def _eos_id(run: RunDir) -> int:
-    from dipaco.data import Tokenizer
-
     return Tokenizer.load(run.tokenizer).eos_id
 
 
@@ -211,8 +208,6 @@ def _truncate_metrics(run: RunDir, keep_rounds: int) -> None:
     lines = [x for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()]
     kept = [x for x in lines if json.loads(x).get("round", 0) <= keep_rounds]
     if len(kept) != len(lines):
-        from dipaco.checkpoint import atomic_write_text
-
         atomic_write_text(run.metrics, "".join(x + "\n" for x in kept))
 
 
@@ -293,8 +288,6 @@ def _load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: d
     """
     state = json.loads((path / "state.json").read_text())
     if list(state.get("levels", [])) != list(grid.levels):
-        from dipaco.checkpoint import CheckpointError
-
         raise CheckpointError(f"checkpoint {path} is for grid {state.get('levels')}, not {grid.levels}")
     saved_groups = (state.get("worker_groups"), state.get("group_size"))
     regrouped = saved_groups != (topo.num_groups, topo.group_size)

@@ -12,6 +12,9 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from dipaco.checkpoint import CheckpointManager
+from dipaco.config import to_config
+
 
 class RunDirError(ValueError):
     """A run directory that is missing, incomplete or corrupt (message names the file)."""
@@ -88,8 +91,6 @@ class RunDir:
 
     def load_config(self) -> Any:
         """The resolved config the run was made with (typed :class:`dipaco.config.Config`)."""
-        from dipaco.config import to_config
-
         self.require(self.config, "resolved config")
         try:
             return to_config(OmegaConf.load(self.config))
@@ -105,8 +106,6 @@ class RunDir:
 
     def latest_checkpoint(self, log: Optional[callable] = None) -> Path:
         """Newest checkpoint whose manifest checks out, or :class:`RunDirError`."""
-        from dipaco.checkpoint import CheckpointManager
-
         mgr = CheckpointManager(self.require(self.checkpoints, "checkpoints folder"))
         ckpt = mgr.latest_valid(log=log)
         if ckpt is None:

@@ -1,7 +1,7 @@
 """One place that turns errors a user can cause into one line on stderr and exit 2.
 
 A raw traceback from a bad flag, a missing file or a corrupt run directory is a bug
-(DESIGN: public interface). Anything not listed here is a real bug and keeps its
+(docs/design.md, "Errors a user can cause"). Anything not listed here is a real bug and keeps its
 traceback.
 """
 from __future__ import annotations
@@ -10,29 +10,18 @@ import functools
 import sys
 from typing import Any, Callable, TypeVar
 
+from dipaco.checkpoint import CheckpointError
+from dipaco.config import ConfigError
+from dipaco.data import DataError
+from dipaco.launch import LaunchError
+from dipaco.run_dir import RunDirError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean "the user can fix this"."""
-    from dipaco.checkpoint import CheckpointError
-    from dipaco.config import ConfigError
-    from dipaco.launch import LaunchError
-
-    types: list[type[BaseException]] = [ConfigError, CheckpointError, LaunchError, FileNotFoundError]
-    try:
-        from dipaco.data import DataError
-
-        types.append(DataError)
-    except ImportError:  # pragma: no cover - data package always present once landed
-        pass
-    try:
-        from dipaco.run_dir import RunDirError
-
-        types.append(RunDirError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(types)
+    return (ConfigError, CheckpointError, LaunchError, DataError, RunDirError, FileNotFoundError)
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -11,7 +11,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dipaco.cli.errors import report_user_errors
-from dipaco.config import register_configs
+from dipaco.cli.hydra_app import config_from_hydra
+from dipaco.config import register_configs, validate_config
+from dipaco.prepare import prepare
+from dipaco.run_dir import RunDir
 
 register_configs()
 
@@ -19,11 +22,6 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> None:
-    from dipaco.cli.hydra_app import config_from_hydra
-    from dipaco.config import validate_config
-    from dipaco.prepare import prepare
-    from dipaco.run_dir import RunDir
-
     conf = config_from_hydra(cfg)
     validate_config(conf)
     run = RunDir.at(conf.run_dir)

@@ -8,7 +8,9 @@ import hydra
 from omegaconf import DictConfig
 
 from dipaco.cli.errors import report_user_errors
+from dipaco.cli.hydra_app import config_from_hydra
 from dipaco.config import register_configs
+from dipaco.train import train
 
 register_configs()
 
@@ -16,9 +18,6 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> float:
-    from dipaco.cli.hydra_app import config_from_hydra
-    from dipaco.train import train
-
     conf = config_from_hydra(cfg)
     summary = train(conf)
     # Returned for Hydra sweepers that optimise an objective.

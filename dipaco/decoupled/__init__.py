@@ -5,7 +5,7 @@ synchronisers that meet only through a shared store.
 * :mod:`~dipaco.decoupled.worker`: the decoupled worker process loop;
 * :mod:`~dipaco.decoupled.synchronizer`: per-module quorum, grace window, staleness,
   delayed Nesterov and the applied-id ledger;
-* :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run_dir)``;
+* :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run)``;
 * :mod:`~dipaco.decoupled.metrics`: goodput, staleness, version rates, drops, ledger check.
 
 See docs/decoupled.md.
@@ -18,7 +18,8 @@ __all__ = ["DecoupledConfig", "run_decoupled"]
 
 
 def __getattr__(name: str) -> Any:
-    # lazy: importing the package must not pull torch into processes that only parse configs
+    # lazy (PEP 562), for a real import cycle: dipaco.config imports dipaco.decoupled.config,
+    # which runs this file first, and dipaco.decoupled.run imports dipaco.config
     if name == "DecoupledConfig":
         from dipaco.decoupled.config import DecoupledConfig
 

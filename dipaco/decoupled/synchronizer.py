@@ -37,6 +37,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from dipaco.decoupled.config import DecoupledConfig
+from dipaco.decoupled.store import decode_state
+from dipaco.sync.codecs import make_codec
 
 __all__ = ["Update", "DelayedNesterov", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]
 
@@ -354,9 +356,6 @@ def write_module(store: Any, sync: ModuleSynchronizer) -> int:
 
 def read_update(blob: bytes) -> Update:
     """Decode an update file pushed by a learner (codec named in its header)."""
-    from dipaco.decoupled.store import decode_state
-    from dipaco.sync.codecs import make_codec
-
     state, meta = decode_state(blob)
     codec = make_codec(meta["codec"], **meta.get("codec_kw", {}))
     delta = codec.decode(tuple(state["payload"]), int(meta["numel"]))

@@ -39,12 +39,20 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from dipaco.config import Config, codec_kwargs
+from dipaco.build import build_grid
+from dipaco.config import Config, codec_kwargs, to_config
+from dipaco.data import Tokenizer, TokenStream
 from dipaco.decoupled.config import DecoupledConfig
-from dipaco.decoupled.store import Lease, LeaseLost, Store, open_store
+from dipaco.decoupled.store import Lease, LeaseLost, Store, encode_state, open_store
 from dipaco.decoupled.synchronizer import inbox, module_key, path_steps_done, progress_key
+from dipaco.dense import load_dense_state
+from dipaco.learner import PathLearner, make_inner_optimizer
+from dipaco.run_dir import RunDir
+from dipaco.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from modules import PathModel, init_grid_from_dense
+from router import load_shard
 
 __all__ = ["learner_main", "Learner", "path_state_key"]
 
@@ -70,29 +78,22 @@ class Learner:
 
     Args:
         cfg: the run's config.
-        run_dir: the run directory (tokenizer, shards, warm-up).
+        run: the run directory (tokenizer, shards, warm-up).
         store: the shared store.
         index: this learner's slot (0..N-1); ``slow_learners`` refer to it.
         incarnation: how many times this slot was (re)started; part of the learner id.
         dcfg: decoupled settings.
     """
 
-    def __init__(self, cfg: Config, run_dir: str, store: Store, index: int, incarnation: int,
+    def __init__(self, cfg: Config, run: RunDir, store: Store, index: int, incarnation: int,
                  dcfg: DecoupledConfig) -> None:
-        from dipaco.dense import load_dense_state
-        from dipaco.schedule import total_inner_steps, warmup_steps
-        from dipaco.run_dir import RunDir
-        from dipaco.build import build_grid
-
         self.cfg, self.dcfg, self.store = cfg, dcfg, store
-        self.run = RunDir.at(run_dir)
+        self.run = run
         self.index, self.incarnation = index, incarnation
         self.id = f"L{index}.{incarnation}-{uuid.uuid4().hex[:6]}"
         self.grid = build_grid(cfg)
         self.n_warm = warmup_steps(cfg)
         if self.n_warm > 0:
-            from modules import init_grid_from_dense
-
             init_grid_from_dense(self.grid, load_dense_state(self.run.warmup))
         self.total_steps = total_inner_steps(cfg)
         self.codec = make_codec(cfg.diloco.codec, **codec_kwargs(cfg.diloco))
@@ -100,8 +101,6 @@ class Learner:
         self.learners: dict[int, Any] = {}
         self.rng = random.Random(dcfg.chaos_seed * 1000 + index * 17 + incarnation)
         self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
-        from dipaco.data import Tokenizer
-
         self.eos = Tokenizer.load(self.run.tokenizer).eos_id
         # Build every path's learner (shard, stream, model view) BEFORE taking any lease:
         # loading shards can take seconds on a busy host, and a lease held through slow
@@ -120,11 +119,6 @@ class Learner:
 
     # ------------------------------------------------------------------- paths
     def _path_learner(self, p: int) -> Any:
-        from dipaco.data import TokenStream
-        from dipaco.learner import PathLearner
-        from modules import PathModel
-        from router import load_shard
-
         if p not in self.learners:
             docs = [np.asarray(x, dtype=np.int64) for x in load_shard(self.run.shards, p)["input_ids"]]
             t = self.cfg.trainer
@@ -270,8 +264,6 @@ class Learner:
             last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
             pl.load_state_dict(state)
         else:  # first phase of p anywhere: fresh inner optimiser, data from batch 0
-            from dipaco.learner import make_inner_optimizer
-
             pl.optimizer = make_inner_optimizer(pl.model, self.cfg.trainer)
             pl.step = 0
             pl.stream.load_state_dict({"step": 0})
@@ -388,18 +380,13 @@ class Learner:
 
 
 def _encode_update(payload: tuple[torch.Tensor, ...], meta: dict) -> bytes:
-    from dipaco.decoupled.store import encode_state
-
     return encode_state({"payload": list(payload)}, meta)
 
 
-def learner_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarnation: int,
+def learner_main(cfg_dict: dict, run: RunDir, store_url: str, index: int, incarnation: int,
                  dcfg_dict: dict) -> None:
     """Entry point of a spawned learner process."""
-    from dipaco.config import to_config
-    from dipaco.decoupled.config import DecoupledConfig
-
     torch.set_num_threads(1)  # several learners share the host's cores
     cfg = to_config(cfg_dict)
     dcfg = DecoupledConfig(**dcfg_dict)
-    Learner(cfg, run_dir, open_store(store_url), index, incarnation, dcfg).serve()
+    Learner(cfg, run, open_store(store_url), index, incarnation, dcfg).serve()

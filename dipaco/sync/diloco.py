@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
+from dipaco.sync.checks import check_identical_modules
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.comm import LocalComm, TorchComm
+from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
-from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
 from dipaco.topology import Topology
 
 __all__ = ["DiLoCoSync", "RoundStats"]
@@ -118,8 +120,6 @@ class DiLoCoSync:
             self.process_groups = None
         else:
             if process_groups is None:
-                from dipaco.sync.groups import ProcessGroups
-
                 process_groups = ProcessGroups(topology, rank, backend)
             self.process_groups = process_groups
             self.comm = TorchComm(topology, rank, process_groups, lossy_exchange)
@@ -251,8 +251,6 @@ class DiLoCoSync:
             if bad:
                 raise RuntimeError(f"modules {bad} changed since DiLoCoSync was built; rebuild it after loading weights")
             return self.weights_hash()
-        from dipaco.sync.checks import check_identical_modules
-
         return check_identical_modules(self.modules, self.topology, self.rank, self.process_groups)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
