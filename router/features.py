@@ -175,7 +175,7 @@ class TokenTfidfFeaturizer:
     # ------------------------------------------------------------------ API
     def fit(self, docs: TokenDocs) -> "TokenTfidfFeaturizer":
         """Learn the vocabulary, idf and SVD projection from ``docs`` (token-id prefixes)."""
-        from sklearn.utils.extmath import randomized_svd
+        from sklearn.utils.extmath import randomized_svd  # lazy: keeps `import router` light
 
         n = len(docs)
         if n == 0:
@@ -201,7 +201,7 @@ class TokenTfidfFeaturizer:
         components = np.zeros((self.dim, max(terms.size, 1)), np.float32)
         n_comp = min(self.dim, terms.size, n)
         if n_comp >= 1 and x.nnz:
-            from threadpoolctl import threadpool_limits
+            from threadpoolctl import threadpool_limits  # lazy: scikit-learn's dependency, needed only here
 
             with threadpool_limits(limits=1 if small else None):
                 _, _, vt = randomized_svd(

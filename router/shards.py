@@ -123,7 +123,7 @@ def read_shards_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
 
 def load_shard(out_dir: str | os.PathLike, path_id: int) -> "datasets.Dataset":
     """The rows of shard ``path_id`` (may be an empty dataset for an empty shard)."""
-    import datasets
+    import datasets  # lazy: `import router` stays fast (see the TYPE_CHECKING import)
 
     out = Path(out_dir)
     manifest = read_shards_manifest(out)
