@@ -4,7 +4,7 @@
     python benchmarks/bench_routing.py --quick    # 100k x 256-d → 256, plus MiniBatchKMeans
 
 Prints a table and writes benchmarks/results/routing.json (not committed).
-Not a test: timings depend on the host (NOTES.md: 2-core EPYC, ±20%).
+Not a test: timings depend on the host (±20% run to run on a shared 2-core host).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The YAML files in ``conf/<group>/`` are choices *within* this schema; a key that is not
 declared here is rejected by Hydra before any work starts. ``validate_config`` checks
-the combinations a schema cannot express (DESIGN contract 6) and raises
+the combinations a schema cannot express (docs/design.md contract 6) and raises
 :class:`ConfigError`, which the CLIs print as one line naming the key and the fix.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    """Where documents come from (DESIGN: data flow, first box)."""
+    """Where documents come from (docs/design.md, "Data flow", first box)."""
 
     # python_sources | jsonl | json | parquet | text | hub
     source: str = "python_sources"
@@ -49,7 +49,7 @@ class DataConfig:
     id_field: Optional[str] = None
     max_documents: Optional[int] = None
     # python_sources: top-level stdlib packages left out. `test` alone is ~55% of the
-    # stdlib bytes and would swamp every other domain (NOTES.md).
+    # stdlib bytes and would swamp every other domain.
     exclude_packages: List[str] = field(
         default_factory=lambda: ["test", "tests", "idlelib", "lib2to3", "turtledemo"]
     )

@@ -24,7 +24,7 @@ from router import (CallableFeaturizer, Router, TokenTfidfFeaturizer, expand_rep
                     write_shards)
 
 # The tokenizer is trained on at most this many characters of training text: enough
-# for a few-thousand-token BPE, and seconds on 2 cores (NOTES.md: 10 MB in ~3 s).
+# for a few-thousand-token BPE, and seconds on 2 cores (a byte-level BPE trains on 10 MB in ~3 s).
 TOKENIZER_TRAIN_CHARS = 20_000_000
 
 

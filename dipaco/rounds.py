@@ -112,7 +112,7 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
         if rank is None or rank == 0:
             _truncate_metrics(run, start_round)
     if start_round == 0:
-        # DESIGN contract 4: all copies of a module start from the same weights.
+        # docs/design.md contract 4: all copies of a module start from the same weights.
         sync.check_identical_start()
 
     H, R = cfg.diloco.inner_steps, cfg.trainer.rounds

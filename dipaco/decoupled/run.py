@@ -2,7 +2,7 @@
 
 It writes version 0 of every module to the store, starts the synchroniser process(es)
 and N learner processes (``multiprocessing`` spawn: fork is unsafe after torch/faiss
-started OpenMP threads, NOTES.md), watches them with a bounded timeout, restarts dead
+started OpenMP threads: docs/design.md, "Processes"), watches them with a bounded timeout, restarts dead
 ones (and, in chaos runs, kills some on purpose with SIGKILL), then, when every path
 has its budget, writes the final module weights as an ordinary checkpoint
 (``checkpoints/round_NNNNNN/modules/*.safetensors`` + manifest) so evaluation and

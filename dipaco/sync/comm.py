@@ -1,6 +1,6 @@
 """Communicators: how one module's encoded contributions are summed across worker groups.
 
-Both communicators compute the same numbers (contract 1):
+Both communicators compute the same numbers (docs/design.md contract 1):
 
 * the module's buffer (padded to ``G*s`` elements) is cut into G slices; slice ``r`` of
   every contributor (worker group) is decoded and summed IN ASCENDING GROUP ORDER, and

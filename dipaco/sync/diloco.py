@@ -240,7 +240,7 @@ class DiLoCoSync:
         return {m: s.weights_hash() for m, s in self.syncs.items()}
 
     def check_identical_start(self) -> dict[str, str]:
-        """Contract 4: every copy of each module holds the same weights.
+        """docs/design.md contract 4: every copy of each module holds the same weights.
 
         Local: the live modules equal the global copies. Torch: digests are all-gathered
         over each module group (a collective: every rank calls it). Raises RuntimeError
