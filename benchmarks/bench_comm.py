@@ -40,7 +40,7 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 def plan_for(grid: Sequence[int], codec: str, inner_steps: int, model: str = "small") -> tuple[Any, Any, Any]:
-    """(plan, topology, config) for one worker group per path, as the trainer builds them."""
+    """(plan, topology, config) for one worker group per path, as the job builds them."""
     from dipaco.build import build_grid
     from dipaco.comm_plan import plan_round
     from dipaco.config import codec_kwargs, compose_config

@@ -7,7 +7,7 @@ Both sides train the same 4 paths for the same number of inner steps (``trainer.
 phases of H steps each) on one prepared run directory (same tokenizer, router, shards),
 with 4 single-threaded worker processes:
 
-* **sync**: the real trainer (``launcher=spawn``, 4 gloo ranks, one path each); rank 0
+* **sync**: the real job (``launcher=spawn``, 4 gloo ranks, one path each); rank 0
   sleeps after each inner step for twice the step's duration (3× slower);
 * **decoupled**: ``run_decoupled`` with 4 learners and 1 synchroniser; learner 0 is 3×
   slower in the same way. Learners are not bound to paths, so the fast ones take over
@@ -53,7 +53,7 @@ def overrides(size: dict[str, Any]) -> list[str]:
 
 def slow_run_rank(cfg: Any, run: Any, rank: Optional[int], world: int, slow_rank: int, factor: float,
                   times_dir: str) -> Any:
-    """The sync trainer's rank body, with rank ``slow_rank`` made ``factor``× slower.
+    """The rounds loop's rank body (``run_rank``), with rank ``slow_rank`` made ``factor``× slower.
 
     Every rank logs (start, end) of each path turn, so goodput is computed from the
     same kind of timestamps as decoupled mode's phase events.

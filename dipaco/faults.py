@@ -1,6 +1,6 @@
 """Fault injection for reliability tests (docs/reliability.md): off unless ``DIPACO_FAULT`` is set.
 
-The trainer calls :func:`inject` at a few points of the round loop. With the variable
+The rounds loop (:mod:`dipaco.rounds`) calls :func:`inject` at a few points of a round. With the variable
 unset (every real run) the call returns at once and changes nothing. The variable is
 read from the environment, not the config, so that ranks started by the elastic launcher
 (which inherit the environment) see the same faults as the launching test process, and

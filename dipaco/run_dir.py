@@ -1,6 +1,6 @@
 """The layout of a run directory, in one place, and loading a finished run back.
 
-Every file a run writes is named here; the trainer, ``dipaco-route`` and
+Every file a run writes is named here; the job (``train(cfg)``), ``dipaco-route`` and
 ``dipaco-infer`` all go through :class:`RunDir`, so the layout cannot drift.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ Two kinds exist:
   and L2-normalised. Its whole state is plain numpy arrays + JSON-able params, so a
   Router can be saved without pickle.
 * :class:`CallableFeaturizer`: wraps an LM featurizer ``fn(list_of_prefixes) -> [N, d]``
-  (e.g. the mean hidden state of the prefix, provided by the trainer). Its state is the
+  (e.g. the mean hidden state of the prefix, provided by dipaco). Its state is the
   callable itself, which cannot be saved as arrays: the Router records its kind and the
   caller passes the callable again on load.
 

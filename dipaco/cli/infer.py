@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="end with one JSON line: text, tokens, paths")
 
     s = sub.add_parser("score", help="routed perplexity of documents", epilog=(
-        "Same rule as the trainer's routed evaluation (so the run's validation documents give "
+        "Same rule as the job's routed evaluation (so the run's validation documents give "
         "summary.json's routed_ppl): documents are cut to trainer.seq_len+1 tokens, the "
         "routing prefix carries no loss, documents with nothing after it are skipped and "
         "counted. Prints JSON with ppl, loss, num_tokens, per_path. " + _COMMON_EPILOG))

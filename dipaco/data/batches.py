@@ -161,7 +161,7 @@ class TokenStream:
         self.step = step
 
 
-# Alias under the name the trainer brief uses.
+# Alias: the name earlier callers used.
 PathBatcher = TokenStream
 
 

@@ -306,7 +306,7 @@ def _account_leftovers(store: Store, module_ids: list[str]) -> None:
 
 
 def _append_round_metrics(run: Any, store: Store) -> None:
-    """One metrics.jsonl line per phase index (the sync trainer's per-round shape)."""
+    """One metrics.jsonl line per phase index (the per-round shape of sync mode's rounds loop)."""
     by_phase: dict[int, dict[str, dict]] = {}
     for e in load_events(store, "learner-"):
         if e["e"] == "end":

@@ -4,7 +4,7 @@ Why not ``DistributedDataParallel``: one process holds several PathModels that S
 module objects (a worker group trains its paths in turn, and paths share modules). DDP
 registers per-parameter autograd hooks on the parameters of the model it wraps; with
 shared parameters, the hooks of one path's DDP wrapper would fire during another path's
-backward and all-reduce (or wait for) the wrong buckets. Instead, the trainer calls
+backward and all-reduce (or wait for) the wrong buckets. Instead, the path learner calls
 :func:`allreduce_gradients` explicitly after each backward, on the current path's
 parameters only.
 

@@ -1,6 +1,6 @@
 """DiLoCoSync: the per-round driver over the ModuleSyncs of the modules a process holds.
 
-How the trainer drives a round (the same code in both backends)::
+How the rounds loop (:mod:`dipaco.rounds`) drives a round (the same code in both backends)::
 
     sync = DiLoCoSync(topology, modules, rank=None or rank, codec=..., outer=...)
     sync.check_identical_start()                 # once, before round 0 (collective in torch)
