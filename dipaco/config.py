@@ -7,6 +7,7 @@ the combinations a schema cannot express (docs/design.md contract 6) and raises
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -18,10 +19,11 @@ from dipaco.sync.codecs import CODECS
 from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
-LAUNCHERS = ("local", "spawn", "torchrun")
+LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 ROUTER_METHODS = ("product", "flat", "random")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 class ConfigError(ValueError):
@@ -155,18 +157,41 @@ class TrainerConfig:
     stop_after_rounds: Optional[int] = None
     threads: Optional[int] = None  # torch threads per process (None: torch default)
     plots: bool = True
-    progress: bool = True
+    progress: bool = True  # tqdm bars, drawn only when stderr is a terminal (dipaco/progress.py)
 
 
 @dataclass
 class LauncherConfig:
     """How ranks are started."""
 
-    name: str = "local"  # local | spawn | torchrun
-    nproc: int = 1  # ranks started on this host (spawn)
+    name: str = "local"  # local | spawn | torchrun | slurm
+    nproc: int = 1  # ranks started on this host (spawn); ranks per node (slurm)
     group_size: int = 1  # G: ranks per worker group (data parallel inside a path)
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the run, never hangs it
+    # launcher=slurm only (conf/launcher/slurm.yaml maps these onto hydra.launcher.*)
+    partition: Optional[str] = None  # required: the SLURM partition (sbatch --partition)
+    nodes: int = 1
+    gpus_per_node: Optional[int] = None  # None on CPU nodes
+    cpus_per_task: Optional[int] = None
+    mem_gb: Optional[int] = None
+    timeout_min: int = 60  # the job's time limit
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    # rendezvous port on the first node (MASTER_ADDR is its host name)
+    master_port: int = 29500
+
+
+@dataclass
+class LoggingConfig:
+    """Where round metrics go besides metrics.jsonl (always written) and the PNG plots."""
+
+    tensorboard: bool = True  # event files in <run_dir>/tb/ (tensorboard --logdir <run_dir>)
+    wandb: bool = False  # needs `pip install wandb`; refused at validation when missing
+    wandb_project: str = "dipaco"
+    wandb_entity: Optional[str] = None
+    wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`) | disabled
 
 
 @dataclass
@@ -181,6 +206,7 @@ class Config:
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     resume: bool = False
     # the run directory; the CLIs fill it from Hydra's output dir, tests pass a tmp dir
     run_dir: Optional[str] = None
@@ -297,21 +323,41 @@ def validate_config(cfg: Config) -> None:
     _require(t.keep_last >= 1, "trainer.keep_last", "must keep at least one checkpoint", "e.g. 2")
     _require(la.name in LAUNCHERS, "launcher", f"unknown launcher {la.name!r}", f"use one of {LAUNCHERS}")
     _require(la.nproc >= 1 and la.group_size >= 1, "launcher.nproc", "must be >= 1", "e.g. launcher.nproc=4")
-    if la.name == "spawn":
-        _require(la.nproc % la.group_size == 0, "launcher.nproc",
-                 f"world size {la.nproc} is not a multiple of launcher.group_size={la.group_size}",
+    if la.name == "slurm":
+        _validate_slurm(la)
+    if la.name in ("spawn", "slurm"):
+        world = la.nproc * (la.nodes if la.name == "slurm" else 1)
+        _require(world % la.group_size == 0, "launcher.nproc",
+                 f"world size {world} is not a multiple of launcher.group_size={la.group_size}",
                  f"use launcher.nproc={la.group_size * max(1, la.nproc // la.group_size)}")
         trained = num_paths * g.replicas
-        _require(la.nproc // la.group_size <= trained, "launcher.nproc",
-                 f"{la.nproc // la.group_size} worker groups for {trained} paths would leave ranks idle",
-                 f"use at most launcher.nproc={trained * la.group_size}")
+        _require(world // la.group_size <= trained, "launcher.nproc",
+                 f"{world // la.group_size} worker groups for {trained} paths would leave ranks idle",
+                 f"use at most {trained * la.group_size} ranks in all (launcher.nproc x launcher.nodes)")
     _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              "use a batch size that is a multiple of the group size")
+    _validate_logging(cfg.logging)
     try:
         m.validate()
     except ValueError as e:
         raise ConfigError("model", str(e), "see the model group in conf/model/") from None
+
+
+def _validate_slurm(la: LauncherConfig) -> None:
+    _require(bool(la.partition), "launcher.partition", "launcher=slurm needs a SLURM partition",
+             "pass launcher.partition=NAME (`sinfo -s` lists them)")
+    _require(la.nodes >= 1, "launcher.nodes", f"must be >= 1, got {la.nodes}", "e.g. launcher.nodes=2")
+    _require(la.gpus_per_node is None or la.nproc <= la.gpus_per_node, "launcher.nproc",
+             f"{la.nproc} ranks per node but {la.gpus_per_node} GPUs: each rank needs its own GPU",
+             f"use launcher.nproc={la.gpus_per_node} (one rank per GPU)")
+
+
+def _validate_logging(log: LoggingConfig) -> None:
+    _require(log.wandb_mode in WANDB_MODES, "logging.wandb_mode", f"unknown mode {log.wandb_mode!r}",
+             f"use one of {', '.join(WANDB_MODES)}")
+    _require(not log.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
+             "wandb is not installed", "pip install wandb, or set logging.wandb=false")
 
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from dipaco.checkpoint import load_state, save_state, write_json
 from dipaco.config import Config
 from dipaco.data import TokenStream
 from dipaco.learner import InnerStats, PathLearner
+from dipaco.progress import progress_bar
 from dipaco.schedule import total_inner_steps
 from modules import ModuleGrid, PathModel
 
@@ -52,11 +53,7 @@ def train_dense(
     stream = TokenStream(list(docs), seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
                          seed=cfg.seed, path_id=stream_id, eos_id=eos_id)
     learner = PathLearner(0, model, stream, cfg.trainer, total_inner_steps(cfg), step_offset=step_offset)
-    bar = None
-    if cfg.trainer.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, desc=progress_desc, unit="step", leave=False)
+    bar = progress_bar(cfg.trainer.progress, steps, progress_desc, "step")
 
     def tick(loss: float) -> None:
         if bar is not None:

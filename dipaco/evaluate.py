@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from dipaco.learner import lm_loss
+from dipaco.progress import progress_bar
 
 
 @dataclass
@@ -105,11 +106,7 @@ def score_documents(
     ntok = defaultdict(int)
     ndoc = defaultdict(int)
     items = sorted(by_path.items())
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(len(v) for _, v in items), desc="evaluate", unit="doc", leave=False)
+    bar = progress_bar(progress, sum(len(v) for _, v in items), "evaluate", "doc")
     for path_id, idxs in items:
         model = get_model(path_id)
         model.eval()

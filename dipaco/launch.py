@@ -5,6 +5,8 @@ before ranks exist (tokenizer, router fit: faiss must not run in a process forke
 its OpenMP threads started: docs/design.md, "Processes"). It then calls :func:`launch`, which runs
 ``fn(cfg, run, rank, world_size, *args)`` on every rank and returns rank 0's result.
 
+``slurm`` is torchrun's case with the rank env made from SLURM's (:mod:`dipaco.slurm`).
+
 ``spawn`` uses torch.distributed's elastic launch API: the agent watches its workers and,
 when one dies, stops the others and raises, so a killed rank ends the run in bounded
 time (the monitor interval plus the collective timeout) instead of hanging it.
@@ -80,15 +82,15 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
     """Run ``fn(cfg, run, rank, world_size, *args)`` on every rank; return rank 0's value.
 
     ``local``: one call in this process with ``rank=None`` (the local backend plays every
-    worker group). ``spawn``: ``launcher.nproc`` processes on this host. ``torchrun``:
-    this process is already one rank; the env says which.
+    worker group). ``spawn``: ``launcher.nproc`` processes on this host. ``torchrun``
+    and ``slurm``: this process is already one rank; the env says which.
     """
     name = cfg.launcher.name
     if name == "local":
         _set_threads(cfg, 1)
         return fn(cfg, run, None, 1, *args)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    if name == "torchrun":
+    if name in ("torchrun", "slurm"):  # slurm: dipaco.slurm exported the torchrun env
         if "RANK" not in os.environ:
             raise LaunchError("launcher=torchrun but RANK is not set: start with `torchrun ... dipaco-train ...`")
         if dist.is_initialized():  # train() joined the group already (rank 0 prepared)

@@ -17,6 +17,7 @@ from dipaco.checkpoint import write_json
 from dipaco.config import Config
 from dipaco.data import DataError, Tokenizer, load_corpus, progress_bars, tokenize_dataset
 from dipaco.dense import WARMUP_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
+from dipaco.progress import bars_enabled
 from dipaco.run_dir import RunDir, RunDirError
 from dipaco.schedule import warmup_steps
 from modules import PathModel
@@ -96,7 +97,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     t = cfg.trainer
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    corpus = load_corpus(cfg.data, progress=t.progress)
+    corpus = load_corpus(cfg.data, progress=bars_enabled(t.progress))
     if corpus.skipped:
         _log(f"skipped documents: {dict(corpus.skipped)}")
     train_ds = corpus.split("train")

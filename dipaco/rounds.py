@@ -25,13 +25,15 @@ from dipaco.config import Config, codec_kwargs
 from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.learner import PathLearner
+from dipaco.progress import progress_bar
 from dipaco.results import RoundsResult
 from dipaco.run_dir import RunDir
-from dipaco.schedule import total_inner_steps, warmup_steps
+from dipaco.schedule import lr_at, total_inner_steps, warmup_steps
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
 from dipaco.sync.groups import ProcessGroups
 from dipaco.topology import Topology
+from dipaco.tracking import MetricsWriter
 from modules import ModuleGrid, PathModel, init_grid_from_dense
 from router import load_shard
 
@@ -111,6 +113,9 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
             _log(rank, f"resumed from {latest.name} (round {start_round})")
         if rank is None or rank == 0:
             _truncate_metrics(run, start_round)
+    writer = None
+    if rank is None or rank == 0:
+        writer = MetricsWriter(run, cfg, purge_from_round=start_round + 1 if start_round else None)
     if start_round == 0:
         # docs/design.md contract 4: all copies of a module start from the same weights.
         sync.check_identical_start()
@@ -120,10 +125,8 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     tokens = bytes_sent = 0
     last_ckpt: Optional[Path] = None
     bar = None
-    if cfg.trainer.progress and (rank is None or rank == 0):
-        from tqdm import tqdm
-
-        bar = tqdm(total=(R - start_round) * H * len(my_paths), desc="rounds", unit="step", leave=False)
+    if rank is None or rank == 0:
+        bar = progress_bar(cfg.trainer.progress, (R - start_round) * H * len(my_paths), "rounds", "step")
     for r in range(start_round, R):
         t0 = time.perf_counter()
         path_stats = {}
@@ -135,6 +138,8 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
                           module_ids=list(topo.path_modules[p]))
             accepted = sync.end_path(p, stats.tokens)
             path_stats[p] = {"loss": stats.loss, "tokens": stats.tokens, "seconds": stats.seconds,
+                             # the inner lr of the round's last step (the schedule is per step)
+                             "lr": lr_at(learners[p].step - 1 + n_warm, total, cfg.trainer),
                              # non-finite updates: skipped inner steps, dropped pseudo-gradients
                              "skipped_steps": stats.skipped,
                              "dropped_modules": sorted(m for m, ok in accepted.items() if not ok)}
@@ -155,8 +160,8 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
         record = {"paths": path_stats, "modules": module_stats, "bytes_sent": sent,
                   "compute_s": t1 - t0, "wait_s": tb - t1, "sync_s": t2 - tb}
         everyone = _gather(record, distributed)
-        if rank is None or rank == 0:
-            _append_metrics(run, r + 1, everyone)
+        if writer is not None:
+            writer.log_round(_round_record(r + 1, everyone, outer_lr=d.outer.lr))
             losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
             _log(rank, f"round {r + 1}/{R}: mean path loss {np.mean(list(losses.values())):.4f}, "
                        f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
@@ -168,6 +173,8 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
             break
     if bar is not None:
         bar.close()
+    if writer is not None:
+        writer.close()
     if last_ckpt is None and start_round >= R:
         last_ckpt = ckpts.latest_valid()
     totals = _gather({"tokens": tokens, "bytes_sent": bytes_sent, "train_s": train_s, "wait_s": wait_s,
@@ -211,15 +218,16 @@ def _truncate_metrics(run: RunDir, keep_rounds: int) -> None:
         atomic_write_text(run.metrics, "".join(x + "\n" for x in kept))
 
 
-def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
-    """One line per round: per-path loss, per-module sync stats, bytes, time split."""
+def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[str, Any]:
+    """All ranks' records of one round merged: per-path loss and lr, per-module sync stats,
+    bytes, time split (slowest rank)."""
     paths: dict[str, dict] = {}
     modules: dict[str, dict] = {}
     for rec in records:
         paths.update({str(p): v for p, v in rec["paths"].items()})
         for mid, s in rec["modules"].items():
             modules.setdefault(mid, s)  # every holder reports the same outer step
-    line = {
+    return {
         "round": round_idx,
         "paths": paths,
         "modules": modules,
@@ -227,9 +235,8 @@ def _append_metrics(run: RunDir, round_idx: int, records: list[dict]) -> None:
         "compute_s": max(r["compute_s"] for r in records),
         "wait_s": max(r["wait_s"] for r in records),
         "sync_s": max(r["sync_s"] for r in records),
+        "outer_lr": outer_lr,
     }
-    with open(run.metrics, "a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
 
 
 # ------------------------------------------------------------------ checkpoints

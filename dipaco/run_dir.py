@@ -64,6 +64,10 @@ class RunDir:
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tb"
+
     # written after training (launching process)
     @property
     def baseline(self) -> Path:

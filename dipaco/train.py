@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ from dipaco.prepare import Prepared, prepare
 from dipaco.results import RoundsResult
 from dipaco.rounds import run_rank
 from dipaco.run_dir import RunDir
+from dipaco.slurm import slurm_rendezvous
+from dipaco.tracking import MetricsWriter
 from modules import PathModel
 from router import expand_replicas, routing_report, write_shards
 
@@ -45,7 +49,7 @@ def train(cfg: Config) -> dict[str, Any]:
     run = RunDir.at(cfg.run_dir)
     run.root.mkdir(parents=True, exist_ok=True)
     _check_resume(cfg, run)
-    if cfg.launcher.name == "torchrun":
+    if cfg.launcher.name in ("torchrun", "slurm"):
         return _train_under_torchrun(cfg, run)
     OmegaConf.save(OmegaConf.structured(cfg), run.config)
     wall0 = time.perf_counter()
@@ -74,6 +78,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
     routed = _evaluate(cfg, run, prep, Path(result.checkpoint))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
     write_json(run.summary, summary)
+    with MetricsWriter(run, cfg) as writer:
+        writer.log_summary(summary, step=cfg.trainer.rounds)
     if cfg.trainer.plots:
         write_plots(run)
     _print_table(summary)
@@ -85,7 +91,11 @@ def _train_under_torchrun(cfg: Config, run: RunDir) -> dict[str, Any]:
 
     All ranks must see the same run directory (pass ``hydra.run.dir`` on a shared
     filesystem); the other ranks wait at a barrier while rank 0 routes and shards.
+    Under ``launcher=slurm`` each srun task's SLURM env becomes the torchrun env first.
     """
+    if cfg.launcher.name == "slurm":
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
+
     if cfg.router.reshard_at_round is not None:
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
                           "use launcher=spawn on one host, or drop the re-shard")
@@ -173,6 +183,9 @@ def _check_resume(cfg: Config, run: RunDir) -> None:
                           "pass resume=true to continue it, or choose another hydra.run.dir")
     if not cfg.resume and run.metrics.exists():
         run.metrics.unlink(missing_ok=True)  # every torchrun rank gets here
+    if not cfg.resume:
+        # events of an earlier attempt in this directory would mix into the new curves
+        shutil.rmtree(run.tensorboard, ignore_errors=True)
 
 
 def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from dipaco.config import ConfigError, compose_config, validate_config
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 NEEDS_PATH = {"jsonl", "text", "parquet", "hub"}
+# launcher=slurm has no default partition, and its 8 ranks per node need at least 8 paths
+NEEDS_MORE = {("launcher", "slurm"): ["launcher.partition=gpu", "grid=4x4"]}
 
 
 def _choices(group: str) -> list[str]:
@@ -27,6 +29,7 @@ def test_every_group_choice_composes_and_validates(group: str, choice: str) -> N
     overrides = [f"{group}={choice}"]
     if group == "data" and choice in NEEDS_PATH:
         overrides.append("data.path=docs.jsonl")
+    overrides += NEEDS_MORE.get((group, choice), [])
     cfg = compose_config(overrides)
     validate_config(cfg)
 

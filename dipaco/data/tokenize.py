@@ -23,6 +23,7 @@ import datasets
 import numpy as np
 
 from dipaco.data.tokenizer import Tokenizer
+from dipaco.progress import bars_enabled
 
 # Hits and misses of this process, for tests and logs ("tokenized: cache hit").
 CACHE_STATS: Dict[str, int] = {"hits": 0, "misses": 0}
@@ -139,9 +140,11 @@ def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input
 
 @contextlib.contextmanager
 def progress_bars(enabled: bool) -> Iterator[None]:
-    """datasets' progress bars are a global switch: turn them off for one call if asked."""
+    """datasets' progress bars are a global switch: off for one call unless asked for and
+    stderr is a terminal (:func:`dipaco.progress.bars_enabled`)."""
     from datasets.utils import logging as ds_logging
 
+    enabled = bars_enabled(enabled)
     was_enabled = ds_logging.is_progress_bar_enabled()
     if not enabled and was_enabled:
         ds_logging.disable_progress_bar()
