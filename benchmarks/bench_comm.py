@@ -5,7 +5,7 @@
 
 Two sources, which must agree:
 
-* planned: ``dipaco.topology.Topology.plan`` for one worker group per path (world size
+* planned: ``dipaco.comm_plan.plan_round`` for one worker group per path (world size
   = P, G = 1), model=small, H = 50; the DDP equivalent is the same path model trained
   data parallel over the same P ranks, all-reducing every gradient every inner step.
 * measured: short real runs (local backend, model=tiny) per codec; the local backend
@@ -40,9 +40,11 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 def plan_for(grid: Sequence[int], codec: str, inner_steps: int, model: str = "small") -> tuple[Any, Any, Any]:
-    """(plan, topology, config) for one worker group per path, as the trainer builds them."""
-    from dipaco.config import codec_kwargs, compose_config
+    """(plan, topology, config) for one worker group per path, as the job builds them."""
     from dipaco.build import build_grid
+    from dipaco.comm_plan import plan_round
+    from dipaco.config import codec_kwargs, compose_config
+    from dipaco.sync.codecs import make_codec
     from dipaco.topology import Topology
 
     cfg = compose_config([f"model={model}", f"grid.levels=[{','.join(map(str, grid))}]",
@@ -50,8 +52,8 @@ def plan_for(grid: Sequence[int], codec: str, inner_steps: int, model: str = "sm
     mgrid = build_grid(cfg)
     topo = Topology.from_grid(mgrid, mgrid.num_paths, 1)
     counts = {m: mgrid.param_count(m) for m in mgrid.module_ids}
-    plan = topo.plan(counts, codec=codec, inner_steps=inner_steps, lossy_exchange=cfg.diloco.lossy_exchange,
-                     **codec_kwargs(cfg.diloco))
+    plan = plan_round(topo, counts, make_codec(codec, **codec_kwargs(cfg.diloco)), inner_steps,
+                      cfg.diloco.lossy_exchange)
     return plan, topo, cfg
 
 
@@ -96,9 +98,9 @@ def sharer_rows(grid: Sequence[int]) -> tuple[list[dict[str, Any]], bool]:
 
 def measured_rows(grid: Sequence[int], rounds: int, inner_steps: int, root: Path) -> list[dict[str, Any]]:
     """Real short runs per codec: measured bytes vs the plan of the same config."""
-    from dipaco.config import codec_kwargs, compose_config
+    from dipaco.build import build_comm_plan
+    from dipaco.config import compose_config
     from dipaco.train import train
-    from dipaco.build import build_grid, build_topology
 
     rows = []
     first: Optional[Path] = None
@@ -115,11 +117,7 @@ def measured_rows(grid: Sequence[int], rounds: int, inner_steps: int, root: Path
         first = first or run_dir
         cfg = compose_config(overrides, str(run_dir))
         s = train(cfg)
-        mgrid = build_grid(cfg)
-        topo = build_topology(cfg, mgrid, 1, False)
-        counts = {m: mgrid.param_count(m) for m in mgrid.module_ids}
-        plan = topo.plan(counts, codec=codec, inner_steps=inner_steps, lossy_exchange=cfg.diloco.lossy_exchange,
-                     **codec_kwargs(cfg.diloco))
+        plan = build_comm_plan(cfg, 1)
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         per_module_ok = all(
             line["modules"][m.module_id]["bytes_sent"] == m.bytes_total

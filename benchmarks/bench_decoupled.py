@@ -7,7 +7,7 @@ Both sides train the same 4 paths for the same number of inner steps (``trainer.
 phases of H steps each) on one prepared run directory (same tokenizer, router, shards),
 with 4 single-threaded worker processes:
 
-* **sync**: the real trainer (``launcher=spawn``, 4 gloo ranks, one path each); rank 0
+* **sync**: the real job (``launcher=spawn``, 4 gloo ranks, one path each); rank 0
   sleeps after each inner step for twice the step's duration (3× slower);
 * **decoupled**: ``run_decoupled`` with 4 learners and 1 synchroniser; learner 0 is 3×
   slower in the same way. Learners are not bound to paths, so the fast ones take over
@@ -53,9 +53,9 @@ def overrides(size: dict[str, Any]) -> list[str]:
             "trainer.threads=1", "trainer.checkpoint_every=1000"]
 
 
-def slow_run_rank(cfg: Any, run_dir: str, rank: Optional[int], world: int, slow_rank: int, factor: float,
-                  times_dir: str) -> dict:
-    """The sync trainer's rank body, with rank ``slow_rank`` made ``factor``× slower.
+def slow_run_rank(cfg: Any, run: Any, rank: Optional[int], world: int, slow_rank: int, factor: float,
+                  times_dir: str) -> Any:
+    """The rounds loop's rank body (``run_rank``), with rank ``slow_rank`` made ``factor``× slower.
 
     Every rank logs (start, end) of each path turn, so goodput is computed from the
     same kind of timestamps as decoupled mode's phase events.
@@ -85,7 +85,7 @@ def slow_run_rank(cfg: Any, run_dir: str, rank: Optional[int], world: int, slow_
 
     learner_mod.PathLearner.train_steps = train_steps
     try:
-        return run_rank(cfg, run_dir, rank, world)
+        return run_rank(cfg, run, rank, world)
     finally:
         learner_mod.PathLearner.train_steps = original
 
@@ -112,6 +112,7 @@ def run_sync(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.bench_decoupled import slow_run_rank as fn  # importable by spawned ranks
     from dipaco.config import compose_config
     from dipaco.launch import launch
+    from dipaco.run_dir import RunDir
 
     _reset(run_dir)
     times = run_dir / "sync_times"
@@ -119,33 +120,34 @@ def run_sync(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
     times.mkdir()
     cfg = compose_config(overrides(size) + ["launcher=spawn", "launcher.nproc=4"], run_dir)
     t0 = time.time()
-    result = launch(fn, cfg, str(run_dir), 0, SLOW_FACTOR, str(times))
+    result = launch(fn, cfg, RunDir.at(run_dir), 0, SLOW_FACTOR, str(times))
     wall = time.time() - t0
     turns = [json.loads(line) for f in times.glob("rank*.jsonl") for line in f.read_text().splitlines()]
     window = max(t["end"] for t in turns) - min(t["start"] for t in turns)
     useful = sum(t["end"] - t["start"] for t in turns)
     return {"side": "sync", "wall_s": wall, "train_window_s": window, "goodput": useful / (4 * window),
             "inner_steps": len(turns) * size["inner_steps"],
-            "routed_loss": _routed_loss(cfg, run_dir, Path(result["checkpoint"]))}
+            "routed_loss": _routed_loss(cfg, run_dir, Path(result.checkpoint))}
 
 
 def run_dec(run_dir: Path, size: dict[str, Any], side: str = "decoupled", **settings: Any) -> dict[str, Any]:
     from dipaco.config import compose_config
     from dipaco.decoupled.config import DecoupledConfig
     from dipaco.decoupled.run import run_decoupled
+    from dipaco.run_dir import RunDir
 
     _reset(run_dir)
     cfg = compose_config(overrides(size) + ["diloco.mode=decoupled"], run_dir)
     t0 = time.time()
-    res = run_decoupled(cfg, str(run_dir),
+    res = run_decoupled(cfg, RunDir.at(run_dir),
                         DecoupledConfig(learners=4, slow_learners=[0], slow_factor=SLOW_FACTOR, **settings))
     wall = time.time() - t0
-    m = res["decoupled"]
+    m = res.decoupled
     return {"side": side, "wall_s": wall, "train_window_s": m["wall_s"], "goodput": m["goodput"],
             "step_goodput": m["step_goodput"], "inner_steps": m["useful_inner_steps"],
             "staleness_histogram": m["staleness_histogram"], "module_versions": m["module_versions"],
             "dropped": m["dropped"], "ledger_ok": m["ledger_ok"],
-            "routed_loss": _routed_loss(cfg, run_dir, Path(res["checkpoint"]))}
+            "routed_loss": _routed_loss(cfg, run_dir, Path(res.checkpoint))}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

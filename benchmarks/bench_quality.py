@@ -15,7 +15,7 @@ For each grid, one ``dipaco.train.train`` run (with ``router.reroute_every``) gi
   one path, and paths are the unit a worker group trains), recorded as not done.
 
 Target: routed ÷ dense-equal-steps ≤ 0.85. Perplexity ratios are load-independent, so
-this benchmark needs no interleaving; seed noise is the uncertainty (NOTES.md: ~15%).
+this benchmark needs no interleaving; seed noise is the uncertainty (~15% in an earlier prototype).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from benchmarks.common import base_parser, load_average, print_table, verdict, w
 TARGET_VS_DENSE = 0.85
 
 # Small enough that one model runs out of capacity within the run: that is where routing
-# to specialists pays (NOTES.md). Quick mode must stay within ~3 minutes on 2 idle cores
+# to specialists pays. Quick mode must stay within ~3 minutes on 2 idle cores
 # (the suite's budget is 10): it leaves out the equal-compute dense model (b).
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"grids": [[2, 2]], "rounds": 4, "inner_steps": 25, "max_documents": 2000, "equal_compute": False},

@@ -47,7 +47,7 @@ def base_parser(description: str) -> argparse.ArgumentParser:
 
 
 def work_dir(name: str, given: Optional[str]) -> Path:
-    """A fresh directory for this benchmark's training runs (the trainer refuses reuse)."""
+    """A fresh directory for this benchmark's training runs (the job refuses reuse)."""
     if given:
         path = Path(given)
     else:

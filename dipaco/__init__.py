@@ -1,2 +1,2 @@
-"""dipaco: DiPaCo training and routed inference (see DESIGN.md glossary)."""
+"""dipaco: DiPaCo training and routed inference (glossary: docs/design.md)."""
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Builders shared by every stage of a run: the module grid and the rank topology.
+"""Builders shared by every stage of a run: the module grid, the rank topology, the comm plan.
 
 Training (:mod:`dipaco.rounds`, :mod:`dipaco.decoupled`), inference, planning and the
 benchmarks all build the same objects from a :class:`~dipaco.config.Config`; keeping the
@@ -10,8 +10,10 @@ from typing import Optional
 
 import torch
 
-from dipaco.config import Config
+from dipaco.comm_plan import CommPlan, plan_round
+from dipaco.config import Config, codec_kwargs
 from dipaco.device import choose_device, local_rank_env
+from dipaco.sync.codecs import make_codec
 from dipaco.topology import Topology
 from modules import ModuleGrid
 
@@ -45,3 +47,16 @@ def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: 
         return Topology(grid.module_ids, path_modules, world_size, cfg.launcher.group_size)
     groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else len(path_modules)
     return Topology(grid.module_ids, path_modules, min(groups, len(path_modules)), 1)
+
+
+def build_comm_plan(cfg: Config, world_size: int) -> CommPlan:
+    """Bytes per round of ``cfg``'s modules with its codec, for ``world_size`` ranks.
+
+    Module sizes only (no data, no training): ``dipaco-plan`` prints it before a run and
+    the job's summary compares the bytes a run sent with it.
+    """
+    grid = build_grid(cfg)
+    topo = build_topology(cfg, grid, world_size, cfg.launcher.name != "local")
+    counts = {m: grid.param_count(m) for m in grid.module_ids}
+    d = cfg.diloco
+    return plan_round(topo, counts, make_codec(d.codec, **codec_kwargs(d)), d.inner_steps, d.lossy_exchange)

@@ -1,4 +1,4 @@
-"""Checkpoints: complete, atomic, hash-checked, no pickle (DESIGN contract 5).
+"""Checkpoints: complete, atomic, hash-checked, no pickle (docs/design.md contract 5).
 
 Layout of one checkpoint (one per outer-step boundary)::
 

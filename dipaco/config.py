@@ -2,7 +2,7 @@
 
 The YAML files in ``conf/<group>/`` are choices *within* this schema; a key that is not
 declared here is rejected by Hydra before any work starts. ``validate_config`` checks
-the combinations a schema cannot express (DESIGN contract 6) and raises
+the combinations a schema cannot express (docs/design.md contract 6) and raises
 :class:`ConfigError`, which the CLIs print as one line naming the key and the fix.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import DecoupledConfig, mode_problems
 from dipaco.device import config_problems as device_problems
+from dipaco.sync.codecs import CODECS
 from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
@@ -38,7 +39,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    """Where documents come from (DESIGN: data flow, first box)."""
+    """Where documents come from (docs/design.md, "Data flow", first box)."""
 
     # python_sources | jsonl | json | parquet | text | hub
     source: str = "python_sources"
@@ -57,7 +58,7 @@ class DataConfig:
     id_field: Optional[str] = None
     max_documents: Optional[int] = None
     # python_sources: top-level stdlib packages left out. `test` alone is ~55% of the
-    # stdlib bytes and would swamp every other domain (NOTES.md).
+    # stdlib bytes and would swamp every other domain.
     exclude_packages: List[str] = field(
         default_factory=lambda: ["test", "tests", "idlelib", "lib2to3", "turtledemo"]
     )
@@ -314,8 +315,6 @@ def validate_config(cfg: Config) -> None:
     Called before any work (tokenizer, routing, ranks), so a bad sweep point fails in
     milliseconds with the key to change.
     """
-    from dipaco.sync.codecs import CODECS
-
     resolve_derived(cfg)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model

@@ -1,6 +1,6 @@
 """Routed evaluation: perplexity of held-out documents, one path per document (or window).
 
-The rule, shared by the trainer's evaluation and ``dipaco-infer score`` so that the two
+The rule, shared by the job's evaluation and ``dipaco-infer score`` so that the two
 give the same numbers:
 
 * a document is cut to its first ``seq_len + 1`` tokens (one forward pass);

@@ -2,8 +2,8 @@
 
 The Hydra process resolves the config once and prepares everything that must happen
 before ranks exist (tokenizer, router fit: faiss must not run in a process forked after
-its OpenMP threads started, NOTES.md). It then calls :func:`launch`, which runs
-``fn(cfg_dict, run_dir, *args)`` on every rank and returns rank 0's result.
+its OpenMP threads started: docs/design.md, "Processes"). It then calls :func:`launch`, which runs
+``fn(cfg, run, rank, world_size, *args)`` on every rank and returns rank 0's result.
 
 ``slurm`` is torchrun's case with the rank env made from SLURM's (:mod:`dipaco.slurm`).
 
@@ -24,10 +24,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from dipaco.checkpoint import CheckpointManager
-from dipaco.config import Config
+from dipaco.config import Config, to_config
 from dipaco.device import rank_device
+from dipaco.results import RoundsResult
 from dipaco.run_dir import RunDir
 
 
@@ -121,46 +123,42 @@ def _set_threads(cfg: Config, local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run_dir: str, args: tuple) -> Any:
+def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
     """Body of one spawned or torchrun rank."""
-    from dipaco.config import to_config
-
     cfg = to_config(cfg_dict)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
     try:
         with StopSignals():  # the elastic agent forwards SIGTERM to its workers
-            return fn(cfg, run_dir, rank, world, *args)
+            return fn(cfg, run, rank, world, *args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any:
-    """Run ``fn(cfg, run_dir, rank, world_size, *args)`` on every rank; return rank 0's value.
+def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
+    """Run ``fn(cfg, run, rank, world_size, *args)`` on every rank; return rank 0's value.
 
     ``local``: one call in this process with ``rank=None`` (the local backend plays every
     worker group). ``spawn``: ``launcher.nproc`` processes on this host. ``torchrun``
     and ``slurm``: this process is already one rank; the env says which.
     """
-    from omegaconf import OmegaConf
-
     name = cfg.launcher.name
     if name == "local":
         _set_threads(cfg, 1)
-        return fn(cfg, run_dir, None, 1, *args)
+        return fn(cfg, run, None, 1, *args)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if name in ("torchrun", "slurm"):  # slurm: dipaco.slurm exported the torchrun env
         if "RANK" not in os.environ:
             raise LaunchError("launcher=torchrun but RANK is not set: start with `torchrun ... dipaco-train ...`")
         if dist.is_initialized():  # train() joined the group already (rank 0 prepared)
-            return fn(cfg, run_dir, dist.get_rank(), dist.get_world_size(), *args)
-        return _rank_entry(fn, cfg_dict, run_dir, args)
+            return fn(cfg, run, dist.get_rank(), dist.get_world_size(), *args)
+        return _rank_entry(fn, cfg_dict, run, args)
     if name != "spawn":
         raise LaunchError(f"unknown launcher {name!r}")
     if StopSignals.received:  # asked to stop while preparing: ranks would never hear of it
-        return _stopped_result(cfg, run_dir)
+        return _stopped_result(cfg, run)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -186,7 +184,7 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
         **extra,
     )
     try:
-        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run_dir, args)
+        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args)
     except ChildFailedError as e:
         failures = "; ".join(
             f"rank {r} exited with {f.exitcode} ({f.message or 'no message'})"
@@ -196,18 +194,16 @@ def launch(fn: Callable[..., Any], cfg: Config, run_dir: str, *args: Any) -> Any
     except SignalException as e:
         # the agent stopped the ranks (they checkpoint at the round boundary if they can)
         StopSignals.received = StopSignals.received or signal.Signals(e.sigval).name
-        return _stopped_result(cfg, run_dir)
+        return _stopped_result(cfg, run)
     return results[0]
 
 
-def _stopped_result(cfg: Config, run_dir: str) -> dict:
+def _stopped_result(cfg: Config, run: RunDir) -> RoundsResult:
     """What a launch stopped by a signal leaves: the newest complete checkpoint."""
-    ckpt = CheckpointManager(RunDir.at(run_dir).checkpoints).latest_valid()
+    ckpt = CheckpointManager(run.checkpoints).latest_valid()
     done = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
-    return {"rounds": cfg.trainer.rounds, "completed_rounds": done, "start_round": done,
-            "checkpoint": str(ckpt) if ckpt is not None else None,
-            "world_size": cfg.launcher.nproc, "tokens": 0, "bytes_sent": 0, "compute_s": 0.0, "wait_s": 0.0,
-            "sync_s": 0.0}
+    return RoundsResult(rounds=cfg.trainer.rounds, completed_rounds=done, start_round=done,
+                        world_size=cfg.launcher.nproc, checkpoint=str(ckpt) if ckpt is not None else None)
 
 
 def _supports_prefix() -> bool:

@@ -1,7 +1,7 @@
 """The inner loop of one path: AdamW with warm-up + cosine, clipping, its data stream.
 
 A :class:`PathLearner` keeps its optimiser state and data position between its turns
-(DESIGN contract 3), so a worker group that trains several paths in turn resumes each
+(docs/design.md contract 3), so a worker group that trains several paths in turn resumes each
 exactly where it stopped. In the local backend several learners hold the *same* module
 tensors (paths share modules); each has its own AdamW state for them, as each path has
 in a real deployment, and :class:`dipaco.sync.diloco.DiLoCoSync` restores the round's

@@ -1,4 +1,5 @@
-"""PNG plots of a run: loss per path and round (with the dense baseline), shard sizes.
+"""PNG plots: of a run (loss per path and round with the dense baseline, shard sizes) and
+the bar chart of ``dipaco-report``.
 
 The only file that imports matplotlib (Agg backend: no display needed).
 """
@@ -6,17 +7,44 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from dipaco.run_dir import RunDir
 
 
-def write_plots(run: RunDir) -> list[Path]:
-    """Write ``plots/loss.png`` and ``plots/shards.png``; return the files written."""
+def _pyplot() -> Any:
+    # lazy: matplotlib takes a second to import and only these PNGs need it
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt: Any, fig: Any, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def bar_chart(out: Path, labels: Sequence[str], values: Sequence[float], ylabel: str,
+              hline: Optional[float] = None) -> Path:
+    """One bar per label (``dipaco-report``: one per setting), an optional dashed line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(values) + 2), 4))
+    ax.bar(range(len(values)), list(values))
+    ax.set_xticks(range(len(values)), list(labels), rotation=30, ha="right", fontsize=7)
+    if hline is not None:
+        ax.axhline(hline, color="k", linestyle="--", linewidth=1)
+    ax.set_ylabel(ylabel)
+    return _save(plt, fig, out)
+
+
+def write_plots(run: RunDir) -> list[Path]:
+    """Write ``plots/loss.png`` and ``plots/shards.png``; return the files written."""
+    plt = _pyplot()
     run.plots.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     if run.metrics.exists():
@@ -36,11 +64,7 @@ def write_plots(run: RunDir) -> list[Path]:
         ax.set_title("DiPaCo paths")
         if len(paths) <= 16:
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        out = run.plots / "loss.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        written.append(out)
+        written.append(_save(plt, fig, run.plots / "loss.png"))
     if run.routing_report.exists():
         rep = json.loads(run.routing_report.read_text())
         fig, ax = plt.subplots(figsize=(6, 3))
@@ -49,9 +73,5 @@ def write_plots(run: RunDir) -> list[Path]:
         ax.set_xlabel("path")
         ax.set_ylabel("documents")
         ax.set_title(f"shard sizes (imbalance {rep['imbalance']:.2f})")
-        fig.tight_layout()
-        out = run.plots / "shards.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
-        written.append(out)
+        written.append(_save(plt, fig, run.plots / "shards.png"))
     return written

@@ -16,16 +16,26 @@ import torch
 from dipaco.checkpoint import sha256_file, write_json
 from dipaco.config import Config, ConfigError
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, progress_bars, tokenize_to_docs
+from dipaco.dense import WARMUP_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.device import model_device, to_device
 from dipaco.fingerprint import Fingerprints
-from dipaco.dense import WARMUP_STREAM_ID, load_dense_state, save_dense, train_dense
 from dipaco.progress import bars_enabled
-from dipaco.schedule import warmup_steps
 from dipaco.run_dir import RunDir, RunDirError
-from router import Router, TokenDocs, assign_in_batches, expand_replicas, routing_report, write_shards
+from dipaco.schedule import warmup_steps
+from modules import PathModel
+from router import (
+    CallableFeaturizer,
+    Router,
+    TokenDocs,
+    TokenTfidfFeaturizer,
+    assign_in_batches,
+    expand_replicas,
+    routing_report,
+    write_shards,
+)
 
 # The tokenizer is trained on at most this many characters of training text: enough
-# for a few-thousand-token BPE, and seconds on 2 cores (NOTES.md: 10 MB in ~3 s).
+# for a few-thousand-token BPE, and seconds on 2 cores (a byte-level BPE trains on 10 MB in ~3 s).
 TOKENIZER_TRAIN_CHARS = 20_000_000
 # The router's featurizer and k-means are fitted on at most this many training documents
 # (evenly spaced over the corpus); every document is then routed, in batches. The TF-IDF
@@ -55,8 +65,6 @@ def _log(msg: str) -> None:
 
 def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]], np.ndarray]:
     """Mean final hidden state of each prefix under the dense model (the paper's features)."""
-    from modules import PathModel
-
     model = PathModel(grid, 0).eval()
     device = model_device(model)
     captured: list[torch.Tensor] = []
@@ -132,8 +140,6 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     if n_warm > 0:
         t0 = time.perf_counter()
         if fps.reusable("warmup", want_warm, (run.warmup / "modules.safetensors").exists(), "warmup/"):
-            from dipaco.dense import dense_grid
-
             warm_grid = dense_grid(cfg)
             for mid, sd in load_dense_state(run.warmup).items():
                 warm_grid.load_module_state_dict(mid, sd)
@@ -242,12 +248,8 @@ def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Calla
     docs = docs.in_memory()  # at most ROUTER_FIT_MAX_DOCUMENTS x prefix_tokens tokens
     featurizer = None
     if featurizer_fn is not None:
-        from router import CallableFeaturizer
-
         featurizer = CallableFeaturizer(featurizer_fn, dim=cfg.model.d_model)
     else:
-        from router import TokenTfidfFeaturizer
-
         featurizer = TokenTfidfFeaturizer(dim=r.feature_dim, seed=cfg.seed)
     return Router.fit(docs, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, method=r.method,
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,

@@ -7,7 +7,7 @@ override, else its config-group choice, else its resolved config), so runs of
 different sweeps line up (a default [2,2] run shows ``grid=2x2`` beside a sweep's
 ``grid=4x4``). Runs that differ only in ``seed`` are one *setting*: the table shows the
 mean and the spread over seeds, so a claim rests on more than one seed (seed noise is
-~15% at this scale, NOTES.md). Keys that do not change what is trained (``IGNORED``)
+~15% at this scale in an earlier prototype's runs). Keys that do not change what is trained (``IGNORED``)
 are left out of the grouping.
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
+
+from dipaco.plots import bar_chart
 
 METRICS = (
     ("routed_ppl", "routed ppl"),
@@ -158,21 +160,8 @@ def plot(records: list[dict[str, Any]], out: Path, metric: str = "ratio_vs_dense
            for r in records if r.get(metric) is not None]
     if not pts:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5, 0.6 * len(pts) + 2), 4))
-    ax.bar(range(len(pts)), [v for _, v in pts])
-    ax.set_xticks(range(len(pts)), [label for label, _ in pts], rotation=30, ha="right", fontsize=7)
-    if metric == "ratio_vs_dense":
-        ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
-    ax.set_ylabel(metric)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return bar_chart(out, [label for label, _ in pts], [v for _, v in pts], metric,
+                     hline=1.0 if metric == "ratio_vs_dense" else None)
 
 
 def write_report(root: Path, metric: str = "ratio_vs_dense", more: tuple[Path, ...] = (),

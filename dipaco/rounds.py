@@ -19,20 +19,22 @@ import numpy as np
 import torch.distributed as dist
 
 from dipaco import faults
-from dipaco.checkpoint import CheckpointManager
 from dipaco.build import build_grid, build_topology
+from dipaco.checkpoint import CheckpointManager, atomic_write_text
 from dipaco.config import Config
-from dipaco.data import TokenStream
+from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory
 from dipaco.launch import stop_requested
-from dipaco.schedule import lr_at, total_inner_steps, warmup_steps
 from dipaco.learner import PathLearner
 from dipaco.progress import progress_bar
+from dipaco.results import RoundsResult
 from dipaco.run_dir import RunDir
-from dipaco.sync.data_parallel import allreduce_gradients
+from dipaco.schedule import lr_at, total_inner_steps, warmup_steps
 from dipaco.sync.checkpointing import load_checkpoint, save_checkpoint
+from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
+from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.records import round_record
 from dipaco.tracking import MetricsWriter
 from modules import PathModel, init_grid_from_dense
@@ -57,9 +59,8 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) -> dict:
+def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> RoundsResult:
     """Train the DiPaCo rounds; ``rank=None`` is the local backend (all groups here)."""
-    run = RunDir.at(run_dir)
     distributed = rank is not None
     # this rank's device (GPU LOCAL_RANK % count; the local backend: every path on one)
     placement = rank_device(cfg.trainer.device, cfg.launcher.backend)
@@ -86,8 +87,6 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     pgroups = None
     worker_pg = None
     if distributed:
-        from dipaco.sync.groups import ProcessGroups
-
         pgroups = ProcessGroups(topo, rank, cfg.launcher.backend)
         worker_pg = pgroups.worker_group(topo.group_of_rank(rank))
     sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups)
@@ -120,7 +119,7 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     if rank is None or rank == 0:
         writer = MetricsWriter(run, cfg, purge_from_round=start_round + 1 if start_round else None)
     if start_round == 0:
-        # DESIGN contract 4: all copies of a module start from the same weights.
+        # docs/design.md contract 4: all copies of a module start from the same weights.
         sync.check_identical_start()
 
     H, R = cfg.diloco.inner_steps, cfg.trainer.rounds
@@ -185,27 +184,25 @@ def run_rank(cfg: Config, run_dir: str, rank: Optional[int], world_size: int) ->
     totals = _gather({"tokens": tokens, "bytes_sent": bytes_sent, "train_s": train_s, "wait_s": wait_s,
                       "sync_s": sync_s},
                      distributed)
-    return {
-        "rounds": R,
-        "completed_rounds": r + 1 if start_round < R else R,
-        "world_size": world_size,
-        "start_round": start_round,
-        "tokens": sum(t["tokens"] for t in totals),
-        "bytes_sent": sum(t["bytes_sent"] for t in totals),
-        "compute_s": max(t["train_s"] for t in totals),
-        "wait_s": max(t["wait_s"] for t in totals),
-        "sync_s": max(t["sync_s"] for t in totals),
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-        "device": str(device),
+    return RoundsResult(
+        rounds=R,
+        completed_rounds=r + 1 if start_round < R else R,
+        start_round=start_round,
+        world_size=world_size,
+        tokens=sum(t["tokens"] for t in totals),
+        bytes_sent=sum(t["bytes_sent"] for t in totals),
+        compute_s=max(t["train_s"] for t in totals),
+        wait_s=max(t["wait_s"] for t in totals),
+        sync_s=max(t["sync_s"] for t in totals),
+        checkpoint=str(last_ckpt) if last_ckpt else None,
+        device=str(device),
         # the largest peak of any rank (CUDA allocator peak, or peak RSS on the CPU)
-        "peak_memory_bytes": max(_gather(peak_memory_bytes(device), distributed)),
-    }
+        peak_memory_bytes=max(_gather(peak_memory_bytes(device), distributed)),
+    )
 
 
 
 def _eos_id(run: RunDir) -> int:
-    from dipaco.data import Tokenizer
-
     return Tokenizer.load(run.tokenizer).eos_id
 
 
@@ -225,8 +222,6 @@ def _truncate_metrics(run: RunDir, keep_rounds: int) -> None:
     lines = [x for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()]
     kept = [x for x in lines if json.loads(x).get("round", 0) <= keep_rounds]
     if len(kept) != len(lines):
-        from dipaco.checkpoint import atomic_write_text
-
         atomic_write_text(run.metrics, "".join(x + "\n" for x in kept))
 
 

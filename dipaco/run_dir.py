@@ -1,11 +1,12 @@
 """The layout of a run directory, in one place, and loading a finished run back.
 
-Every file a run writes is named here; the trainer, ``dipaco-route`` and
+Every file a run writes is named here; the job (``train(cfg)``), ``dipaco-route`` and
 ``dipaco-infer`` all go through :class:`RunDir`, so the layout cannot drift.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 from dataclasses import dataclass
@@ -13,6 +14,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from omegaconf import OmegaConf
+
+from dipaco.checkpoint import CheckpointManager
+from dipaco.results import RoundsResult
+from dipaco.config import to_config
 
 
 class RunDirError(ValueError):
@@ -99,8 +104,6 @@ class RunDir:
 
     def load_config(self) -> Any:
         """The resolved config the run was made with (typed :class:`dipaco.config.Config`)."""
-        from dipaco.config import to_config
-
         self.require(self.config, "resolved config")
         try:
             return to_config(OmegaConf.load(self.config))
@@ -116,8 +119,6 @@ class RunDir:
 
     def latest_checkpoint(self, log: Optional[callable] = None) -> Path:
         """Newest checkpoint whose manifest checks out, or :class:`RunDirError`."""
-        from dipaco.checkpoint import CheckpointManager
-
         mgr = CheckpointManager(self.require(self.checkpoints, "checkpoints folder"))
         ckpt = mgr.latest_valid(log=log)
         if ckpt is None:
@@ -151,7 +152,7 @@ def disk_full_guard(run: "RunDir") -> Iterator[None]:
                          f"then continue with: dipaco-train hydra.run.dir={run.root} resume=true") from None
 
 
-def prior_totals(run: "RunDir", result: dict, rounds_s: float) -> tuple[dict, float]:
+def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float) -> tuple[RoundsResult, float]:
     """``result`` of a resumed launch plus the rounds before it, from ``metrics.jsonl``.
 
     On resume the ranks cut ``metrics.jsonl`` to the checkpoint's round before re-running
@@ -160,15 +161,18 @@ def prior_totals(run: "RunDir", result: dict, rounds_s: float) -> tuple[dict, fl
     first round) and rounds time (summed over launches). Rounds missing from the file
     are counted in ``totals_missing_rounds``.
     """
-    start = int(result["start_round"])
+    start = int(result.start_round)
     lines = [json.loads(x) for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()] \
         if run.metrics.is_file() else []
     before = [x for x in lines if 0 < int(x.get("round", 0)) <= start]
-    out = dict(result, start_round=0, resumed_from_round=start)
-    if len(before) != start:  # metrics.jsonl deleted or edited by hand: say so, do not guess
-        out["totals_missing_rounds"] = start - len(before)
-    for key in ("bytes_sent", "compute_s", "wait_s", "sync_s"):
-        out[key] = result.get(key, 0) + sum(x.get(key, 0) for x in before)
-    out["tokens"] = result["tokens"] + sum(
-        x["tokens"] if "tokens" in x else sum(p["tokens"] for p in x["paths"].values()) for x in before)
+    out = dataclasses.replace(
+        result, start_round=0, resumed_from_round=start,
+        # metrics.jsonl deleted or edited by hand: say so, do not guess
+        totals_missing_rounds=start - len(before),
+        bytes_sent=result.bytes_sent + sum(x.get("bytes_sent", 0) for x in before),
+        compute_s=result.compute_s + sum(x.get("compute_s", 0) for x in before),
+        wait_s=result.wait_s + sum(x.get("wait_s", 0) for x in before),
+        sync_s=result.sync_s + sum(x.get("sync_s", 0) for x in before),
+        tokens=result.tokens + sum(
+            x["tokens"] if "tokens" in x else sum(p["tokens"] for p in x["paths"].values()) for x in before))
     return out, rounds_s + sum(x.get("compute_s", 0) + x.get("wait_s", 0) + x.get("sync_s", 0) for x in before)

@@ -15,24 +15,30 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from dipaco.build import build_comm_plan, build_grid
 from dipaco.checkpoint import atomic_write_text, load_state, write_json
-from dipaco.config import Config, ConfigError, codec_kwargs, validate_config
+from dipaco.config import Config, ConfigError, validate_config
+from dipaco.data import progress_bars
+from dipaco.decoupled.run import run_decoupled
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
-from dipaco.evaluate import evaluate_routed, evaluate_single
+from dipaco.evaluate import evaluate_routed, evaluate_single, per_document_losses
 from dipaco.fingerprint import Fingerprints
-from dipaco.launch import StopSignals, launch, require_torchrun_env
+from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
+from dipaco.plots import write_plots
 from dipaco.prepare import Prepared, prepare, shards_fingerprint
+from dipaco.results import RoundsResult
 from dipaco.resume import check_fresh, finished_summary, has_saved_config, resume_config
+from dipaco.rounds import run_rank
 from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
 from dipaco.run_lock import RunLock, check_unlocked
 from dipaco.slurm import slurm_rendezvous
-from dipaco.build import build_grid, build_topology
-from dipaco.rounds import run_rank
 from dipaco.tracking import MetricsWriter
-from router import expand_replicas
 from modules import PathModel
+from router import assign_in_batches, expand_replicas, routing_report, write_shards
 
 
 def _log(msg: str) -> None:
@@ -105,43 +111,39 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
 
     t0 = time.perf_counter()
     if cfg.diloco.mode == "decoupled":
-        # asynchronous learners + per-module synchronisers (docs/decoupled.md); same result keys
-        from dipaco.decoupled.run import run_decoupled
-
-        result = run_decoupled(cfg, str(run.root))
+        # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
+        result = run_decoupled(cfg, run)
     else:
         result = _run_rounds(cfg, run, prep)
     rounds_s = time.perf_counter() - t0
     return _finish(cfg, run, prep, result, rounds_s, wall0)
 
 
-def _finish(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
+def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
             wall0: float) -> dict[str, Any]:
     """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
-    if result["completed_rounds"] < cfg.trainer.rounds and StopSignals.received:
-        done = result["completed_rounds"]
-        where = (f"after round {done}; last complete checkpoint {result['checkpoint']}" if result["checkpoint"]
+    if not result.finished and StopSignals.received:
+        done = result.completed_rounds
+        where = (f"after round {done}; last complete checkpoint {result.checkpoint}" if result.checkpoint
                  else "before the first checkpoint")
         raise RunStopped(f"stopped by {StopSignals.received} {where}; continue with: "
                          f"dipaco-train hydra.run.dir={run.root} resume=true")
-    if result["completed_rounds"] < cfg.trainer.rounds:
-        _log(f"stopped after round {result['completed_rounds']} of {cfg.trainer.rounds}; continue with: "
+    if not result.finished:
+        _log(f"stopped after round {result.completed_rounds} of {result.rounds}; continue with: "
              f"dipaco-train hydra.run.dir={run.root} resume=true")
-        return {"stopped_at_round": result["completed_rounds"], "checkpoint": result["checkpoint"]}
+        return {"stopped_at_round": result.completed_rounds, "checkpoint": result.checkpoint}
 
-    if result.get("start_round", 0) > 0 and cfg.diloco.mode == "sync":
+    if result.start_round > 0 and cfg.diloco.mode == "sync":
         # totals of the whole run, not of this launch: the resumed-from rounds' traffic,
         # tokens and time come from metrics.jsonl, cut to the checkpoint on resume
         result, rounds_s = prior_totals(run, result, rounds_s)
     baseline = _dense_baseline(cfg, run, prep)
-    routed = _evaluate(cfg, run, prep, Path(result["checkpoint"]))
+    routed = _evaluate(cfg, run, prep, Path(result.checkpoint))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
     write_json(run.summary, summary)
     with MetricsWriter(run, cfg) as writer:
         writer.log_summary(summary, step=cfg.trainer.rounds)
     if cfg.trainer.plots:
-        from dipaco.plots import write_plots
-
         write_plots(run)
     _print_table(summary)
     _log(f"run directory: {run.root}")
@@ -155,9 +157,8 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
     filesystem); the other ranks wait at a barrier while rank 0 routes and shards.
     Under ``launcher=slurm`` each srun task's SLURM env becomes the torchrun env first.
     """
-    import torch.distributed as dist
-
-    from dipaco.launch import init_distributed
+    if cfg.launcher.name == "slurm":
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
 
     if cfg.router.reshard_at_round is not None:
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
@@ -170,7 +171,7 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
         prep = prepare(cfg, run)
     dist.barrier()
     t0 = time.perf_counter()
-    result = launch(run_rank, cfg, str(run.root))
+    result = launch(run_rank, cfg, run)
     rounds_s = time.perf_counter() - t0
     summary: dict[str, Any] = {}
     if rank == 0:
@@ -181,7 +182,7 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
     return summary
 
 
-def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
+def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> RoundsResult:
     """Launch the ranks for the DiPaCo rounds, with the optional discriminative re-shard.
 
     The re-shard happens between two launches: ranks stop after round k (checkpoint
@@ -192,30 +193,21 @@ def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
     k = cfg.router.reshard_at_round
     user_stop = cfg.trainer.stop_after_rounds
     if k is None or k >= cfg.trainer.rounds or prep.router.uses_discriminative:
-        return launch(run_rank, cfg, str(run.root))
+        return launch(run_rank, cfg, run)
     first = copy.deepcopy(cfg)
     first.trainer.stop_after_rounds = k if user_stop is None else min(k, user_stop)
-    result = launch(run_rank, first, str(run.root))
-    if result["completed_rounds"] < k or (user_stop is not None and user_stop <= k):
+    result = launch(run_rank, first, run)
+    if result.completed_rounds < k or (user_stop is not None and user_stop <= k):
         return result
-    reshard(cfg, run, prep, Path(result["checkpoint"]))
+    reshard(cfg, run, prep, Path(result.checkpoint))
     second = copy.deepcopy(cfg)
     second.resume = True
-    rest = launch(run_rank, second, str(run.root))
     # one result for the whole run: traffic, tokens and time of both launches
-    for key in ("tokens", "bytes_sent", "compute_s", "wait_s", "sync_s"):
-        rest[key] += result[key]
-    rest["start_round"] = result["start_round"]
-    return rest
+    return launch(run_rank, second, run).after(result)
 
 
 def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
     """Discriminative re-routing: label documents by their best path, fit, re-shard."""
-    import numpy as np
-
-    from dipaco.evaluate import per_document_losses
-    from router import assign_in_batches, routing_report, write_shards
-
     t0 = time.perf_counter()
     grid = load_grid_from_checkpoint(cfg, ckpt)
     rng = np.random.default_rng(cfg.seed)
@@ -232,8 +224,6 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, A
     if fitted:
         prep.router.save(run.router)
         assignments = assign_in_batches(prep.router, prep.train_ids)
-        from dipaco.data import progress_bars
-
         with progress_bars(cfg.trainer.progress):
             write_shards(prep.train_dataset, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                          grid.num_paths * cfg.grid.replicas, run.shards)
@@ -312,14 +302,12 @@ def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str,
     return out
 
 
-def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: float,
+def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
              baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
     grid = build_grid(cfg)
-    topo = build_topology(cfg, grid, result["world_size"], cfg.launcher.name != "local")
     counts = {m: grid.param_count(m) for m in grid.module_ids}
-    plan = topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
-                     lossy_exchange=cfg.diloco.lossy_exchange, **codec_kwargs(cfg.diloco))
-    rounds_done = result["rounds"] - result["start_round"]
+    plan = build_comm_plan(cfg, result.world_size)
+    rounds_done = result.rounds - result.start_round
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
     routed_ppl = routed["once"]["ppl"]
     dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
@@ -331,20 +319,19 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "wrong_path_ppl": routed.get("wrong_path", {}).get("ppl"),
         "per_path": routed["once"]["per_path"],
         "eval_tokens": routed["once"]["num_tokens"],
-        "bytes_sent": result["bytes_sent"],
+        "bytes_sent": result.bytes_sent,
         "ddp_bytes_equivalent": ddp_bytes,
-        "bytes_ratio_vs_ddp": result["bytes_sent"] / ddp_bytes if ddp_bytes else None,
-        "tokens_per_s": result["tokens"] / max(rounds_s, 1e-9),
-        "train_tokens": result["tokens"],
-        "compute_s": result["compute_s"],
-        "wait_s": result.get("wait_s", 0.0),  # waiting at the round barrier for the slowest group
-        "sync_s": result["sync_s"],  # the exchange and outer step themselves
+        "bytes_ratio_vs_ddp": result.bytes_sent / ddp_bytes if ddp_bytes else None,
+        "tokens_per_s": result.tokens / max(rounds_s, 1e-9),
+        "train_tokens": result.tokens,
+        "compute_s": result.compute_s,
+        "wait_s": result.wait_s,  # waiting at the round barrier for the slowest group
+        "sync_s": result.sync_s,  # the exchange and outer step themselves
         # of the rounds' time (compute + wait + sync), launch and evaluation excluded
-        "sync_share": result["sync_s"] / max(result["compute_s"] + result.get("wait_s", 0.0)
-                                             + result["sync_s"], 1e-9),
+        "sync_share": result.sync_s / max(result.compute_s + result.wait_s + result.sync_s, 1e-9),
         "rounds_s": rounds_s,
         "wall_s": wall_s,
-        "rounds": result["rounds"],
+        "rounds": result.rounds,
         "inner_steps": cfg.diloco.inner_steps,
         "warmup_steps": prep.warmup_steps,
         "num_paths": grid.num_paths,
@@ -357,13 +344,13 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: dict, rounds_s: f
         "launcher": cfg.launcher.name,
         # where the rounds ran, in what precision, and the largest per-rank memory peak
         # (CUDA allocator peak, or the process's peak RSS on the CPU)
-        "device": result.get("device"),
+        "device": result.device,
         "precision": cfg.trainer.precision,
-        "peak_memory_bytes": result.get("peak_memory_bytes"),
+        "peak_memory_bytes": result.peak_memory_bytes,
         "codec": cfg.diloco.codec,
-        "resumed_from_round": result.get("resumed_from_round"),  # totals count every round anyway
-        "totals_missing_rounds": result.get("totals_missing_rounds", 0),
-        "decoupled": result.get("decoupled"),  # goodput, staleness, drops (diloco.mode=decoupled)
+        "resumed_from_round": result.resumed_from_round,  # totals count every round anyway
+        "totals_missing_rounds": result.totals_missing_rounds,
+        "decoupled": result.decoupled,  # goodput, staleness, drops (diloco.mode=decoupled)
         "tag": cfg.tag,
         "seed": cfg.seed,
     }

@@ -17,7 +17,8 @@ documents:
    largest such shard.
 
 With ``capacity_factor >= 1`` the total room ``P * capacity >= N * top_k``, so step 2
-always finds a path.
+always finds a path: directly, or (top_k > 1, when the only room left is on paths the
+document already holds) by moving one other document to a path with room.
 """
 from __future__ import annotations
 
@@ -68,11 +69,37 @@ def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float
                     held.append(path)
                     load[path] += 1
                     break
-            else:  # unreachable while capacity_factor >= 1; kept as a loud guard
-                raise RuntimeError("balanced_assign ran out of room; this is a bug")
+            else:
+                _make_room(costs, pref[i], chosen, load, i, cap)
     _fill_empty(costs, chosen, load)
     # Report paths best first by cost, whatever order the rounds produced.
     return [sorted(h, key=lambda q, row=costs[i]: (row[q], q)) for i, h in enumerate(chosen)]
+
+
+def _make_room(costs: np.ndarray, pref_i: np.ndarray, chosen: list[list[int]], load: np.ndarray, i: int,
+               cap: int) -> None:
+    """Document ``i`` finds room only on paths it already holds (possible with top_k > 1).
+
+    Total room suffices (``P * cap >= N * top_k``), so some path ``q`` it holds has room
+    and every path it lacks is full. Its best missing path ``q2`` has ``cap`` holders, not
+    all of whom can hold ``q`` too (``q`` would then be over capacity): the holder ``j``
+    that moves ``q2 → q`` at the least cost makes the room, and ``i`` takes ``q2``.
+    """
+    held = chosen[i]
+    q2 = next(q for q in pref_i.tolist() if q not in held)
+    best = None
+    for q in (q for q in held if load[q] < cap):
+        for j, other in enumerate(chosen):
+            if q2 in other and q not in other:
+                delta = costs[j, q] - costs[j, q2]
+                if best is None or delta < best[0]:
+                    best = (delta, j, q)
+    if best is None:  # impossible while capacity_factor >= 1 (see above); a loud guard
+        raise RuntimeError("balanced_assign ran out of room; this is a bug")
+    _, j, q = best
+    chosen[j][chosen[j].index(q2)] = q
+    load[q] += 1
+    held.append(q2)  # q2's load is unchanged: j left it, i joined it
 
 
 def _fill_empty(costs: np.ndarray, chosen: list[list[int]], load: np.ndarray) -> None:

@@ -84,7 +84,7 @@ def fit_discriminative(
         C: inverse L2 regularisation strength of the logistic regression.
         min_docs: below this many documents, keep k-means routing.
     """
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.linear_model import LogisticRegression  # lazy: scikit-learn is slow to import; `import router` stays light
 
     features = np.asarray(features, np.float32)
     losses = np.asarray(losses, np.float64)

@@ -7,7 +7,7 @@ Two kinds exist:
   and L2-normalised. Its whole state is plain numpy arrays + JSON-able params, so a
   Router can be saved without pickle.
 * :class:`CallableFeaturizer`: wraps an LM featurizer ``fn(list_of_prefixes) -> [N, d]``
-  (e.g. the mean hidden state of the prefix, provided by the trainer). Its state is the
+  (e.g. the mean hidden state of the prefix, provided by dipaco). Its state is the
   callable itself, which cannot be saved as arrays: the Router records its kind and the
   caller passes the callable again on load.
 
@@ -175,7 +175,7 @@ class TokenTfidfFeaturizer:
     # ------------------------------------------------------------------ API
     def fit(self, docs: TokenDocs) -> "TokenTfidfFeaturizer":
         """Learn the vocabulary, idf and SVD projection from ``docs`` (token-id prefixes)."""
-        from sklearn.utils.extmath import randomized_svd
+        from sklearn.utils.extmath import randomized_svd  # lazy: keeps `import router` light
 
         n = len(docs)
         if n == 0:
@@ -201,7 +201,7 @@ class TokenTfidfFeaturizer:
         components = np.zeros((self.dim, max(terms.size, 1)), np.float32)
         n_comp = min(self.dim, terms.size, n)
         if n_comp >= 1 and x.nnz:
-            from threadpoolctl import threadpool_limits
+            from threadpoolctl import threadpool_limits  # lazy: scikit-learn's dependency, needed only here
 
             with threadpool_limits(limits=1 if small else None):
                 _, _, vt = randomized_svd(

@@ -48,7 +48,7 @@ def routing_report(
         "empty_shards": np.flatnonzero(sizes == 0).tolist(),
     }
     if labels is not None:
-        from sklearn.metrics import normalized_mutual_info_score
+        from sklearn.metrics import normalized_mutual_info_score  # lazy: keeps `import router` light
 
         labels = list(labels)
         if len(labels) != best.size:

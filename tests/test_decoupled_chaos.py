@@ -76,9 +76,9 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     # the one fault-injection mechanism of both modes (dipaco/faults.py); spawned workers inherit it
     monkeypatch.setenv("DIPACO_FAULT", "worker_kill:every_s=1:max=4:seed=3;worker_delay:prob=0.5:s=0.8:seed=3")
     dcfg = DecoupledConfig(learners=4, lease_s=1.5, heartbeat_s=0.3, timeout_s=200)
-    res = run_decoupled(cfg, str(run_dir), dcfg)
-    m = res["decoupled"]
-    assert res["completed_rounds"] == R
+    res = run_decoupled(cfg, RunDir.at(run_dir), dcfg)
+    m = res.decoupled
+    assert res.completed_rounds == R
     assert m["kills"] == 4 and m["restarts"] >= 4
     # kills land mid-phase (the supervisor prefers lease holders): those paths were taken
     # over by other learners after the lease expired
@@ -103,7 +103,7 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     assert m["useful_inner_steps"] >= 4 * R * H - 1e-6
     assert 0 < m["step_goodput"] <= 1.0
 
-    loss = routed_loss(run_dir, Path(res["checkpoint"]))
+    loss = routed_loss(run_dir, Path(res.checkpoint))
     assert abs(loss - sync_loss) <= LOSS_TOL, (loss, sync_loss)
 
 
@@ -116,11 +116,11 @@ def test_full_quorum_and_waiting_learners_reproduce_sync(sync_run: tuple[Path, f
     dcfg = DecoupledConfig(learners=4, quorum=1.0, pull_wait_s=120, pull_wait_fraction=None, grace_init_s=120,
                            grace_min_s=120, grace_max_s=120, dynamic_steps=False, momentum_every=1,
                            timeout_s=200)
-    res = run_decoupled(cfg, str(run_dir), dcfg)
+    res = run_decoupled(cfg, RunDir.at(run_dir), dcfg)
     # one outer step per module per round, every update fresh: the synchronous schedule
-    assert set(res["decoupled"]["staleness_histogram"]) == {"0"}
-    assert set(res["decoupled"]["module_versions"].values()) == {R}
-    ckpt = Path(res["checkpoint"])
+    assert set(res.decoupled["staleness_histogram"]) == {"0"}
+    assert set(res.decoupled["module_versions"].values()) == {R}
+    ckpt = Path(res.checkpoint)
     for mid, ref in sync_weights.items():
         got = load_state(ckpt / "modules" / f"{mid}.safetensors")
         for k in ref:

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,6 +211,19 @@ def test_init_depends_only_on_seed_and_module_id():
     assert torch.equal(before, torch.get_rng_state())
     # Which other modules exist does not matter either (same config, same id, same seed).
     assert states_equal(ModuleGrid(tiny(), [1, 1], seed=3).module_state_dict("L1.0"), a.module_state_dict("L1.0"))
+
+
+def test_modules_is_a_leaf_package():
+    """modules/ imports torch only: never dipaco or router, nor the router's libraries."""
+    code = (
+        "import importlib, pkgutil, sys, modules\n"
+        "for info in pkgutil.walk_packages(modules.__path__, 'modules.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in\n"
+        "             ('dipaco', 'router', 'faiss', 'sklearn', 'datasets', 'hydra', 'omegaconf'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_init_identical_in_another_process():

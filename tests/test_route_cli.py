@@ -1,4 +1,4 @@
-"""``dipaco-route``: fit the router, write shards and the routing report (DESIGN: public interface)."""
+"""``dipaco-route``: fit the router, write shards and the routing report (docs/design.md, "Errors a user can cause")."""
 from __future__ import annotations
 
 import json

@@ -13,7 +13,8 @@ from dipaco.sync.comm import LocalComm
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_sync import pseudo_gradient
 from dipaco.sync.outer import make_outer_optimizer
-from dipaco.topology import Exchange, Topology, chunk_numel, reduce_scatter_bytes
+from dipaco.comm_plan import Exchange, chunk_numel, module_exchange, plan_round, reduce_scatter_bytes
+from dipaco.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]
@@ -263,8 +264,8 @@ def test_two_phase_int8_is_the_ordered_sum_reencoded(group_size: int) -> None:
     G, n, block = group_size, 1000, 16
     topo = Topology(["a"], [["a"]] * 4, world_size=4 * G, group_size=G)  # k = 4 worker groups
     codec = make_codec("int8", block_size=block)
-    ex = topo.exchange("a", n, codec)
-    ag_ex = topo.exchange("a", n, codec, "all_gather")
+    ex = module_exchange(topo, "a", n, codec)
+    ag_ex = module_exchange(topo, "a", n, codec, "all_gather")
     assert ex.kind == "reduce_scatter" and ex.num_chunks == 4 and ag_ex.kind == "all_gather"
     assert ex.chunk_numel % block == 0 and ex.chunk_numel == chunk_numel(ex.slice_numel, 4, block)
     torch.manual_seed(0)
@@ -292,7 +293,7 @@ def test_two_phase_topk_keeps_the_largest_reduced_entries_and_feeds_back() -> No
     G, n = 2, 301
     topo = Topology(["a"], [["a"]] * 3, world_size=3 * G, group_size=G)  # k = 3
     codec = make_codec("topk", fraction=0.1)
-    ex = topo.exchange("a", n, codec)
+    ex = module_exchange(topo, "a", n, codec)
     c = ex.chunk_numel
     assert ex.kind == "reduce_scatter" and c == chunk_numel(ex.slice_numel, 3)  # topk: no alignment
     torch.manual_seed(1)
@@ -318,7 +319,7 @@ def test_int8_chunks_are_block_aligned() -> None:
     """Encoding a slice chunk by chunk gives the whole slice's block scales (no straddling)."""
     topo = Topology(["a"], [["a"]] * 4, world_size=4)
     codec = make_codec("int8", block_size=16)
-    ex = topo.exchange("a", 1000, codec)
+    ex = module_exchange(topo, "a", 1000, codec)
     assert ex.chunk_numel == 256 and ex.padded_slice_numel == 1024
     x = torch.randn(1000)
     padded = torch.cat([x, x.new_zeros(24)])
@@ -448,7 +449,7 @@ def test_with_the_real_module_grid() -> None:
         sync.end_path(p, 10)
     stats = sync.finish_round()
     assert stats.modules["embed"].contributions == 4
-    plan = topo.plan({m: grid.param_count(m) for m in topo.module_ids}, "none", inner_steps=50)
+    plan = plan_round(topo, {m: grid.param_count(m) for m in topo.module_ids}, make_codec("none"), inner_steps=50)
     assert plan.bytes_per_round == stats.bytes_sent
 
 

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import pytest
 
-from dipaco.topology import (
+from dipaco.comm_plan import (
     META_BYTES,
-    Topology,
     allgather_bytes,
     chunk_numel,
     format_plan,
+    plan_round,
     reduce_scatter_bytes,
     ring_allreduce_bytes,
 )
+from dipaco.sync.codecs import make_codec
+from dipaco.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 
@@ -109,7 +111,7 @@ def test_byte_formulas() -> None:
 def test_plan_none_and_int8() -> None:
     t = Topology(IDS, grid_paths(), world_size=4, group_size=2)
     counts = {m: 1000 for m in IDS}
-    plan = t.plan(counts, "none", inner_steps=10)
+    plan = plan_round(t, counts, make_codec("none"), inner_steps=10)
     rows = {r.module_id: r for r in plan.modules}
     # L1.0 is held by worker group 0 only: nothing crosses
     assert rows["L1.0"].bytes_total == 0 and rows["L1.0"].groups == (0,)
@@ -121,21 +123,21 @@ def test_plan_none_and_int8() -> None:
     assert plan.ddp_bytes_per_round == 4 * 10 * ring_allreduce_bytes(4, 4 * 4000)
     assert plan.bytes_per_round < plan.ddp_bytes_per_round
     meta_intra = ring_allreduce_bytes(2, META_BYTES) + allgather_bytes(2, 2000)
-    ag = t.plan(counts, "int8", inner_steps=10, lossy_exchange="all_gather", block_size=100)
+    ag = plan_round(t, counts, make_codec("int8", block_size=100), inner_steps=10, lossy_exchange="all_gather")
     rag = {r.module_id: r for r in ag.modules}
     assert rag["L0.0"].bytes_per_rank == allgather_bytes(2, 500 + 4 * 5) + meta_intra
     assert rag["L0.0"].exchange == "all_gather" and ag.lossy_exchange == "all_gather"
-    p8 = t.plan(counts, "int8", inner_steps=10, block_size=100)  # default: two-phase
+    p8 = plan_round(t, counts, make_codec("int8", block_size=100), inner_steps=10)  # default: two-phase
     r8 = {r.module_id: r for r in p8.modules}
     # k=2, slice 500 → 2 chunks of 300 (block-aligned, padded): 2·(k−1)·(300 + 4·3)
     assert r8["L0.0"].bytes_per_rank == reduce_scatter_bytes(2, 300 + 4 * 3) + meta_intra
     assert r8["L0.0"].exchange == "reduce_scatter" and r8["L1.0"].exchange == "local"
     # auto: k=2 with padding is cheaper as an all-gather
-    auto = {r.module_id: r for r in t.plan(counts, "int8", 10, lossy_exchange="auto", block_size=100).modules}
+    auto = {r.module_id: r for r in plan_round(t, counts, make_codec("int8", block_size=100), 10, lossy_exchange="auto").modules}
     assert auto["L0.0"] == rag["L0.0"]
     text = format_plan(p8)
     assert "embed" in text and "DDP equivalent" in text and "reduce_scatter" in text
     with pytest.raises(ValueError, match="lossy_exchange"):
-        t.plan(counts, "int8", lossy_exchange="ring")
+        plan_round(t, counts, make_codec("int8"), lossy_exchange="ring")
     with pytest.raises(ValueError, match="diloco.codec"):
-        t.plan(counts, "zip")
+        make_codec("zip")

@@ -2,9 +2,9 @@
 fix (a bad flag, a missing file, a corrupt run directory), exit 1 for what the
 environment did (a signal, a full disk).
 
-A raw traceback for those is a bug (DESIGN: public interface). Anything not listed here
-is a real bug and keeps its traceback; ``HYDRA_FULL_ERROR=1`` or ``--debug``
-(``DIPACO_DEBUG=1``) keep it for every error.
+A raw traceback from a bad flag, a missing file or a corrupt run directory is a bug
+(docs/design.md, "Errors a user can cause"). Anything not listed here is a real bug and keeps its
+traceback; ``HYDRA_FULL_ERROR=1`` or ``--debug`` (``DIPACO_DEBUG=1``) keep it for every error.
 """
 from __future__ import annotations
 

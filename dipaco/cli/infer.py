@@ -18,7 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from dipaco.checkpoint import write_json
 from dipaco.cli.errors import fail, report_user_errors
+from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, parse_path
+from dipaco.prepare import validation_ids
 
 _COMMON_EPILOG = (
     "The newest checkpoint is used; every file in its manifest is hash-checked first and a "
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="end with one JSON line: text, tokens, paths")
 
     s = sub.add_parser("score", help="routed perplexity of documents", epilog=(
-        "Same rule as the trainer's routed evaluation (so the run's validation documents give "
+        "Same rule as the job's routed evaluation (so the run's validation documents give "
         "summary.json's routed_ppl): documents are cut to trainer.seq_len+1 tokens, the "
         "routing prefix carries no loss, documents with nothing after it are skipped and "
         "counted. Prints JSON with ppl, loss, num_tokens, per_path. " + _COMMON_EPILOG))
@@ -183,8 +186,6 @@ def _texts(args: argparse.Namespace) -> tuple[list[str], int]:
 
 
 def _open(args: argparse.Namespace, need_weights: bool = True):
-    from dipaco.inference import InferenceRun
-
     return InferenceRun.open(args.run_dir, checkpoint=getattr(args, "checkpoint", None),
                              verify="read" if getattr(args, "fast_verify", False) else "all",
                              need_weights=need_weights, device=getattr(args, "device", None))
@@ -280,8 +281,6 @@ def cmd_score(args: argparse.Namespace) -> None:
     if args.seq_len is not None and args.seq_len > run.cfg.model.max_seq_len:
         fail(f"--seq-len {args.seq_len} exceeds model.max_seq_len {run.cfg.model.max_seq_len}")
     if args.validation:
-        from dipaco.prepare import validation_ids
-
         docs = validation_ids(run.cfg, run.run)
     else:
         docs = [run.encode(t) for t in texts]
@@ -292,8 +291,6 @@ def cmd_score(args: argparse.Namespace) -> None:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
               "perplexity is undefined (nan)", file=sys.stderr)
     if args.out:
-        from dipaco.checkpoint import write_json
-
         write_json(Path(args.out), report)
         print(f"dipaco: wrote {args.out}", file=sys.stderr)
     else:
@@ -301,8 +298,6 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from dipaco.inference import ExportError, export_path, export_path_hf, parse_path
-
     run = _open(args)
     try:
         path_id = parse_path(args.path, run.new_grid())

@@ -16,21 +16,16 @@ from typing import Optional
 
 import torch
 
-from dipaco.build import build_grid, build_topology
+from dipaco.build import build_comm_plan, build_grid, build_topology
 from dipaco.cli.errors import report_user_errors
-from dipaco.config import Config, codec_kwargs, compose_config, validate_config
+from dipaco.comm_plan import CommPlan, format_plan
+from dipaco.config import Config, compose_config, validate_config
 from dipaco.memory import RankMemory, rank_memory
-from dipaco.topology import CommPlan, format_plan
 
 
 def plan_for(cfg: Config) -> CommPlan:
     """The communication plan of ``cfg`` (no data, no training: module sizes only)."""
-    grid = build_grid(cfg)
-    distributed = cfg.launcher.name != "local"
-    topo = build_topology(cfg, grid, cfg.launcher.nproc, distributed)
-    counts = {m: grid.param_count(m) for m in grid.module_ids}
-    return topo.plan(counts, codec=cfg.diloco.codec, inner_steps=cfg.diloco.inner_steps,
-                     lossy_exchange=cfg.diloco.lossy_exchange, **codec_kwargs(cfg.diloco))
+    return build_comm_plan(cfg, cfg.launcher.nproc)
 
 
 def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:

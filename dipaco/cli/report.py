@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from dipaco.cli.errors import report_user_errors
+from dipaco.report import IGNORED, write_report
 
 
 @report_user_errors
@@ -25,8 +26,6 @@ def main(argv: list[str] | None = None) -> None:
     for d in args.directories:
         if not d.is_dir():
             raise FileNotFoundError(f"no such directory: {d}")
-    from dipaco.report import IGNORED, write_report
-
     print(write_report(args.directories[0], args.metric, more=tuple(args.directories[1:]),
                        ignore=IGNORED | frozenset(args.ignore)))
 

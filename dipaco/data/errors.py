@@ -1,4 +1,4 @@
-"""The one exception of the data package (DESIGN contract 7: bad input never crashes deep inside)."""
+"""The one exception of the data package (docs/design.md contract 7: bad input never crashes deep inside)."""
 from __future__ import annotations
 
 

@@ -8,7 +8,7 @@ synchronisers that meet only through a shared store.
 * :mod:`~dipaco.decoupled.merge`: per-module quorum, grace window, staleness and the
   merge rule on the core shared with sync mode (:mod:`dipaco.sync.module_state`);
 * :mod:`~dipaco.decoupled.service`: the synchroniser process loop and the ledger;
-* :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run_dir)``;
+* :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run)``;
 * :mod:`~dipaco.decoupled.metrics`: goodput, staleness, version rates, drops, ledger check.
 
 See docs/decoupled.md.
@@ -21,7 +21,8 @@ __all__ = ["DecoupledConfig", "run_decoupled"]
 
 
 def __getattr__(name: str) -> Any:
-    # lazy: importing the package must not pull torch into processes that only parse configs
+    # lazy (PEP 562), for a real import cycle: dipaco.config imports dipaco.decoupled.config,
+    # which runs this file first, and dipaco.decoupled.run imports dipaco.config
     if name == "DecoupledConfig":
         from dipaco.decoupled.config import DecoupledConfig
 

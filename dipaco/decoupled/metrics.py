@@ -2,7 +2,7 @@
 
 * **goodput** (time): Σ seconds of inner phases whose update was applied ÷ (learner
   slots × wall time of the training phase). Idle waiting, killed or aborted phases,
-  dropped updates and restart downtime all count against it. The synchronous trainer's
+  dropped updates and restart downtime all count against it. Sync mode's rounds loop's
   number is the same formula over its rounds (a fast path idles while the slow one
   finishes), so the two compare directly.
 * **step goodput**: useful inner steps ÷ inner steps executed (any learner, any outcome).

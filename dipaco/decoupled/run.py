@@ -1,12 +1,13 @@
-"""``run_decoupled(cfg, run_dir)``: the supervisor of decoupled mode on one host.
+"""``run_decoupled(cfg, run)``: the supervisor of decoupled mode on one host.
 
 It writes version 0 of every module to the store, starts the synchroniser process(es)
 and N learner processes (``multiprocessing`` spawn: fork is unsafe after torch/faiss
-started OpenMP threads, NOTES.md), watches them with a bounded timeout, restarts dead
+started OpenMP threads: docs/design.md, "Processes"), watches them with a bounded timeout, restarts dead
 ones (and, in chaos runs, kills some on purpose with SIGKILL), then, when every path
 has its budget, writes the final module weights as an ordinary checkpoint
 (``checkpoints/round_NNNNNN/modules/*.safetensors`` + manifest) so evaluation and
-``dipaco-infer`` work unchanged, and returns the same keys as the sync trainer.
+``dipaco-infer`` work unchanged, and returns the same :class:`~dipaco.results.RoundsResult`
+as the rounds loop of sync mode.
 
 More hosts: run learners anywhere that mounts the store (``python -m dipaco.decoupled
 learner ...``); exactly one synchroniser per module must run at a time.
@@ -50,6 +51,7 @@ from dipaco.sync.module_sync import flatten_params
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
 from dipaco.tracking import MetricsWriter
+from dipaco.results import RoundsResult
 from modules import init_grid_from_dense
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
@@ -93,11 +95,11 @@ def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int
 # ------------------------------------------------------------------------ setup
 
 
-def init_store(cfg: Config, run_dir: str, store: Store, dcfg: DecoupledConfig) -> dict[str, Any]:
+def init_store(cfg: Config, run: RunDir, store: Store, dcfg: DecoupledConfig) -> dict[str, Any]:
     """Write the plan and version 0 of every module (kept as is when resuming)."""
     grid = build_grid(cfg)
     if warmup_steps(cfg) > 0:
-        init_grid_from_dense(grid, load_dense_state(RunDir.at(run_dir).warmup))
+        init_grid_from_dense(grid, load_dense_state(run.warmup))
     sharing = {m: grid.paths_of_module(m) for m in grid.module_ids}
     plan = {"rounds": cfg.trainer.rounds, "inner_steps": cfg.diloco.inner_steps, "num_paths": grid.num_paths,
             "module_ids": list(grid.module_ids), "sharing": sharing, "levels": list(grid.levels)}
@@ -127,18 +129,16 @@ class _Slot:
         self.finished = False
 
 
-def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = None) -> dict[str, Any]:
+def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = None) -> RoundsResult:
     """Train every path for ``trainer.rounds`` phases of H steps, asynchronously.
 
-    Returns the sync trainer's result keys (``rounds``, ``completed_rounds``,
-    ``start_round``, ``tokens``, ``bytes_sent``, ``compute_s``, ``sync_s``,
-    ``checkpoint``) plus ``decoupled`` (the metrics of :mod:`dipaco.decoupled.metrics`).
+    Returns the :class:`~dipaco.results.RoundsResult` of sync mode's rounds loop, with
+    ``decoupled`` set (the metrics of :mod:`dipaco.decoupled.metrics`).
     """
     dcfg = decoupled_config(cfg, dcfg)
     problems = validate_decoupled(dcfg)
     if problems:
         raise ConfigError(*problems[0])
-    run = RunDir.at(run_dir)
     store_url = dcfg.store_url or str(run.root / "decoupled")
     if not cfg.resume and "://" not in store_url and Path(store_url).is_dir():
         # a fresh run never inherits updates, leases or ledgers of an earlier one
@@ -147,7 +147,7 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
                               "point it to an empty or dipaco-made directory")
         shutil.rmtree(store_url)
     store = open_store(store_url)
-    plan = init_store(cfg, run_dir, store, dcfg)
+    plan = init_store(cfg, run, store, dcfg)
     R, P, H = plan["rounds"], plan["num_paths"], plan["inner_steps"]
     start_round = min(_rounds_done(store, p, H) for p in range(P))
     n_learners = dcfg.learners or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
@@ -270,19 +270,19 @@ def run_decoupled(cfg: Config, run_dir: str, dcfg: Optional[DecoupledConfig] = N
         if e["e"] == "end":
             per_learner[e["learner"]] = per_learner.get(e["learner"], 0.0) + float(e["seconds"])
     compute_s = max(per_learner.values(), default=0.0)
-    return {
-        "rounds": R,
-        "completed_rounds": done_rounds,
-        "start_round": start_round,
-        "tokens": int(metrics["tokens"]),
-        "bytes_sent": int(metrics["bytes_pushed"]),
-        "compute_s": compute_s,
-        "sync_s": max(0.0, train_s - compute_s),
-        "checkpoint": str(ckpt),
+    return RoundsResult(
+        rounds=R,
+        completed_rounds=done_rounds,
+        start_round=start_round,
         # for the summary's DDP-bytes plan: one worker group per learner, at most one per path
-        "world_size": min(n_learners, P) * cfg.launcher.group_size,
-        "decoupled": {k: v for k, v in metrics.items() if k != "ledger"},
-    }
+        world_size=min(n_learners, P) * cfg.launcher.group_size,
+        tokens=int(metrics["tokens"]),
+        bytes_sent=int(metrics["bytes_pushed"]),
+        compute_s=compute_s,
+        sync_s=max(0.0, train_s - compute_s),
+        checkpoint=str(ckpt),
+        decoupled={k: v for k, v in metrics.items() if k != "ledger"},
+    )
 
 
 def _rounds_done(store: Store, p: int, inner_steps: int) -> int:

@@ -81,17 +81,17 @@ class DecoupledWorker:
 
     Args:
         cfg: the run's config.
-        run_dir: the run directory (tokenizer, shards, warm-up).
+        run: the run directory (tokenizer, shards, warm-up).
         store: the shared store.
         index: this learner's slot (0..N-1); ``slow_learners`` refer to it.
         incarnation: how many times this slot was (re)started; part of the learner id.
         dcfg: decoupled settings.
     """
 
-    def __init__(self, cfg: Config, run_dir: str, store: Store, index: int, incarnation: int,
+    def __init__(self, cfg: Config, run: RunDir, store: Store, index: int, incarnation: int,
                  dcfg: DecoupledConfig) -> None:
         self.cfg, self.dcfg, self.store = cfg, dcfg, store
-        self.run = RunDir.at(run_dir)
+        self.run = run
         self.index, self.incarnation = index, incarnation
         self.id = f"L{index}.{incarnation}-{uuid.uuid4().hex[:6]}"
         self.grid = build_grid(cfg)

@@ -4,7 +4,7 @@
     path = run.route(run.encode("def main():"))       # the prefix chooses the path
     model = run.loader().get(path)                    # builds and loads ONLY that path's modules
     out = run.generate(run.encode("def main():"), max_new_tokens=64, reroute_every=32)
-    report = run.score(docs)                          # == the trainer's routed evaluation
+    report = run.score(docs)                          # == the job's routed evaluation
     export_path(run, path, "out/path_9"); model, tok = load_exported_path("out/path_9")
     export_path_hf(run, path, "out/llama_9")          # transformers.LlamaForCausalLM loads it
 

@@ -151,7 +151,7 @@ class InferenceRun:
     def score(self, docs: Sequence[Sequence[int]], *, reroute_every: Optional[int] = None,
               batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               loader: Optional["PathLoader"] = None) -> dict:
-        """Routed perplexity of token documents with the trainer's rule (``evaluate_routed``).
+        """Routed perplexity of token documents with the job's rule (``evaluate_routed``).
 
         Defaults (``seq_len``, ``batch_size``) come from the run's trainer config, so scoring
         the run's validation documents reproduces ``summary.json``'s ``routed_ppl``.

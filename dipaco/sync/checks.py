@@ -1,4 +1,4 @@
-"""Start-up check that every copy of a module holds the same weights (contract 4).
+"""Start-up check that every copy of a module holds the same weights (docs/design.md contract 4).
 
 HAZARD: the all-gathers below are collectives on the module groups; every rank must run
 :func:`check_identical_modules` (members or not), visiting modules in the global order,

@@ -1,6 +1,6 @@
 """Communicators: how one module's encoded contributions are summed across worker groups.
 
-Both communicators compute the same numbers (contract 1):
+Both communicators compute the same numbers (docs/design.md contract 1):
 
 * the module's buffer (padded to ``G*s`` elements) is cut into G slices; slice ``r`` of
   every contributor (worker group) is decoded and summed IN ASCENDING GROUP ORDER, and
@@ -37,14 +37,15 @@ import torch
 import torch.distributed as dist
 
 from dipaco.sync.codecs import Codec, Payload
-from dipaco.topology import (
+from dipaco.comm_plan import (
     LOSSY_EXCHANGES,
     META_BYTES,
     Exchange,
-    Topology,
     allgather_bytes,
+    module_exchange,
     ring_allreduce_bytes,
 )
+from dipaco.topology import Topology
 
 __all__ = ["CommBytes", "Communicator", "LocalComm", "TorchComm"]
 
@@ -77,7 +78,7 @@ class Communicator:
     """Interface used by :class:`dipaco.sync.module_sync.ModuleSync`.
 
     Args of subclasses: ``lossy_exchange`` is one of
-    :data:`dipaco.topology.LOSSY_EXCHANGES` (default ``"reduce_scatter"``).
+    :data:`dipaco.comm_plan.LOSSY_EXCHANGES` (default ``"reduce_scatter"``).
     """
 
     topology: Topology
@@ -93,8 +94,8 @@ class Communicator:
         raise NotImplementedError
 
     def exchange_for(self, module_id: str, numel: int, codec: Codec) -> Exchange:
-        """The exchange (kind, chunking, bytes) of a module: :meth:`Topology.exchange`."""
-        return self.topology.exchange(module_id, numel, codec, self.lossy_exchange)
+        """The exchange (kind, chunking, bytes) of a module: :func:`dipaco.comm_plan.module_exchange`."""
+        return module_exchange(self.topology, module_id, numel, codec, self.lossy_exchange)
 
     def exchange(
         self,

@@ -4,7 +4,7 @@ Why not ``DistributedDataParallel``: one process holds several PathModels that S
 module objects (a worker group trains its paths in turn, and paths share modules). DDP
 registers per-parameter autograd hooks on the parameters of the model it wraps; with
 shared parameters, the hooks of one path's DDP wrapper would fire during another path's
-backward and all-reduce (or wait for) the wrong buckets. Instead, the trainer calls
+backward and all-reduce (or wait for) the wrong buckets. Instead, the path learner calls
 :func:`allreduce_gradients` explicitly after each backward, on the current path's
 parameters only.
 
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from dipaco.topology import ring_allreduce_bytes
+from dipaco.comm_plan import ring_allreduce_bytes
 
 __all__ = ["allreduce_gradients", "broadcast_parameters"]
 
@@ -44,9 +44,8 @@ def allreduce_gradients(
         bucket_bytes: target bucket size.
 
     Returns:
-        Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.topology`).
+        Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.comm_plan`).
     """
-
     plist = [p for p in params if p.requires_grad]
     if group_size <= 1 or group is None or not plist:
         return 0

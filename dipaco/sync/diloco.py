@@ -1,6 +1,6 @@
 """DiLoCoSync: the per-round driver over the ModuleSyncs of the modules a process holds.
 
-How the rounds loop drives a round (the same code in both backends)::
+How the rounds loop (:mod:`dipaco.rounds`) drives a round (the same code in both backends)::
 
     sync = DiLoCoSync.from_config(cfg.diloco, topology, modules, rank=None or rank)
     sync.check_identical_start()                 # once, before round 0 (collective in torch)
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
 from dipaco.config import DiLoCoConfig, codec_kwargs
 from dipaco.sync.checks import check_identical_modules
 from dipaco.sync.codecs import make_codec
@@ -36,7 +37,7 @@ from dipaco.sync.comm import LocalComm, TorchComm
 from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
 from dipaco.sync.outer import outer_options
-from dipaco.topology import LOSSY_EXCHANGES, CommPlan, Topology
+from dipaco.topology import Topology
 
 __all__ = ["DiLoCoSync", "RoundStats"]
 
@@ -242,9 +243,8 @@ class DiLoCoSync:
         counts = {m: s.numel for m, s in self.syncs.items()}
         missing = [m for m in self.topology.module_ids if m not in counts]
         if missing:
-            raise ValueError(f"this rank does not hold {missing}; call Topology.plan with every module's size")
-        kw = {k: v for k, v in vars(self.codec).items()}
-        return self.topology.plan(counts, self.codec.name, inner_steps, lossy_exchange=self.lossy_exchange, **kw)
+            raise ValueError(f"this rank does not hold {missing}; call dipaco.comm_plan.plan_round with every module's size")
+        return plan_round(self.topology, counts, self.codec, inner_steps, self.lossy_exchange)
 
     # ----------------------------------------------------------------- checks and state
     def weights_hash(self) -> dict[str, str]:
@@ -252,7 +252,7 @@ class DiLoCoSync:
         return {m: s.weights_hash() for m, s in self.syncs.items()}
 
     def check_identical_start(self) -> dict[str, str]:
-        """Contract 4: every copy of each module holds the same weights.
+        """docs/design.md contract 4: every copy of each module holds the same weights.
 
         Local: the live modules equal the global copies. Torch: digests are all-gathered
         over each module group (a collective: every rank calls it). Raises RuntimeError

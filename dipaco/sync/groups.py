@@ -1,6 +1,6 @@
 """Process groups of a run: module groups, module subgroups, worker groups.
 
-HAZARD (contract 2): ``torch.distributed.new_group`` is a collective over the WORLD.
+HAZARD (docs/design.md contract 2): ``torch.distributed.new_group`` is a collective over the WORLD.
 Every rank must call it for every group, members or not, in exactly the same order; a
 rank that skips one call (or calls them in another order) makes the NEXT collective
 hang until its timeout, far from the cause. :class:`ProcessGroups` therefore creates

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def pseudo_gradient(global_flat: torch.Tensor, path_flat: torch.Tensor) -> torch.Tensor:
-    """THE sign convention (DESIGN glossary): ``Δ = θ_global_before_round − θ_path_after_round``.
+    """THE sign convention (docs/design.md, glossary): ``Δ = θ_global_before_round − θ_path_after_round``.
 
     With this sign, an outer SGD step ``θ ← θ − lr·Δ`` moves θ_global towards the paths.
     """
