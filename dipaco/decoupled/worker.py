@@ -403,4 +403,4 @@ def worker_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarn
     torch.set_num_threads(1)  # several workers share the host's cores
     cfg = to_config(cfg_dict)
     dcfg = DecoupledConfig(**dcfg_dict)
-    DecoupledWorker(cfg, run_dir, open_store(store_url), index, incarnation, dcfg).serve()
+    DecoupledWorker(cfg, RunDir.at(run_dir), open_store(store_url), index, incarnation, dcfg).serve()
