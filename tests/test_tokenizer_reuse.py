@@ -16,7 +16,6 @@ from dipaco.cli.infer import main as infer_main
 from dipaco.config import ConfigError, compose_config
 from dipaco.data import DataError, Tokenizer
 from dipaco.inference import InferenceRun
-from dipaco.run_dir import RunDirError
 from dipaco.train import train
 
 SMOKE = ["experiment=smoke", "launcher=local", "grid.levels=[2,2]", "trainer.rounds=1",
@@ -65,9 +64,9 @@ def test_model_vocab_size_follows_the_tokenizer_unless_given(tmp_path: Path) -> 
     size = Tokenizer.load(tok_dir).vocab_size
     cfg = compose_config(SMOKE + [f"data.tokenizer={tok_dir}"], tmp_path / "r1")
     assert cfg.model.vocab_size == size != compose_config(SMOKE).model.vocab_size
-    given = compose_config(SMOKE + [f"data.tokenizer={tok_dir}", "model.vocab_size=100"], tmp_path / "r2")
-    assert given.model.vocab_size == 100
-    with pytest.raises(ConfigError, match=f"model.vocab_size: 100 cannot hold the {size} token ids"):
+    given = compose_config(SMOKE + [f"data.tokenizer={tok_dir}", "model.vocab_size=280"], tmp_path / "r2")
+    assert given.model.vocab_size == 280  # above the byte-level minimum, below the tokenizer
+    with pytest.raises(ConfigError, match=f"model.vocab_size: 280 cannot hold the {size} token ids"):
         train(given)
     assert not (tmp_path / "r2" / "tokenizer.json").exists()
 
@@ -94,9 +93,9 @@ def test_route_train_score_with_a_reused_tokenizer(tmp_path: Path, capsys) -> No
     assert 0 <= routed["path_id"] < 4
     scored = cli("score", run_dir, "--validation")
     assert np.isclose(scored["ppl"], summary["routed_ppl"], rtol=1e-9)
-    # resuming with another tokenizer is refused: the run keeps its own
+    # resuming with another tokenizer is refused before anything is read: the run keeps its own
     other = foreign_tokenizer(tmp_path / "other", ["</s>"], vocab_size=350)
-    with pytest.raises(RunDirError, match="a run keeps its tokenizer"):
+    with pytest.raises(ConfigError, match="data.tokenizer: .* would change the run"):
         train(compose_config(SMOKE + [f"data.tokenizer={other}", "resume=true",
                                       f"model.vocab_size={reused.vocab_size}"], run_dir))
     # the path as a Llama checkpoint, with the reused tokenizer's files and EOS
