@@ -2,22 +2,20 @@
 
 The YAML files in ``conf/<group>/`` are choices *within* this schema; a key that is not
 declared here is rejected by Hydra before any work starts. ``validate_config`` checks
-the combinations a schema cannot express (docs/design.md contract 6) and raises
-:class:`ConfigError`, which the CLIs print as one line naming the key and the fix.
+the combinations a schema cannot express (docs/design.md contract 6): it lives in
+:mod:`dipaco.validate`, beside this schema, and raises :class:`ConfigError`, which the
+CLIs print as one line naming the key and the fix.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from dipaco.data.tokenizer import Tokenizer
-from dipaco.decoupled.config import DecoupledConfig, mode_problems
-from dipaco.device import config_problems as device_problems
-from dipaco.sync.codecs import CODECS
+from dipaco.decoupled.config import DecoupledConfig
 from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
@@ -289,11 +287,17 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     return out
 
 
+def require(ok: bool, key: str, problem: str, fix: str) -> None:
+    """Raise :class:`ConfigError` ``(key, problem, fix)`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(key, problem, fix)
+
+
 def resolve_derived(cfg: Config) -> Config:
     """Fill settings derived from others (``trainer.total_steps`` → ``trainer.rounds``)."""
     t, H = cfg.trainer, cfg.diloco.inner_steps
     if t.total_steps is not None:
-        _require(H > 0 and t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
+        require(H > 0 and t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
                  f"{t.total_steps} steps are not a whole number of rounds of H={H}",
                  "use a multiple of diloco.inner_steps")
         t.rounds = t.total_steps // H
@@ -302,127 +306,6 @@ def resolve_derived(cfg: Config) -> Config:
         # must not make grid=dense or the flat-DiLoCo baseline a config error.
         cfg.router.top_k = 1
     return cfg
-
-
-def _require(ok: bool, key: str, problem: str, fix: str) -> None:
-    if not ok:
-        raise ConfigError(key, problem, fix)
-
-
-def validate_config(cfg: Config) -> None:
-    """Check combinations the schema cannot express; raise :class:`ConfigError`.
-
-    Called before any work (tokenizer, routing, ranks), so a bad sweep point fails in
-    milliseconds with the key to change.
-    """
-    resolve_derived(cfg)
-
-    d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
-    _require(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}",
-             f"use one of {', '.join(DATA_SOURCES)}")
-    _require(d.source == "python_sources" or bool(d.path), "data.path",
-             f"data.source={d.source} needs a path", "pass data.path=FILE (or a hub dataset name)")
-    _require(d.max_documents is None or d.max_documents > 0, "data.max_documents",
-             f"must be positive, got {d.max_documents}", "pass a positive number or null")
-    _require(0 <= d.val_fraction < 1 and 0 <= d.test_fraction < 1
-             and d.val_fraction + d.test_fraction < 1, "data.val_fraction",
-             "validation + test fractions must lie in [0, 1)", "use e.g. 0.05 each")
-    _require(len(g.levels) > 0 and all(int(k) >= 1 for k in g.levels), "grid.levels",
-             f"a grid needs at least one level and K >= 1 per level, got {list(g.levels)}",
-             "pass e.g. grid.levels=[2,2]")
-    num_paths = math.prod(int(k) for k in g.levels)
-    _require(g.replicas >= 1, "grid.replicas", f"must be >= 1, got {g.replicas}", "e.g. grid.replicas=4")
-    _require(g.replicas == 1 or dl.mode == "sync", "grid.replicas",
-             "replicas are trained by the synchronous rounds only", "use diloco.mode=sync")
-    _require(dl.inner_steps > 0, "diloco.inner_steps", f"H must be > 0, got {dl.inner_steps}",
-             "pass diloco.inner_steps=50 (or any positive number)")
-    _require(dl.mode in MODES, "diloco.mode", f"unknown mode {dl.mode!r}", f"use one of {MODES}")
-    for key, problem, fix in mode_problems(dl.mode, dl.lossy_exchange, dl.outer.name, dl.decoupled):
-        raise ConfigError(key, problem, fix)  # an option the chosen sync mode cannot honour
-    _require(dl.codec in CODECS, "diloco.codec", f"unknown codec {dl.codec!r}",
-             f"use one of {', '.join(CODECS)}")
-    _require(dl.lossy_exchange in ("auto", "reduce_scatter", "all_gather"), "diloco.lossy_exchange",
-             f"unknown exchange {dl.lossy_exchange!r}", "use auto, reduce_scatter or all_gather")
-    _require(dl.outer.lr > 0, "diloco.outer.lr", f"must be > 0, got {dl.outer.lr}", "e.g. 0.7")
-    _require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
-             "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
-    _require(r.prefix_tokens > 0, "router.prefix_tokens", "must be > 0", "e.g. 32")
-    _require(r.prefix_tokens < t.seq_len, "router.prefix_tokens",
-             f"the routing prefix ({r.prefix_tokens}) must be shorter than trainer.seq_len ({t.seq_len})",
-             "lower router.prefix_tokens or raise trainer.seq_len")
-    _require(r.method in ROUTER_METHODS, "router.method", f"unknown method {r.method!r}",
-             f"use one of {ROUTER_METHODS}")
-    _require(r.featurizer in FEATURIZERS, "router.featurizer", f"unknown featurizer {r.featurizer!r}",
-             f"use one of {FEATURIZERS}")
-    _require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
-             "LM features need the dense warm-up model", "set trainer.warmup_fraction>0 or router.featurizer=tfidf")
-    _require(1 <= r.top_k <= num_paths, "router.top_k", f"must be in [1, {num_paths}], got {r.top_k}",
-             "use router.top_k=1 (or up to the number of paths)")
-    _require(r.capacity_factor >= 1.0, "router.capacity_factor", "must be >= 1", "e.g. 1.25")
-    _require(r.reshard_at_round is None or 0 < r.reshard_at_round < t.rounds, "router.reshard_at_round",
-             f"must lie strictly between 0 and trainer.rounds={t.rounds}", "e.g. router.reshard_at_round=2")
-    _require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",
-             "must be positive or null", "e.g. router.reroute_every=64")
-    _require(t.rounds > 0, "trainer.rounds", f"must be > 0, got {t.rounds}", "e.g. trainer.rounds=8")
-    _require(t.batch_size > 0 and t.seq_len > 1, "trainer.batch_size", "batch and sequence must be positive",
-             "e.g. trainer.batch_size=16 trainer.seq_len=128")
-    _require(t.seq_len <= m.max_seq_len, "trainer.seq_len",
-             f"longer than model.max_seq_len ({m.max_seq_len})", "raise model.max_seq_len")
-    _require(0 <= t.warmup_fraction < 1, "trainer.warmup_fraction", "must lie in [0, 1)", "e.g. 0.25")
-    _require(t.keep_last >= 1, "trainer.keep_last", "must keep at least one checkpoint", "e.g. 2")
-    _require(la.name in LAUNCHERS, "launcher", f"unknown launcher {la.name!r}", f"use one of {LAUNCHERS}")
-    _require(la.nproc >= 1 and la.group_size >= 1, "launcher.nproc", "must be >= 1", "e.g. launcher.nproc=4")
-    # options the chosen launcher never reads are refused rather than silently ignored
-    _require(la.name != "local" or la.group_size == 1, "launcher.group_size",
-             "launcher=local runs one process, so there is no worker group to split",
-             "add launcher=spawn (ranks on this host) or drop launcher.group_size")
-    _require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
-             "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
-    if la.name == "slurm":
-        _validate_slurm(la)
-    if la.name in ("spawn", "slurm"):
-        world = la.nproc * (la.nodes if la.name == "slurm" else 1)
-        _require(world % la.group_size == 0, "launcher.nproc",
-                 f"world size {world} is not a multiple of launcher.group_size={la.group_size}",
-                 f"use launcher.nproc={la.group_size * max(1, la.nproc // la.group_size)}")
-        trained = num_paths * g.replicas
-        _require(world // la.group_size <= trained, "launcher.nproc",
-                 f"{world // la.group_size} worker groups for {trained} paths would leave ranks idle",
-                 f"use at most {trained * la.group_size} ranks in all (launcher.nproc x launcher.nodes)")
-    _require(t.batch_size % la.group_size == 0, "trainer.batch_size",
-             f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
-             "use a batch size that is a multiple of the group size")
-    for key, problem, fix in device_problems(t, la):
-        raise ConfigError(key, problem, fix)
-    _require(m.vocab_size >= MIN_VOCAB, "model.vocab_size",
-             f"{m.vocab_size} is too small: a byte-level BPE needs {MIN_VOCAB} tokens (256 bytes + end-of-text)",
-             f"use model.vocab_size={MIN_VOCAB} or more (tiny uses 512)")
-    _validate_logging(cfg.logging)
-    try:
-        m.validate()
-    except ValueError as e:
-        raise ConfigError("model", str(e), "see the model group in conf/model/") from None
-    if d.tokenizer:
-        size = Tokenizer.load(d.tokenizer).vocab_size
-        _require(m.vocab_size >= size, "model.vocab_size",
-                 f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
-                 f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
-
-
-def _validate_slurm(la: LauncherConfig) -> None:
-    _require(bool(la.partition), "launcher.partition", "launcher=slurm needs a SLURM partition",
-             "pass launcher.partition=NAME (`sinfo -s` lists them)")
-    _require(la.nodes >= 1, "launcher.nodes", f"must be >= 1, got {la.nodes}", "e.g. launcher.nodes=2")
-    _require(la.gpus_per_node is None or la.nproc <= la.gpus_per_node, "launcher.nproc",
-             f"{la.nproc} ranks per node but {la.gpus_per_node} GPUs: each rank needs its own GPU",
-             f"use launcher.nproc={la.gpus_per_node} (one rank per GPU)")
-
-
-def _validate_logging(log: LoggingConfig) -> None:
-    _require(log.wandb_mode in WANDB_MODES, "logging.wandb_mode", f"unknown mode {log.wandb_mode!r}",
-             f"use one of {', '.join(WANDB_MODES)}")
-    _require(not log.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
-             "wandb is not installed", "pip install wandb, or set logging.wandb=false")
 
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:

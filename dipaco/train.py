@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from dipaco.build import build_comm_plan, build_grid
 from dipaco.checkpoint import atomic_write_text, load_state, write_json
-from dipaco.config import Config, ConfigError, validate_config
+from dipaco.config import Config, ConfigError
 from dipaco.data import progress_bars
 from dipaco.decoupled.run import run_decoupled
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
@@ -37,6 +37,7 @@ from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
 from dipaco.run_lock import RunLock, check_unlocked
 from dipaco.slurm import slurm_rendezvous
 from dipaco.tracking import MetricsWriter
+from dipaco.validate import validate_config
 from modules import PathModel
 from router import assign_in_batches, expand_replicas, routing_report, write_shards
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dipaco.config import ConfigError, compose_config, validate_config
+from dipaco.config import ConfigError, compose_config
+from dipaco.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

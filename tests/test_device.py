@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dipaco.config import ConfigError, LauncherConfig, TrainerConfig, compose_config, validate_config
-from dipaco.device import (choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device,
-                           to_device)
+from dipaco.config import ConfigError, LauncherConfig, TrainerConfig, compose_config
+from dipaco.device import choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device, to_device
+from dipaco.validate import validate_config
 
 
 @pytest.mark.parametrize("gpus,local_ranks,expected", [

@@ -32,13 +32,14 @@ from dipaco.cli import infer as infer_cli
 from dipaco.cli import route as route_cli
 from dipaco.cli import train as train_cli
 from dipaco.cli.errors import report_user_errors
-from dipaco.config import ConfigError, compose_config, validate_config
+from dipaco.config import ConfigError, compose_config
 from dipaco.data import DataError
 from dipaco.launch import LaunchError
 from dipaco.prepare import prepare
 from dipaco.run_dir import RunDir, RunDirError, RunStopped, _is_disk_full
 from dipaco.run_lock import LOCK_NAME, RunLock
 from dipaco.train import train
+from dipaco.validate import validate_config
 
 SMOKE = ["experiment=smoke", "data.max_documents=200"]
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"

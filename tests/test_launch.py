@@ -14,9 +14,10 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dipaco.config import ConfigError, compose_config, register_configs, validate_config
+from dipaco.config import ConfigError, compose_config, register_configs
 from dipaco.launch import LaunchError, free_port
 from dipaco.slurm import first_host, sbatch_script, slurm_rendezvous
+from dipaco.validate import validate_config
 
 TWO_NODES = ["launcher=slurm", "launcher.partition=gpu", "launcher.nodes=2", "launcher.gpus_per_node=8",
              "launcher.nproc=8", "grid=4x4"]

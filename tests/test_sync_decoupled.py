@@ -17,7 +17,7 @@ from torch import nn
 
 from dipaco import faults
 from dipaco.checkpoint import load_state, save_state
-from dipaco.config import ConfigError, to_config, validate_config
+from dipaco.config import ConfigError, to_config
 from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
 from dipaco.decoupled.service import read_update
@@ -27,6 +27,7 @@ from dipaco.sync.codecs import make_codec
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_sync import flatten_params, pseudo_gradient
 from dipaco.topology import Topology
+from dipaco.validate import validate_config
 
 NUMEL = 512  # a multiple of the int8 block: no padding in either mode
 IDS = ["s", "q0", "q1", "q2"]  # "s" is shared by the three paths, "q<p>" is path p's own

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dipaco.checkpoint import load_state
-from dipaco.config import ConfigError, compose_config, validate_config
+from dipaco.config import ConfigError, compose_config
 from dipaco.train import train
+from dipaco.validate import validate_config
 
 SMOKE = ["experiment=smoke", "data.max_documents=200"]
 SUMMARY_KEYS = {"routed_ppl", "dense_ppl", "ratio_vs_dense", "bytes_sent", "ddp_bytes_equivalent",

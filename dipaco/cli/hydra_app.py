@@ -11,7 +11,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
-from dipaco.config import Config, resolve_tokenizer_vocab, to_config, validate_config
+from dipaco.config import Config, resolve_tokenizer_vocab, to_config
+from dipaco.validate import validate_config
 
 # Written by Hydra into the run directory before any dipaco code runs; on an existing
 # run they are switched off, so a refused command leaves the directory byte-identical.

@@ -19,8 +19,9 @@ import torch
 from dipaco.build import build_comm_plan, build_grid, build_topology
 from dipaco.cli.errors import report_user_errors
 from dipaco.comm_plan import CommPlan, format_plan
-from dipaco.config import Config, compose_config, validate_config
+from dipaco.config import Config, compose_config
 from dipaco.memory import RankMemory, rank_memory
+from dipaco.validate import validate_config
 
 
 def plan_for(cfg: Config) -> CommPlan:

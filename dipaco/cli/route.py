@@ -16,10 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from dipaco.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
 from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir
-from dipaco.config import register_configs, validate_config
+from dipaco.config import register_configs
 from dipaco.prepare import prepare
 from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
 from dipaco.run_lock import RunLock, check_unlocked
+from dipaco.validate import validate_config
 
 register_configs()
 
