@@ -38,6 +38,8 @@ from router import load_shard
 from router.tokens import TokenDocs
 
 IGNORE_INDEX = -100
+# bounded RSS without a page-fault storm per batch: 64 batches touch a few MiB at most
+_RELEASE_EVERY = 64
 _U64 = 2**64
 
 
@@ -125,6 +127,7 @@ class TokenStream:
         self.rank = int(rank)
         self.world = int(world)
         self.step = 0
+        self._reads = 0  # batches read from a memmap since the stream was built
 
     @classmethod
     def from_dataset(cls, ds: Any, seq_len: int, batch_size: int, seed: int, path_id: int,
@@ -164,8 +167,12 @@ class TokenStream:
         flat = self.docs.starts[d] + np.where(is_eos, 0, offset)
         tokens = np.asarray(self.docs.tokens[np.minimum(flat, max(self.docs.tokens.size - 1, 0))],
                             dtype=np.int64) if self.docs.tokens.size else np.zeros(idx.shape, np.int64)
-        # unmap what this batch touched: over a long run the whole shard would stay mapped
-        self.docs.release_pages()
+        # Unmap what the batches touched, every _RELEASE_EVERY reads: over a long run the
+        # whole shard would stay mapped, but doing it per batch re-faults every page a
+        # batch reads, on the training hot path.
+        self._reads += 1
+        if self._reads % _RELEASE_EVERY == 0:
+            self.docs.release_pages()
         return np.where(is_eos, self.eos_id, tokens)
 
     def _rng(self, k: int) -> np.random.Generator:
