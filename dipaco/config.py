@@ -23,6 +23,7 @@ LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 ROUTER_METHODS = ("product", "flat", "random")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
+ALPHAS = ("tokens", "shard_size")  # what weighs a path's pseudo-gradient (dipaco/sync/alpha.py)
 MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|> (dipaco/data/tokenizer.py)
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -132,6 +133,10 @@ class DiLoCoConfig:
     lossy_exchange: str = "auto"
     # scale each module's averaged pseudo-gradient by sqrt(#sharing paths) (option)
     sharing_rescale: bool = False
+    # α, the weight of a path's pseudo-gradient in a module's average: tokens (trained
+    # this round: equal for every path in sync mode, a uniform mean) or shard_size
+    # (tokens × the path's shard size / the mean shard size, as in the DiPaCo paper)
+    alpha: str = "tokens"
     # diloco.mode=decoupled: learners, synchronisers, quorum, grace, staleness (docs/decoupled.md)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
 
@@ -159,6 +164,14 @@ class TrainerConfig:
     dense_baseline: bool = True  # same-size dense model, same inner steps, all data
     eval_max_documents: Optional[int] = 400
     eval_batch_size: int = 16
+    # also score each validation document whole, in consecutive windows of eval_seq_len
+    # tokens (None: model.max_seq_len), prefix excluded: summary.json's *_long keys
+    eval_long: bool = False
+    eval_seq_len: Optional[int] = None
+    # keep each path's weights with the best loss on its own validation shard (checked
+    # every eval_every rounds) in checkpoints/best_paths/; the final evaluation uses them
+    path_early_stopping: bool = False
+    eval_every: int = 1  # rounds
     checkpoint_every: int = 1  # rounds
     keep_last: int = 2
     # stop (as if preempted) after this many rounds, checkpoint written; resume=true goes on
@@ -306,6 +319,13 @@ def resolve_derived(cfg: Config) -> Config:
         # must not make grid=dense or the flat-DiLoCo baseline a config error.
         cfg.router.top_k = 1
     return cfg
+
+
+def eval_window(cfg: Config) -> int:
+    """Window length of the long evaluation protocol: ``trainer.eval_seq_len`` or, unset,
+    the model's whole positional range (``model.max_seq_len``)."""
+    t = cfg.trainer
+    return cfg.model.max_seq_len if t.eval_seq_len is None else int(t.eval_seq_len)
 
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:

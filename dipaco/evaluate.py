@@ -11,6 +11,13 @@ give the same numbers:
   uses when it re-routes while generating;
 * a document with no token after its prefix is skipped and counted.
 
+``whole_documents=True`` is the long protocol (closer to the DiPaCo paper's 2,048-token
+evaluation): the document is not cut; routing (once, or every W tokens by the same rule)
+is decided on the whole document, then it is scored in consecutive windows of
+``seq_len`` target tokens. The model's rotary positions stop at ``max_seq_len``, so a
+window carries nothing across from the previous one: the first targets of each window
+see a short context. Every target after the prefix is scored exactly once.
+
 Documents are grouped by path, so each path's model is fetched once (a path-at-a-time
 loader keeps memory to one path).
 """
@@ -46,9 +53,11 @@ def plan_documents(
     route_batch: Callable[[list[np.ndarray]], np.ndarray],
     reroute_windows: Optional[Callable[[np.ndarray, int], list[int]]] = None,
     reroute_every: Optional[int] = None,
+    whole_documents: bool = False,
 ) -> tuple[list[ScoredDoc], int]:
-    """Cut documents and decide which path scores each target token; return (docs, skipped)."""
-    cut = [np.asarray(d[: seq_len + 1], dtype=np.int64) for d in docs]
+    """Cut documents (unless ``whole_documents``) and decide which path scores each target
+    token; return (docs, skipped)."""
+    cut = [np.asarray(d if whole_documents else d[: seq_len + 1], dtype=np.int64) for d in docs]
     keep = [t for t in cut if len(t) > prefix_tokens]
     skipped = len(cut) - len(keep)
     planned: list[ScoredDoc] = []
@@ -67,6 +76,23 @@ def plan_documents(
                 token_paths[j] = int(windows[j // reroute_every])
         planned.append(ScoredDoc(tokens=t, token_paths=token_paths))
     return planned, skipped
+
+
+def split_windows(planned: Sequence[ScoredDoc], window: int) -> list[ScoredDoc]:
+    """Each document as consecutive pieces of ``window`` targets (``window + 1`` tokens).
+
+    Piece ``k`` holds tokens ``[k·window, (k+1)·window]``: its first token is input only
+    (it was the previous piece's last target), so its path is −1. Pieces with no scored
+    target (inside the prefix) are dropped.
+    """
+    out: list[ScoredDoc] = []
+    for d in planned:
+        for start in range(0, len(d.tokens) - 1, window):
+            paths = d.token_paths[start : start + window + 1].copy()
+            paths[0] = -1
+            if (paths >= 0).any():
+                out.append(ScoredDoc(tokens=d.tokens[start : start + window + 1], token_paths=paths))
+    return out
 
 
 def padded_batch(docs: Sequence[np.ndarray], scored: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,12 +184,19 @@ def evaluate_routed(
     reroute_every: Optional[int] = None,
     batch_size: int = 16,
     progress: bool = False,
+    whole_documents: bool = False,
 ) -> dict:
-    """Routed perplexity of ``docs`` (see the module docstring for the rule)."""
+    """Routed perplexity of ``docs`` (see the module docstring for the rule).
+
+    ``whole_documents``: the long protocol, ``seq_len`` being the window length.
+    """
     planned, skipped = plan_documents(
         docs, seq_len=seq_len, prefix_tokens=prefix_tokens, route_batch=route_batch,
-        reroute_windows=reroute_windows, reroute_every=reroute_every)
-    report = score_documents(planned, get_model, batch_size=batch_size, progress=progress)
+        reroute_windows=reroute_windows, reroute_every=reroute_every, whole_documents=whole_documents)
+    pieces = split_windows(planned, seq_len) if whole_documents else planned
+    report = score_documents(pieces, get_model, batch_size=batch_size, progress=progress)
+    report["num_documents"] = len(planned)
+    report["num_windows"] = len(pieces)
     report["skipped_short"] = skipped
     report["reroute_every"] = reroute_every
     return report
@@ -176,11 +209,13 @@ def evaluate_single(
     seq_len: int,
     prefix_tokens: int,
     batch_size: int = 16,
+    whole_documents: bool = False,
 ) -> dict:
     """Perplexity of one model on every document (dense baselines), same token rule."""
     return evaluate_routed(
         docs, lambda _p: model, seq_len=seq_len, prefix_tokens=prefix_tokens,
-        route_batch=lambda prefixes: np.zeros(len(prefixes), dtype=np.int64), batch_size=batch_size)
+        route_batch=lambda prefixes: np.zeros(len(prefixes), dtype=np.int64), batch_size=batch_size,
+        whole_documents=whole_documents)
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from dipaco.config import Config, ConfigError
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, progress_bars, tokenize_to_docs
 from dipaco.dense import WARMUP_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.device import model_device, to_device
+from dipaco.early_stopping import write_validation_shards
 from dipaco.fingerprint import Fingerprints
 from dipaco.progress import bars_enabled
 from dipaco.run_dir import RunDir, RunDirError
@@ -175,6 +176,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
             write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                          router.num_paths * cfg.grid.replicas, run.shards)
     best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, dtype=np.int64)
+    if t.path_early_stopping:  # each path's own validation shard (cheap and deterministic: rewritten)
+        write_validation_shards(run, best, val_ids, router.num_paths)
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     # per-document path lists: shard sizes and imbalance are the training shards' (every
     # membership counts, as the balanced assignment caps them); NMI uses the best path

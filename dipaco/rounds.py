@@ -3,7 +3,7 @@
 Per round, for each path this rank's worker group owns (every path in the local
 backend): restore the path's modules to the round's global weights, run H inner AdamW
 steps (data parallel over the worker group), and contribute the pseudo-gradients of its
-modules weighted by tokens. Then every module this rank holds takes its outer step,
+modules weighted by α (``diloco.alpha``: tokens, or tokens × relative shard size). Then every module this rank holds takes its outer step,
 after a reduce over exactly the ranks that hold it. Checkpoints are taken at round
 boundaries; resume reloads the newest valid one and continues bit-for-bit.
 """
@@ -25,12 +25,14 @@ from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory
+from dipaco.early_stopping import PathEarlyStopping
 from dipaco.launch import stop_requested
 from dipaco.learner import PathLearner
 from dipaco.progress import progress_bar
 from dipaco.results import RoundsResult
 from dipaco.run_dir import RunDir
 from dipaco.schedule import lr_at, total_inner_steps, warmup_steps
+from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.checkpointing import load_checkpoint, save_checkpoint
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
@@ -92,6 +94,7 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups)
 
     G = topo.group_size if distributed else 1
+    alpha = PathAlpha.from_config(cfg.diloco.alpha, run.shards)
     eos = _eos_id(run)
     total = total_inner_steps(cfg)
     learners: dict[int, PathLearner] = {}
@@ -118,6 +121,11 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     writer = None
     if rank is None or rank == 0:
         writer = MetricsWriter(run, cfg, purge_from_round=start_round + 1 if start_round else None)
+    stopping = None
+    if cfg.trainer.path_early_stopping and local_rank == 0:
+        # one process per grid path checks it: the holder of its first replica
+        R = cfg.grid.replicas
+        stopping = PathEarlyStopping(cfg, run, grid, [p // R for p in my_paths if p % R == 0], start_round)
     if start_round == 0:
         # docs/design.md contract 4: all copies of a module start from the same weights.
         sync.check_identical_start()
@@ -138,7 +146,7 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
             stats = learners[p].train_steps(H, on_step=(lambda _l: bar.update(1)) if bar else None)
             faults.inject("after_inner", round_idx=r + 1, rank=rank, path=p, grid=grid,
                           module_ids=list(topo.path_modules[p]))
-            accepted = sync.end_path(p, stats.tokens)
+            accepted = sync.end_path(p, alpha(p, stats.tokens))
             path_stats[p] = {"loss": stats.loss, "tokens": stats.tokens, "seconds": stats.seconds,
                              # the inner lr of the round's last step (the schedule is per step)
                              "lr": lr_at(learners[p].step - 1 + n_warm, total, cfg.trainer),
@@ -156,6 +164,10 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
         train_s += t1 - t0
         wait_s += tb - t1
         sync_s += t2 - tb
+        if stopping is not None and stopping.due(r + 1):
+            # after the outer step: the live modules hold the global weights
+            for q, loss in stopping.update(r + 1).items():
+                path_stats[q * cfg.grid.replicas]["val_loss"] = loss
         module_stats = _module_stats(round_stats)
         sent = sum(int(m.get("bytes_sent", 0)) for m in module_stats.values())
         bytes_sent += sent

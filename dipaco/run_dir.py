@@ -64,10 +64,20 @@ class RunDir:
     def warmup(self) -> Path:
         return self.root / "warmup"
 
+    @property
+    def val_shards(self) -> Path:
+        """Validation documents by routed path (trainer.path_early_stopping)."""
+        return self.root / "val_shards"
+
     # written by the ranks
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
+
+    @property
+    def best_paths(self) -> Path:
+        """Each path's weights with its best validation loss (dipaco/early_stopping.py)."""
+        return self.checkpoints / "best_paths"
 
     @property
     def metrics(self) -> Path:

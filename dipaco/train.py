@@ -20,12 +20,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from dipaco.build import build_comm_plan, build_grid
-from dipaco.checkpoint import atomic_write_text, load_state, write_json
-from dipaco.config import Config, ConfigError
+from dipaco.checkpoint import atomic_write_text, write_json
+from dipaco.config import Config, ConfigError, eval_window
 from dipaco.data import progress_bars
 from dipaco.decoupled.run import run_decoupled
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
-from dipaco.evaluate import evaluate_routed, evaluate_single, per_document_losses
+from dipaco.evaluate import evaluate_single, per_document_losses
+from dipaco.job_eval import evaluate_run, load_grid_from_checkpoint
 from dipaco.fingerprint import Fingerprints
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
 from dipaco.plots import write_plots
@@ -267,40 +268,17 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
         save_dense(run.baseline, grid, info)
     ev = evaluate_single(prep.val_ids, PathModel(grid, 0), seq_len=t.seq_len,
                          prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size)
-    return {"info": info, "eval": ev}
-
-
-def load_grid_from_checkpoint(cfg: Config, ckpt: Path):
-    """The run's grid with every module's weights from checkpoint ``ckpt``."""
-    grid = build_grid(cfg)
-    for mid in grid.module_ids:
-        grid.load_module_state_dict(mid, load_state(ckpt / "modules" / f"{mid}.safetensors"))
-    return grid
+    out = {"info": info, "eval": ev}
+    if t.eval_long:
+        out["eval_long"] = evaluate_single(prep.val_ids, PathModel(grid, 0), seq_len=eval_window(cfg),
+                                           prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size,
+                                           whole_documents=True)
+    return out
 
 
 def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
-    """Routed perplexity on the validation split (once, and re-routed if configured)."""
-    grid = load_grid_from_checkpoint(cfg, ckpt)
-    models: dict[int, PathModel] = {}
-
-    def get_model(p: int) -> PathModel:
-        if p not in models:
-            models[p] = PathModel(grid, p)
-        return models[p]
-
-    t, r = cfg.trainer, cfg.router
-    common = dict(seq_len=t.seq_len, prefix_tokens=r.prefix_tokens, route_batch=prep.router.route_batch,
-                  reroute_windows=prep.router.reroute_windows, batch_size=t.eval_batch_size,
-                  progress=t.progress)
-    out = {"once": evaluate_routed(prep.val_ids, get_model, **common)}
-    if grid.num_paths > 1:
-        # Control: every document scored by the next path over, not its own. If the
-        # specialists are real this is clearly worse than routed.
-        wrong = dict(common, route_batch=lambda d: (prep.router.route_batch(d) + 1) % grid.num_paths)
-        out["wrong_path"] = evaluate_routed(prep.val_ids, get_model, **wrong)
-    if r.reroute_every:
-        out["rerouted"] = evaluate_routed(prep.val_ids, get_model, reroute_every=r.reroute_every, **common)
-    return out
+    """Routed perplexity on the validation split (:func:`dipaco.job_eval.evaluate_run`)."""
+    return evaluate_run(cfg, run, prep.router, prep.val_ids, ckpt)
 
 
 def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
@@ -312,6 +290,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
     routed_ppl = routed["once"]["ppl"]
     dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
+    routed_long = routed.get("once_long", {}).get("ppl")
+    dense_long = baseline.get("eval_long", {}).get("ppl")
     summary = {
         "routed_ppl": routed_ppl,
         "dense_ppl": dense_ppl,
@@ -320,6 +300,19 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "wrong_path_ppl": routed.get("wrong_path", {}).get("ppl"),
         "per_path": routed["once"]["per_path"],
         "eval_tokens": routed["once"]["num_tokens"],
+        # trainer.eval_long: whole documents in windows of eval_seq_len (None when off)
+        "routed_ppl_long": routed_long,
+        "dense_ppl_long": dense_long,
+        "ratio_vs_dense_long": routed_long / dense_long if routed_long and dense_long else None,
+        "rerouted_ppl_long": routed.get("rerouted_long", {}).get("ppl"),
+        "wrong_path_ppl_long": routed.get("wrong_path_long", {}).get("ppl"),
+        "eval_tokens_long": routed.get("once_long", {}).get("num_tokens"),
+        "eval_seq_len": eval_window(cfg) if cfg.trainer.eval_long else None,
+        # trainer.path_early_stopping: routed_ppl uses each path's kept weights; these are
+        # the last checkpoint's, and the round each path's weights come from
+        "routed_ppl_last_weights": routed.get("last_weights", {}).get("ppl"),
+        "best_rounds": routed.get("best_rounds"),
+        "alpha": cfg.diloco.alpha,
         "bytes_sent": result.bytes_sent,
         "ddp_bytes_equivalent": ddp_bytes,
         "bytes_ratio_vs_ddp": result.bytes_sent / ddp_bytes if ddp_bytes else None,
@@ -369,6 +362,10 @@ def _print_table(s: dict[str, Any]) -> None:
             ("ratio vs dense", s["ratio_vs_dense"])]
     if s.get("rerouted_ppl") is not None:
         rows.append(("routed, re-routed perplexity", s["rerouted_ppl"]))
+    if s.get("routed_ppl_long") is not None:
+        rows += [("routed perplexity, long", s["routed_ppl_long"]), ("ratio vs dense, long", s["ratio_vs_dense_long"])]
+    if s.get("routed_ppl_last_weights") is not None:
+        rows.append(("routed perplexity, last weights", s["routed_ppl_last_weights"]))
     rows += [("paths", s["num_paths"]), ("rounds x H", f"{s['rounds']} x {s['inner_steps']}"),
              ("bytes sent", f"{s['bytes_sent']:,}"), ("DDP equivalent bytes", f"{int(s['ddp_bytes_equivalent']):,}"),
              ("training tokens/s", s["tokens_per_s"]), ("wall time (s)", s["wall_s"])]

@@ -9,6 +9,7 @@ import importlib.util
 import math
 
 from dipaco.config import (
+    ALPHAS,
     DATA_SOURCES,
     FEATURIZERS,
     LAUNCHERS,
@@ -20,6 +21,7 @@ from dipaco.config import (
     ConfigError,
     LauncherConfig,
     LoggingConfig,
+    eval_window,
     require,
     resolve_derived,
 )
@@ -59,6 +61,8 @@ def validate_config(cfg: Config) -> None:
     require(dl.mode in MODES, "diloco.mode", f"unknown mode {dl.mode!r}", f"use one of {MODES}")
     for key, problem, fix in mode_problems(dl.mode, dl.lossy_exchange, dl.outer.name, dl.decoupled):
         raise ConfigError(key, problem, fix)  # an option the chosen sync mode cannot honour
+    require(dl.alpha in ALPHAS, "diloco.alpha", f"unknown weighting {dl.alpha!r}",
+             f"use one of {', '.join(ALPHAS)}")
     require(dl.codec in CODECS, "diloco.codec", f"unknown codec {dl.codec!r}",
              f"use one of {', '.join(CODECS)}")
     require(dl.lossy_exchange in ("auto", "reduce_scatter", "all_gather"), "diloco.lossy_exchange",
@@ -88,6 +92,7 @@ def validate_config(cfg: Config) -> None:
              "e.g. trainer.batch_size=16 trainer.seq_len=128")
     require(t.seq_len <= m.max_seq_len, "trainer.seq_len",
              f"longer than model.max_seq_len ({m.max_seq_len})", "raise model.max_seq_len")
+    _validate_evaluation(cfg)
     require(0 <= t.warmup_fraction < 1, "trainer.warmup_fraction", "must lie in [0, 1)", "e.g. 0.25")
     require(t.keep_last >= 1, "trainer.keep_last", "must keep at least one checkpoint", "e.g. 2")
     require(la.name in LAUNCHERS, "launcher", f"unknown launcher {la.name!r}", f"use one of {LAUNCHERS}")
@@ -127,6 +132,24 @@ def validate_config(cfg: Config) -> None:
         require(m.vocab_size >= size, "model.vocab_size",
                  f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
                  f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
+
+
+def _validate_evaluation(cfg: Config) -> None:
+    t, m, r = cfg.trainer, cfg.model, cfg.router
+    window = eval_window(cfg)
+    # rotary tables stop at max_seq_len: a window cannot be longer than the model's positions
+    require(window <= m.max_seq_len, "trainer.eval_seq_len",
+             f"{window} is longer than model.max_seq_len ({m.max_seq_len})",
+             f"use trainer.eval_seq_len<={m.max_seq_len} or raise model.max_seq_len (and trainer.seq_len)")
+    require(window > r.prefix_tokens, "trainer.eval_seq_len",
+             f"a window of {window} tokens does not reach past the routing prefix ({r.prefix_tokens})",
+             f"use trainer.eval_seq_len>{r.prefix_tokens}")
+    require(t.eval_every >= 1, "trainer.eval_every", f"must be >= 1, got {t.eval_every}", "e.g. trainer.eval_every=2")
+    require(not t.path_early_stopping or cfg.diloco.mode == "sync", "trainer.path_early_stopping",
+             "path early stopping runs in the synchronous rounds only", "use diloco.mode=sync")
+    require(not t.path_early_stopping or r.reshard_at_round is None, "trainer.path_early_stopping",
+             "a re-shard re-routes the validation shards the kept weights were chosen on",
+             "drop router.reshard_at_round or trainer.path_early_stopping")
 
 
 def _validate_slurm(la: LauncherConfig) -> None:

@@ -52,6 +52,7 @@ from dipaco.dense import load_dense_state
 from dipaco.learner import PathLearner, make_inner_optimizer
 from dipaco.run_dir import RunDir
 from dipaco.schedule import total_inner_steps, warmup_steps
+from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.codecs import Codec, make_codec
 from dipaco.sync.module_state import encode_with_feedback, load_flat
 from dipaco.sync.module_sync import flatten_params, pseudo_gradient
@@ -109,6 +110,7 @@ class DecoupledWorker:
         self.feedback = {m: bool(cfg.diloco.error_feedback) and self.shared[m] and lossy.lossy
                          for m in self.grid.module_ids}
         self.learners: dict[int, Any] = {}
+        self.alpha = PathAlpha.from_config(cfg.diloco.alpha, self.run.shards)  # the merge weighs by it
         self.chaos = faults.worker_chaos()  # DIPACO_FAULT worker_delay (none in real runs)
         self.rng = random.Random(self.chaos.seed * 1000 + index * 17 + incarnation)
         self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
@@ -339,12 +341,14 @@ class DecoupledWorker:
             delta = pseudo_gradient(base[m], flatten_params(list(self.grid.module(m).parameters())))
             codec = self.codecs[m]
             res = residuals.get(m, torch.zeros_like(delta)) if self.feedback[m] else None
-            payload, res = encode_contribution(delta, stats.tokens, codec, res)
+            payload, res = encode_contribution(delta, self.alpha(p, stats.tokens), codec, res)
             if res is not None:
                 residuals[m] = res
             uid = f"{m}.p{p}.ph{phase}.{self.id}"
             meta = {"update_id": uid, "module_id": m, "path_id": p, "phase": phase,
-                    "base_version": pulled[m][0], "tokens": stats.tokens, "codec": codec.name,
+                    # "tokens" is the α the merge weighs by (= tokens trained unless diloco.alpha=shard_size)
+                    "base_version": pulled[m][0], "tokens": self.alpha(p, stats.tokens),
+                    "trained_tokens": stats.tokens, "codec": codec.name,
                     "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,
                     "learner": self.id, "inner_steps": stats.steps, "created_at": time.time()}
             # put_new: an id is written once; a file name is never reused for other content
