@@ -170,7 +170,12 @@ def score_documents(
 
 
 def _ppl(nll: float, n: int) -> float:
-    return float(math.exp(nll / n)) if n else float("nan")
+    if not n:
+        return float("nan")
+    try:
+        return float(math.exp(nll / n))
+    except OverflowError:  # a diverged model: report inf, never crash the evaluation
+        return float("inf")
 
 
 def evaluate_routed(

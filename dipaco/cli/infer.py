@@ -286,7 +286,7 @@ def cmd_score(args: argparse.Namespace) -> None:
         docs = [run.encode(t) for t in texts]
     report = run.score(docs, reroute_every=args.reroute_every, batch_size=args.batch_size, seq_len=args.seq_len)
     report.update({"skipped_malformed_lines": skipped, "num_input_documents": len(docs),
-                   "checkpoint": str(run.checkpoint), "run_dir": str(run.run.root)})
+                   "checkpoint": str(run.checkpoint), "best_paths": run.best_paths, "run_dir": str(run.run.root)})
     if report["num_tokens"] == 0:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
               "perplexity is undefined (nan)", file=sys.stderr)

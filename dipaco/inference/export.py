@@ -12,6 +12,7 @@ import torch
 
 from dipaco.checkpoint import MANIFEST, CheckpointError, CheckpointManager, load_tensors, save_tensors, sha256_file, write_json
 from dipaco.data import Tokenizer
+from dipaco.early_stopping import load_best_path
 from dipaco.inference.run import InferenceRun
 from modules import ModelConfig, ModuleGrid, PathModel
 
@@ -92,8 +93,11 @@ def _write_export(run: InferenceRun, path_id: int, tmp: Path) -> None:
     grid = run.new_grid()
     module_ids = grid.module_ids_of_path(int(path_id))
     tensors: dict[str, torch.Tensor] = {}
+    # the path's kept best weights when the run kept them (trainer.path_early_stopping)
+    best = load_best_path(run.run, grid, int(path_id)) if run.best_paths else None
     for mid in module_ids:
-        run.load_module_into(grid, mid)
+        if best is None:
+            run.load_module_into(grid, mid)
         for name, t in grid.module_state_dict(mid).items():
             tensors[f"{mid}/{name}"] = t
     save_tensors(tmp / "model.safetensors", tensors, meta={"format": EXPORT_FORMAT, "module_ids": module_ids})
@@ -112,7 +116,8 @@ def _write_export(run: InferenceRun, path_id: int, tmp: Path) -> None:
         "prefix_tokens": run.prefix_tokens,
         "source": {"run_dir": str(run.run.root), "checkpoint": run.checkpoint.name,
                    "module_sha256": {mid: run.manifest["files"][f"modules/{mid}.safetensors"]["sha256"]
-                                     for mid in module_ids}},
+                                     for mid in module_ids},
+                   "best_weights": best},
     })
     (tmp / EXPORT_MARKER).write_text(f"{EXPORT_FORMAT} v{EXPORT_VERSION}\n", encoding="utf-8")
     files = sorted(p for p in tmp.iterdir() if p.is_file())

@@ -20,6 +20,7 @@ from dipaco.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, loa
                                sha256_file)
 from dipaco.data import Tokenizer
 from dipaco.dense import dense_grid, load_dense_state
+from dipaco.early_stopping import load_best_path
 from dipaco.evaluate import evaluate_routed
 from dipaco.inference.generate import Generation, generate_routed
 from dipaco.prepare import lm_featurizer
@@ -43,6 +44,9 @@ class InferenceRun:
         checkpoint: the verified checkpoint directory weights are read from.
         manifest: that checkpoint's manifest (sha256 + size per file).
         verify: ``"all"`` (hashed at open) or ``"read"`` (each module file hashed when read).
+        best_paths: read each path from its kept best weights when the run kept them
+            (``trainer.path_early_stopping``, ``checkpoints/best_paths/``), as the job's
+            final evaluation does; other paths come from ``checkpoint``.
     """
 
     run: RunDir
@@ -52,6 +56,7 @@ class InferenceRun:
     checkpoint: Path
     manifest: dict
     verify: str = "all"
+    best_paths: bool = False
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike, *, checkpoint: Optional[str] = None,
@@ -59,7 +64,9 @@ class InferenceRun:
         """Open ``run_dir``; raise :class:`RunDirError` / :class:`CheckpointError` naming the bad file.
 
         Args:
-            checkpoint: ``None`` (newest), a round number, a ``round_NNNNNN`` name or a path.
+            checkpoint: ``None`` (newest, with each path's kept best weights when the run
+                used ``trainer.path_early_stopping``), a round number, a ``round_NNNNNN``
+                name or a path (that checkpoint's weights only).
             verify: ``"all"`` or ``"read"`` (see the module docstring).
             need_weights: ``False`` for routing only: no checkpoint is looked up.
             device: ``auto`` | ``cuda`` | ``cpu`` for the path models (and the LM
@@ -81,8 +88,10 @@ class InferenceRun:
         if need_weights:
             ckpt = _find_checkpoint(run, checkpoint)
             manifest = CheckpointManager.verify(ckpt) if verify == "all" else _read_manifest(ckpt)
+        best = need_weights and checkpoint is None and bool(cfg.trainer.path_early_stopping) \
+            and run.best_paths.is_dir()
         return cls(run=run, cfg=cfg, tokenizer=tokenizer, router=router, checkpoint=ckpt,
-                   manifest=manifest, verify=verify)
+                   manifest=manifest, verify=verify, best_paths=best)
 
     # ---------------------------------------------------------------- routing
 
@@ -251,8 +260,9 @@ class PathLoader:
         while len(self._models) >= self.cache_size:
             self._models.popitem(last=False)  # drop before building: memory stays bounded
         grid = self.run.new_grid()
-        for mid in grid.module_ids_of_path(path_id):
-            self.run.load_module_into(grid, mid)
+        if not (self.run.best_paths and load_best_path(self.run.run, grid, path_id)):
+            for mid in grid.module_ids_of_path(path_id):
+                self.run.load_module_into(grid, mid)
         model = PathModel(grid, path_id).eval()
         model.grid = grid  # kept for inspection: which modules this process built
         self._models[path_id] = model
