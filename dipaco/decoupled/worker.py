@@ -17,7 +17,7 @@ One phase of path p:
    (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts the phase and
    its work is discarded, counted as wasted steps);
 4. push, per module, ``Δ = θ_pulled − θ_path`` encoded with ``diloco.codec``, tagged with
-   the version it started from, its tokens (α), path and phase, under a unique id;
+   the version it started from, its α (``diloco.alpha``), path and phase, under a unique id;
 5. save the path state with ``phases_done + 1`` and the new ``steps_done``, then the small
    progress file; release.
 
@@ -110,7 +110,8 @@ class DecoupledWorker:
         self.feedback = {m: bool(cfg.diloco.error_feedback) and self.shared[m] and lossy.lossy
                          for m in self.grid.module_ids}
         self.learners: dict[int, Any] = {}
-        self.alpha = PathAlpha.from_config(cfg.diloco.alpha, self.run.shards)  # the merge weighs by it
+        # meta "tokens" is the α the merge weighs by; "trained_tokens" what the phase trained
+        self.alpha = PathAlpha.from_config(cfg.diloco.alpha, self.run.shards)
         self.chaos = faults.worker_chaos()  # DIPACO_FAULT worker_delay (none in real runs)
         self.rng = random.Random(self.chaos.seed * 1000 + index * 17 + incarnation)
         self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
@@ -346,7 +347,6 @@ class DecoupledWorker:
                 residuals[m] = res
             uid = f"{m}.p{p}.ph{phase}.{self.id}"
             meta = {"update_id": uid, "module_id": m, "path_id": p, "phase": phase,
-                    # "tokens" is the α the merge weighs by (= tokens trained unless diloco.alpha=shard_size)
                     "base_version": pulled[m][0], "tokens": self.alpha(p, stats.tokens),
                     "trained_tokens": stats.tokens, "codec": codec.name,
                     "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,

@@ -9,7 +9,7 @@ How the rounds loop (:mod:`dipaco.rounds`) drives a round (the same code in both
             sync.begin_path(p)                   # live modules of p ← θ_global
             ...H inner AdamW steps of path p (torch, G > 1: allreduce_gradients after
                each backward over sync.worker_group)...
-            sync.end_path(p, tokens)             # contribute α·Δ, α = tokens of p this round
+            sync.end_path(p, alpha)              # contribute α·Δ, α = tokens of p this round (sync/alpha.py)
         stats = sync.finish_round()              # collectives in torch: every rank calls it
 
 In the ``local`` backend (``rank=None``) this process plays every worker group: it holds
