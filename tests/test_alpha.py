@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from dipaco.config import compose_config
+from dipaco.inference import InferenceRun
+from dipaco.prepare import validation_ids
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.topology import Topology
@@ -78,6 +80,12 @@ def test_a_tiny_run_with_every_option(tmp_path: Path) -> None:
     assert set(summary["best_rounds"].values()) <= {2, 3}
     assert (tmp_path / "checkpoints" / "best_paths" / "path_0.safetensors").is_file()
     assert summary["eval_tokens_long"] > summary["eval_tokens"]
+    # dipaco-infer reads the kept best weights and reproduces both protocols
+    run = InferenceRun.open(tmp_path)
+    docs = validation_ids(run.cfg, run.run)
+    assert run.best_paths
+    assert run.score(docs)["ppl"] == pytest.approx(summary["routed_ppl"], rel=1e-9)
+    assert run.score(docs, whole_documents=True)["ppl"] == pytest.approx(summary["routed_ppl_long"], rel=1e-9)
     for key in ("routed_ppl_long", "dense_ppl_long", "rerouted_ppl_long", "wrong_path_ppl_long",
                 "routed_ppl_last_weights"):
         assert 1.0 < summary[key] < cfg.model.vocab_size, key

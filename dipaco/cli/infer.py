@@ -3,7 +3,7 @@
     dipaco-infer route    RUN_DIR (--text T [T ...] | --file F.jsonl) [--top-k K]
     dipaco-infer generate RUN_DIR --prompt P [--max-new-tokens N] [--temperature T] [--top-k K]
                           [--seed S] [--reroute-every W] [--no-kv-cache] [--json]
-    dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--batch-size B] [--out F]
+    dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--long] [--batch-size B] [--out F]
     dipaco-infer export   RUN_DIR --path P --out DIR [--format dipaco|hf]
 
 The rules (checkpoint check, path-at-a-time loading, short prompts, re-routing, long
@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Same rule as the job's routed evaluation (so the run's validation documents give "
         "summary.json's routed_ppl): documents are cut to trainer.seq_len+1 tokens, the "
         "routing prefix carries no loss, documents with nothing after it are skipped and "
-        "counted. Prints JSON with ppl, loss, num_tokens, per_path. " + _COMMON_EPILOG))
+        "counted. With --long, the long protocol (summary.json's routed_ppl_long): whole "
+        "documents in windows of --seq-len (default trainer.eval_seq_len or model.max_seq_len). "
+        "Prints JSON with ppl, loss, num_tokens, per_path. " + _COMMON_EPILOG))
     common(s)
     inputs(s, allow_text=False)
     s.add_argument("--reroute-every", type=_positive("--reroute-every"), default=None, metavar="W",
@@ -132,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=_positive("--batch-size"), default=None, metavar="B",
                    help="documents per forward (default: trainer.eval_batch_size)")
     s.add_argument("--seq-len", type=_positive("--seq-len"), default=None, metavar="L",
-                   help="tokens scored per document (default: trainer.seq_len)")
+                   help="tokens scored per document, per window with --long (default: trainer.seq_len)")
+    s.add_argument("--long", action="store_true", help="score whole documents in windows (docs/evaluation.md)")
     s.add_argument("--out", default=None, metavar="F", help="write the JSON here instead of stdout")
 
     e = sub.add_parser("export", help="write one path as a standalone model directory", epilog=(
@@ -284,7 +287,8 @@ def cmd_score(args: argparse.Namespace) -> None:
         docs = validation_ids(run.cfg, run.run)
     else:
         docs = [run.encode(t) for t in texts]
-    report = run.score(docs, reroute_every=args.reroute_every, batch_size=args.batch_size, seq_len=args.seq_len)
+    report = run.score(docs, reroute_every=args.reroute_every, batch_size=args.batch_size, seq_len=args.seq_len,
+                       whole_documents=args.long)
     report.update({"skipped_malformed_lines": skipped, "num_input_documents": len(docs),
                    "checkpoint": str(run.checkpoint), "best_paths": run.best_paths, "run_dir": str(run.run.root)})
     if report["num_tokens"] == 0:

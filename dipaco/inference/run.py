@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from dipaco.build import build_grid
-from dipaco.config import ConfigError
+from dipaco.config import ConfigError, eval_window
 from dipaco.device import cuda_count
 from dipaco.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, load_state, round_dir_name,
                                sha256_file)
@@ -159,14 +159,17 @@ class InferenceRun:
 
     def score(self, docs: Sequence[Sequence[int]], *, reroute_every: Optional[int] = None,
               batch_size: Optional[int] = None, seq_len: Optional[int] = None,
-              loader: Optional["PathLoader"] = None) -> dict:
+              loader: Optional["PathLoader"] = None, whole_documents: bool = False) -> dict:
         """Routed perplexity of token documents with the job's rule (``evaluate_routed``).
 
         Defaults (``seq_len``, ``batch_size``) come from the run's trainer config, so scoring
-        the run's validation documents reproduces ``summary.json``'s ``routed_ppl``.
+        the run's validation documents reproduces ``summary.json``'s ``routed_ppl``
+        (``routed_ppl_long`` with ``whole_documents``: windows of ``seq_len``, default
+        :func:`dipaco.config.eval_window`).
         """
         t = self.cfg.trainer
-        seq_len = t.seq_len if seq_len is None else int(seq_len)
+        default = eval_window(self.cfg) if whole_documents else t.seq_len
+        seq_len = default if seq_len is None else int(seq_len)
         if not 1 <= seq_len < self.cfg.model.max_seq_len + 1:
             raise ValueError(f"seq_len must be in [1, {self.cfg.model.max_seq_len}] (model.max_seq_len), got {seq_len}")
         loader = loader or self.loader()
@@ -174,7 +177,7 @@ class InferenceRun:
             [np.asarray(d, dtype=np.int64) for d in docs], loader.get, seq_len=seq_len,
             prefix_tokens=self.prefix_tokens, route_batch=self.router.route_batch,
             reroute_windows=self.router.reroute_windows, reroute_every=reroute_every,
-            batch_size=t.eval_batch_size if batch_size is None else int(batch_size))
+            batch_size=t.eval_batch_size if batch_size is None else int(batch_size), whole_documents=whole_documents)
 
 
 def _load_router(run: RunDir, cfg: Any) -> Any:
