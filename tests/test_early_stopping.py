@@ -23,7 +23,7 @@ def setup(tmp_path: Path):
     run = RunDir.at(tmp_path)
     grid = build_grid(cfg)
     rng = np.random.default_rng(0)
-    docs = [rng.integers(0, cfg.model.vocab_size, size=int(n)).astype(np.int64) for n in rng.integers(20, 80, 24)]
+    docs = [rng.integers(0, cfg.model.vocab_size, size=int(n)).astype(np.int64) for n in rng.integers(20, 50, 12)]
     write_validation_shards(run, np.arange(len(docs)) % grid.num_paths, docs, grid.num_paths)
     return cfg, run, grid
 
