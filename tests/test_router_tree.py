@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from router import Router, balanced_assign, capacity_per_path, routing_report
+from router.assign import _make_room
 from router.synthetic import hierarchical_corpus, topic_corpus
 from router.tree import fit_tree, grouped_layout, tree_costs
 
@@ -194,3 +195,15 @@ def test_report_gives_nmi_and_purity_per_level():
     assert lists["levels"] == rep["levels"]  # per level, as the path NMI, uses the best path
     with pytest.raises(ValueError, match="grid"):
         routing_report(paths, num_paths=6, labels=labels, grid=[2, 2])
+
+
+def test_soft_capacities_that_leave_no_move_overshoot_by_one_document():
+    # path 1 has room (soft capacity 5) but every holder of the full paths 0 and 2 holds it
+    # too: no document can make room, so document 0 joins its best missing path anyway
+    costs = np.array([[0.5, 0.0, 0.9], [0.0, 0.1, 0.9], [0.9, 0.1, 0.0]])
+    chosen = [[1], [0, 1], [2, 1]]
+    load = np.array([1, 3, 1])
+    _make_room(costs, np.array([1, 0, 2]), chosen, load, 0, np.array([1, 5, 1]))
+    assert chosen[0] == [1, 0] and load.tolist() == [2, 3, 1]
+    with pytest.raises(RuntimeError, match="bug"):  # with equal capacities this is impossible
+        _make_room(costs, np.array([1, 0, 2]), [[1], [0, 1], [2, 1]], np.array([1, 3, 1]), 0, np.full(3, 1))
