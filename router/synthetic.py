@@ -60,6 +60,7 @@ def hierarchical_corpus(
     vocab_per_topic: int = 40,
     super_rate: float = 0.5,
     length: tuple[int, int] = (24, 64),
+    shared_sub_topics: bool = False,
     seed: int = 0,
 ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """A two-level topic hierarchy: ``super_topics`` super-topics of ``sub_topics`` topics each.
@@ -67,7 +68,10 @@ def hierarchical_corpus(
     Each token of a document of topic (s, t) is drawn, with probability ``super_rate``,
     from super-topic s's vocabulary (shared by its sub-topics) and otherwise from topic
     (s, t)'s own vocabulary; all vocabularies are disjoint. Sibling topics are therefore
-    closer to each other than to any topic of another super-topic.
+    closer to each other than to any topic of another super-topic. With
+    ``shared_sub_topics`` sub-topic t's vocabulary is the same in every super-topic (a
+    second factor across domains, e.g. a genre): topic (s, t) then mixes super-topic s and
+    sub-topic t.
 
     Returns:
         (documents, super-topic label, leaf label ``s * sub_topics + t``), in leaf order.
@@ -82,7 +86,7 @@ def hierarchical_corpus(
         super_base = s * vocab_per_topic
         for t in range(sub_topics):
             leaf = s * sub_topics + t
-            leaf_base = (super_topics + leaf) * vocab_per_topic
+            leaf_base = (super_topics + (t if shared_sub_topics else leaf)) * vocab_per_topic
             for _ in range(docs_per_topic):
                 n = int(rng.integers(length[0], length[1]))
                 toks = leaf_base + rng.choice(vocab_per_topic, size=n, p=weights)

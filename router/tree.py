@@ -10,7 +10,10 @@ In a grid, the paths that share a level-l module are the cells with the same pre
   :func:`tree_costs` gives the cost of a path as the sum over levels of the squared
   distance to the centroid of the path's node at that level: a document's next-best path
   is then usually a sibling (same level-0 module), which is where balanced assignment
-  sends overflow.
+  sends overflow. A level-1 module j is shared by the j-th children of *every* level-0
+  node, so the children are ordered to agree across nodes: child j of each node is the
+  one whose offset from its parent is nearest the j-th of K_1 reference offsets (k-means
+  of every point's offset from its parent), as in residual quantisation.
 * :func:`grouped_layout` (``method="grouped"``): one flat k-means of P clusters, then the P
   centroids are split into K_0 equal groups of nearby centroids (k-means on the centroids,
   balanced exactly), each group into K_1 equal sub-groups, and so on; cluster ids are laid
@@ -59,7 +62,7 @@ def fit_tree(x: np.ndarray, grid: Sequence[int], *, niter: int = 20, seed: int =
     Returns one float32 array per level: ``[prod(grid[: l + 1]), d]`` node centroids in
     mixed-radix order, or ``[prod(grid[: l]), 0]`` for a level with K = 1 (no cost).
     Each point descends to its nearest child at every level; children are fitted on the
-    points that reached their parent.
+    points that reached their parent, then ordered by :func:`_align_children`.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, d = x.shape
@@ -80,9 +83,30 @@ def fit_tree(x: np.ndarray, grid: Sequence[int], *, niter: int = 20, seed: int =
             cents[p * k : (p + 1) * k] = block
             if members.size:
                 child[members] = p * k + search(x[members], block)[0][:, 0]
+        if parents.shape[0] > 1:
+            cents, child = _align_children(x, node, parents, cents, child, k, niter=niter, seed=seed + depth)
         node, parents, depth = child, cents, depth + 1
         out.append(cents)
     return out
+
+
+def _align_children(x: np.ndarray, node: np.ndarray, parents: np.ndarray, cents: np.ndarray,
+                    child: np.ndarray, k: int, *, niter: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reorder each node's ``k`` children so that child j sits in the same direction from its
+    parent in every node (the j-th module of this level then serves alike sub-clusters).
+
+    Returns the reordered centroids and each point's child index under the new order.
+    """
+    ref = fit_kmeans(x - parents[node], k, niter=niter, seed=seed)  # shared offset directions
+    slot = np.empty(cents.shape[0], np.int64)  # new index of each child
+    for p in range(parents.shape[0]):
+        offsets = cents[p * k : (p + 1) * k] - parents[p]
+        # capacity 1.0 with k children and k references: a one-to-one matching
+        match = balanced_assign(squared_distances(offsets, ref), capacity_factor=1.0)
+        slot[p * k : (p + 1) * k] = p * k + np.array([m[0] for m in match])
+    aligned = np.empty_like(cents)
+    aligned[slot] = cents
+    return aligned, slot[child]
 
 
 def tree_costs(x: np.ndarray, grid: Sequence[int], centroids: Sequence[np.ndarray]) -> np.ndarray:

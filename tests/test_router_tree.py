@@ -41,6 +41,15 @@ def test_tree_recovers_the_hierarchy(hierarchy, tree44):
         assert mine.size and np.bincount(mine).max() >= 0.95 * mine.size, (module, np.bincount(mine))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_aligns_children_so_a_level1_module_serves_one_sub_topic_in_every_super_topic(seed):
+    # sub-topic t's vocabulary is shared by all super-topics: module j of level 1 must get one t
+    docs, supers, leaves = hierarchical_corpus(2, 2, super_rate=0.6, shared_sub_topics=True, seed=seed)
+    best = Router.fit(docs, [2, 2], method="tree", seed=seed).route_batch(docs)
+    level1 = routing_report(best, num_paths=4, labels=leaves % 2, grid=[2, 2])["levels"][1]
+    assert level1["nmi"] >= 0.9 and level1["purity"] >= 0.97, level1
+
+
 def test_tree_costs_are_the_sum_of_node_distances(hierarchy, tree44):
     docs = hierarchy[0][:25]
     feats = tree44.features(docs)
