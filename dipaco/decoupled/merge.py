@@ -6,6 +6,7 @@ outer step, on top of the per-module core both modes share
 drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
 
 An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase,
+times its relative shard size with ``diloco.alpha=shard_size``;
 Δ_u = θ_base − θ_path; encoded with the codec and error feedback exactly as a sync
 worker group encodes its contribution). One outer step over the pending updates U:
 
