@@ -116,11 +116,25 @@ def test_build_is_deterministic_and_cached(fake_install, monkeypatch) -> None:
 
     monkeypatch.setattr(multidomain, "build", no_build)
     assert load_multidomain(EXCLUDES, 600, 4000)[0] == first
+    # a damaged cache file is built again, not crashed on
+    with open(path, "w") as f:
+        f.write('{"id": "half a line')
+    with pytest.raises(AssertionError, match="must not rebuild"):
+        load_multidomain(EXCLUDES, 600, 4000)
     # a changed install (a file grows) has another fingerprint: it rebuilds
     with open(fake_install / "include" / "Python.h", "a") as f:
         f.write("static int added;\n")
     with pytest.raises(AssertionError, match="must not rebuild"):
         load_multidomain(EXCLUDES, 600, 4000)
+
+
+def test_unwritable_cache_is_one_line_error(fake_install, monkeypatch) -> None:
+    blocker = fake_install / "not_a_dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("DIPACO_CACHE", str(blocker))
+    with pytest.raises(DataError, match=r"multidomain cache.*Fix: set DIPACO_CACHE") as e:
+        load_multidomain(EXCLUDES, 600, 4000)
+    assert "\n" not in str(e.value)
 
 
 def test_domain_cap_limits_each_domain(fake_install) -> None:

@@ -374,14 +374,21 @@ def load_multidomain(exclude_packages: Sequence[str] = (), target_doc_chars: int
                 "cap": domain_max_chars}
     path = os.path.join(cache_dir(), f"multidomain-{fingerprint(candidates, settings)[:20]}.jsonl")
     if os.path.isfile(path):
-        return list(_read_jsonl(path)), path
+        try:
+            return list(_read_jsonl(path)), path
+        except (ValueError, TypeError, UnicodeDecodeError):  # a damaged cache file: build it again
+            pass
     if progress:
         print(f"multidomain: first build from {len(candidates)} files of this install "
               f"(cached afterwards at {path})", flush=True)
     # files left out here are not added to Corpus.skipped: a cache hit must give the same corpus record
     left_out: Dict[str, int] = {}
     docs = build(candidates, target_doc_chars, max_doc_chars, domain_max_chars, left_out, progress)
-    _write_jsonl(path, docs)
+    try:
+        _write_jsonl(path, docs)
+    except OSError as e:
+        raise DataError(f"cannot write the multidomain cache {path}: {e.strerror or e}. "
+                        f"Fix: set DIPACO_CACHE to a writable directory") from None
     if progress:
         print(f"multidomain: {len(docs)} documents; files left out: {left_out}", flush=True)
     return docs, path
