@@ -58,6 +58,19 @@ def test_total_steps_sets_rounds_and_must_divide() -> None:
         validate_config(compose_config(["trainer.total_steps=810", "diloco.inner_steps=200"]))
 
 
+@pytest.mark.parametrize(("grid", "paths"), [("dense", 1), ("2x2", 4), ("4x4", 16)])
+def test_documents_per_path_scales_the_corpus_with_the_paths(grid: str, paths: int) -> None:
+    cfg = compose_config([f"grid={grid}", "data.documents_per_path=250"])
+    validate_config(cfg)
+    validate_config(cfg)  # idempotent: a resolved config (a resumed run's) validates again
+    assert cfg.data.max_documents == 250 * paths
+
+
+def test_documents_per_path_and_max_documents_are_exclusive() -> None:
+    with pytest.raises(ConfigError, match="documents_per_path.*drop one"):
+        validate_config(compose_config(["data.documents_per_path=250", "data.max_documents=100"]))
+
+
 def test_setup_cfg_lists_every_package() -> None:
     """Packages are listed, not found (conf/ installs as dipaco.conf): none may be forgotten."""
     parser = configparser.ConfigParser()

@@ -136,6 +136,35 @@ def test_issue_example_unequal_alpha_is_the_token_weighted_mean(order: tuple[int
     assert float(s.theta[0]) == -1.0
 
 
+@pytest.mark.parametrize("piled", [1, 3, 6])
+def test_one_paths_piled_up_phases_move_the_module_once(piled: int) -> None:
+    """A path that ran ahead of its synchroniser pushes phases that each start from the
+    same pulled θ (its own pending update cannot be in it): they are alternatives, so a
+    step moves the module as far as one of them, not ``piled`` times as far (the sum
+    drove a loaded chaos run above its initial loss)."""
+    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
+                           {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    for k in range(piled):  # path 0 alone, every phase from version 0
+        s.offer(Update(f"u{k}", "m", 0, k, 0, 100.0, torch.ones(1)), 0.0)
+    rec = s.step(0.0, trigger="grace")
+    # a partial step (path 1 missing) moves by path 0's share of a round: 1 / 2
+    assert float(s.theta[0]) == pytest.approx(-0.5, abs=1e-6)
+    assert sorted(rec.update_ids) == [f"u{k}" for k in range(piled)]
+    assert rec.weights == pytest.approx([100.0 / piled] * piled)
+
+
+def test_piled_up_phases_weigh_as_one_contributor_beside_other_paths() -> None:
+    """Path 0 with two pending phases (Δ 1 and 3) and path 1 with one (Δ 2), equal α:
+    path 0 counts once, with the mean of its two, so θ = −(mean(1, 3) + 2) / 2."""
+    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
+                           {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    s.offer(Update("a", "m", 0, 0, 0, 100.0, torch.full((1,), 1.0)), 0.0)
+    s.offer(Update("b", "m", 0, 1, 0, 100.0, torch.full((1,), 3.0)), 0.0)
+    s.offer(Update("c", "m", 1, 0, 0, 100.0, torch.full((1,), 2.0)), 0.0)
+    s.step(0.0)
+    assert float(s.theta[0]) == -2.0
+
+
 def test_decoupled_runs_a_non_sgd_outer_optimiser() -> None:
     s = ModuleSynchronizer("m", torch.zeros(4), [0, 1], DecoupledConfig(quorum=0.5), ADAMW)
     assert isinstance(s.core.outer_optimizer, torch.optim.AdamW)

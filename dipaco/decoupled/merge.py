@@ -9,12 +9,19 @@ An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this
 Δ_u = θ_base − θ_path; encoded with the codec and error feedback exactly as a sync
 worker group encodes its contribution). One outer step over the pending updates U:
 
-    g = Σ_{u∈U} d(s_u)·c_u / D        d(s) = (1 + s)^(−staleness_power)
-    D = Σ_{u∈U} α_u                            if every sharing path is in U
-        max(Σ_{u∈U} α_u, n_sharing·EMA(α))     otherwise (a partial step)
-    g ← g·√n_sharing                           with diloco.sharing_rescale
+    g = Σ_{u∈U} d(s_u)·c_u / (n_u·D)   d(s) = (1 + s)^(−staleness_power)
+    D = Σ_{u∈U} α_u / n_u                        if every sharing path is in U
+        max(Σ_{u∈U} α_u / n_u, n_sharing·EMA(α)) otherwise (a partial step)
+    g ← g·√n_sharing                             with diloco.sharing_rescale
 
-where s_u is the update's staleness in versions of the module. Updates are summed in
+where s_u is the update's staleness in versions of the module and n_u the number of
+pending updates of u's path. A path's updates in one step are *alternatives*, not
+increments: a learner starts each phase from the pulled θ_global, which cannot contain
+its own still-pending update, so phases k and k+1 of one path are two displacements from
+about the same point. Summing them moved the module n times as far; when the
+synchroniser fell behind a path running alone (a loaded host, the other learners being
+restarted), six such phases piled up and the routed loss ended above its initial value.
+A path therefore weighs as one contributor with the mean of its pending updates. Updates are summed in
 (path, phase) order, the order the synchronous exchange sums worker groups in, so with
 every sharing path present and fresh the step is synchronous mode's, bit for bit,
 whatever the arrival order. A partial step (quorum < 1) moves only by its share of a
@@ -29,6 +36,7 @@ SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -85,7 +93,7 @@ class StepRecord:
     update_ids: list[str]
     paths: list[int]
     staleness: list[int]
-    weights: list[float]  # α·d(s) per update
+    weights: list[float]  # α·d(s)/n per update (n: pending updates of its path)
     norm: float  # ‖g‖
     trigger: str  # "quorum" | "grace" | "flush"
     momentum_applied: bool
@@ -233,17 +241,21 @@ class ModuleSynchronizer:
             return None
         keep.sort(key=lambda u: (u.path_id, u.phase))  # the synchronous exchange's order
         stal = [self.version - u.base_version for u in keep]
-        w = [float(u.tokens) * self.discount(s) for u, s in zip(keep, stal)]
+        # n_u: one path's pending updates share one contributor's weight (module doc)
+        per_path = Counter(u.path_id for u in keep)
+        n = [per_path[u.path_id] for u in keep]
+        w = [float(u.tokens) * self.discount(s) / k for u, s, k in zip(keep, stal, n)]
         alpha_sum = 0.0
-        for u in keep:
-            alpha_sum += float(u.tokens)
-        if {u.path_id for u in keep} >= set(self.sharing_paths):
+        for u, k in zip(keep, n):
+            alpha_sum += float(u.tokens) if k == 1 else float(u.tokens) / k
+        if set(per_path) >= set(self.sharing_paths):
             denom = alpha_sum  # a whole round: synchronous mode's token-weighted mean
         else:
             denom = max(alpha_sum, len(self.sharing_paths) * float(self.alpha_ema or 0.0))
         g = torch.zeros(self.core.numel, dtype=torch.float32)
-        for u, s in zip(keep, stal):
-            d = self.discount(s)
+        for u, s, k in zip(keep, stal, n):
+            d = self.discount(s) / k
+            # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
             g += u.contribution() if d == 1.0 else u.contribution() * d
         g = g / max(denom, 1e-12)
         norm = float(g.norm())

@@ -71,11 +71,16 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
     lev = load_events(store, "learner-")
     sev = load_events(store, "sync-")
     ledger = ledger_report(store, module_ids)
-    applied: dict[str, bool] = {}
+    # (module, "path:phase") slots whose update went into a version. Counted by slot, not
+    # by id: a phase killed mid-push and redone lands partly from each attempt (the
+    # redo's duplicates are dropped), and its steps still counted once.
+    slot_applied: set[tuple[str, str]] = set()
     for m in module_ids:
         got = store.get_state(module_key(m))
         if got:
-            applied.update({uid: True for uid in got[0]["applied"]})
+            state = got[0]
+            slot_applied.update((m, slot) for slot, uid in state.get("phases", {}).items()
+                                if uid in state["applied"])
 
     ends = [e for e in lev if e["e"] == "end"]
     # the training window: first phase begun → last phase ended (interpreter start-up
@@ -88,9 +93,12 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
 
     useful_s = useful_steps = executed = 0.0
     tokens = bytes_pushed = 0
+    counted: set[str] = set()
     for e in ends:
-        ids = list(e["ids"].values())
-        frac = sum(1 for uid in ids if applied.get(uid)) / max(1, len(ids))
+        slot = f"{e['path']}:{e['phase']}"
+        mods = list(e["ids"])
+        frac = 0.0 if slot in counted else sum((m, slot) in slot_applied for m in mods) / max(1, len(mods))
+        counted.add(slot)
         useful_s += frac * float(e["seconds"])
         useful_steps += frac * int(e["steps"])
         executed += int(e["steps"])
