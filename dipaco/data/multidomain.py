@@ -43,7 +43,7 @@ Ids are ``"<domain>/<origin>/<path>#<i>"`` with origin ``stdlib``, ``include`` o
 distribution's normalised name; ``group`` (what splits are keyed by, see
 :mod:`dipaco.data.splits`) is the source file, or the topic for the language reference.
 
-Cache. The first build reads ~100 MB of files (about a minute on 2 cores, with progress
+Cache. The first build reads ~70 MB of files (about two minutes on 2 cores, with progress
 bars); the documents are then written to ``$DIPACO_CACHE`` (default ``~/.cache/dipaco``)
 as ``multidomain-<fingerprint>.jsonl``. The fingerprint covers :data:`BUILDER_VERSION`,
 the build settings and every candidate file's (path, size, mtime), so a changed install
