@@ -74,6 +74,9 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
                   "decoupled goodput, one learner 3x slower", ">= 0.8"),
     "large_corpus": (_module("large_corpus"), lambda d: f"{d['peak_rss_mib']:.0f} MiB for {d['corpus_mib']:.0f} MiB",
                      "peak RSS routing + training from memmapped shards", "flat, << corpus"),
+    "route_sharing": (_module("route_sharing"),
+                      lambda d: ", ".join(f"{r['method']} {r['level0_nmi']}" for r in d["hierarchy"] if r["grid"] == [4, 4]),
+                      "level-0 NMI vs super-topic, synthetic hierarchy [4,4]", "tree ~1"),
 }
 
 # Scripts added later by others run too (as standalone scripts taking --quick), so the

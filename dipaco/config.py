@@ -20,7 +20,8 @@ from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub")
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
-ROUTER_METHODS = ("product", "flat", "random")
+ROUTER_METHODS = ("product", "tree", "flat", "grouped", "random")
+ROUTER_BALANCES = ("hard", "soft")
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
 MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|> (dipaco/data/tokenizer.py)
@@ -102,11 +103,17 @@ class RouterConfig:
     """How documents are assigned to paths (router/ package)."""
 
     prefix_tokens: int = 32
-    method: str = "product"  # product (k-means per level) | flat (one k-means of P) | random (control)
+    # product (k-means per level) | tree (hierarchical k-means) | flat (one k-means of P) |
+    # grouped (flat, clusters laid so that paths sharing a module get near clusters) | random (control)
+    method: str = "product"
     featurizer: str = "tfidf"  # tfidf (sklearn) | lm (mean hidden state of the warm-up model)
     feature_dim: int = 64
     top_k: int = 1
     capacity_factor: float = 1.25
+    # hard: every shard capped at capacity_factor x the mean; soft: a path keeps its natural
+    # cluster up to soft_capacity_factor x the mean (router/assign.py)
+    balance: str = "hard"
+    soft_capacity_factor: float = 2.0
     niter: int = 20
     # discriminative re-shard (sklearn classifier on per-path losses) at this round; None: off
     reshard_at_round: Optional[int] = None

@@ -178,9 +178,9 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     # per-document path lists: shard sizes and imbalance are the training shards' (every
     # membership counts, as the balanced assignment caps them); NMI uses the best path
-    report = routing_report(assignments, num_paths=router.num_paths,
+    report = routing_report(assignments, num_paths=router.num_paths, grid=router.grid,
                             labels=list(train_ds["label"]) if labels is not None else None)
-    report["validation"] = routing_report(best, num_paths=router.num_paths, labels=labels)
+    report["validation"] = routing_report(best, num_paths=router.num_paths, labels=labels, grid=router.grid)
     if reuse_shards:  # as written with the shards (a re-shard adds to it)
         report = run.read_json(run.routing_report)
     else:
@@ -191,7 +191,10 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
                         "checkpoints/"):
         fps.record("checkpoints", want)
     timings["route_s"] = time.perf_counter() - t0
-    nmi = f", NMI vs labels {report['nmi']:.3f}" if report.get("nmi") is not None else ""
+    nmi = ""
+    if report.get("nmi") is not None:
+        levels = " ".join(f"L{lv['level']} {lv['nmi']:.3f}" for lv in report.get("levels", []) if lv["modules"] > 1)
+        nmi = f", NMI vs labels {report['nmi']:.3f}" + (f" (per level: {levels})" if levels else "")
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
                     router=router, report=report, warmup_steps=n_warm, train_dataset=train_ids,
@@ -253,6 +256,7 @@ def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Calla
         featurizer = TokenTfidfFeaturizer(dim=r.feature_dim, seed=cfg.seed)
     return Router.fit(docs, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, method=r.method,
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,
+                      balance=r.balance, soft_capacity_factor=r.soft_capacity_factor,
                       featurizer=featurizer, niter=r.niter)
 
 

@@ -14,6 +14,7 @@ from dipaco.config import (
     LAUNCHERS,
     MIN_VOCAB,
     MODES,
+    ROUTER_BALANCES,
     ROUTER_METHODS,
     WANDB_MODES,
     Config,
@@ -79,6 +80,10 @@ def validate_config(cfg: Config) -> None:
     require(1 <= r.top_k <= num_paths, "router.top_k", f"must be in [1, {num_paths}], got {r.top_k}",
              "use router.top_k=1 (or up to the number of paths)")
     require(r.capacity_factor >= 1.0, "router.capacity_factor", "must be >= 1", "e.g. 1.25")
+    require(r.balance in ROUTER_BALANCES, "router.balance", f"unknown balance {r.balance!r}",
+            f"use one of {ROUTER_BALANCES}")
+    require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
+            f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
     require(r.reshard_at_round is None or 0 < r.reshard_at_round < t.rounds, "router.reshard_at_round",
              f"must lie strictly between 0 and trainer.rounds={t.rounds}", "e.g. router.reshard_at_round=2")
     require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",

@@ -1,8 +1,13 @@
 """Balanced top-k assignment of documents to paths (training shards), from a cost matrix.
 
 Given ``costs[N, P]`` (lower is better) every document receives ``top_k`` distinct paths
-such that no shard holds more than ``capacity = ceil(capacity_factor * N * top_k / P)``
-documents:
+such that no shard holds more than its capacity. With ``balance="hard"`` every path has
+``capacity = ceil(capacity_factor * N * top_k / P)``. With ``balance="soft"`` a path's
+capacity is its *natural load* (how many documents have it among their ``top_k``
+cheapest paths) clipped to ``[capacity, ceil(soft_capacity_factor * N * top_k / P)]``: a
+big natural cluster keeps its documents up to the soft ceiling instead of spilling the
+excess onto other clusters' paths, while overflow never pushes a path above the hard cap
+unless its own documents already did.
 
 1. Assignment runs in ``top_k`` rounds; round r gives each document its r-th path. Doing
    everyone's first choice before anyone's second keeps overflow out of the shards
@@ -18,7 +23,9 @@ documents:
 
 With ``capacity_factor >= 1`` the total room ``P * capacity >= N * top_k``, so step 2
 always finds a path: directly, or (top_k > 1, when the only room left is on paths the
-document already holds) by moving one other document to a path with room.
+document already holds) by moving one other document to a path with room. With unequal
+soft capacities that move may not exist; the document then joins its best missing path
+one above that path's capacity (soft capacities are a preference, not a guarantee).
 """
 from __future__ import annotations
 
@@ -26,16 +33,33 @@ import math
 
 import numpy as np
 
+# "hard": one capacity for every path; "soft": a path keeps its natural load up to a ceiling
+BALANCES = ("hard", "soft")
+
 
 def capacity_per_path(num_docs: int, num_paths: int, top_k: int, capacity_factor: float) -> int:
     """Most documents one shard may hold: ``ceil(capacity_factor * N * top_k / P)``."""
     return max(1, math.ceil(capacity_factor * num_docs * top_k / num_paths - 1e-9))
 
 
-def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float = 1.25) -> list[list[int]]:
+def path_capacities(costs: np.ndarray, top_k: int, capacity_factor: float, balance: str = "hard",
+                    soft_capacity_factor: float = 2.0) -> np.ndarray:
+    """Most documents each path may hold, int64 ``[P]`` (see the module docstring)."""
+    n, p = costs.shape
+    cap = capacity_per_path(n, p, top_k, capacity_factor)
+    if balance == "hard":
+        return np.full(p, cap, np.int64)
+    ceiling = capacity_per_path(n, p, top_k, soft_capacity_factor)
+    natural = np.bincount(np.argsort(costs, axis=1, kind="stable")[:, :top_k].ravel(), minlength=p)
+    return np.clip(natural, cap, ceiling).astype(np.int64)
+
+
+def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float = 1.25, balance: str = "hard",
+                    soft_capacity_factor: float = 2.0) -> list[list[int]]:
     """Each row's ``top_k`` distinct paths (best first by cost) under per-shard capacity.
 
-    Raises ValueError when ``top_k`` is not in [1, P] or ``capacity_factor < 1``.
+    Raises ValueError when ``top_k`` is not in [1, P], ``capacity_factor < 1``, ``balance``
+    is not one of :data:`BALANCES` or (soft) ``soft_capacity_factor < capacity_factor``.
     """
     costs = np.asarray(costs, np.float64)
     if costs.ndim != 2:
@@ -48,9 +72,14 @@ def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float
         raise ValueError(
             f"capacity_factor must be >= 1.0 (1.0 = perfectly balanced shards), got {capacity_factor}"
         )
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    if balance == "soft" and not soft_capacity_factor >= capacity_factor:
+        raise ValueError(f"soft_capacity_factor ({soft_capacity_factor}) must be >= capacity_factor "
+                         f"({capacity_factor})")
     if n == 0:
         return []
-    cap = capacity_per_path(n, p, top_k, capacity_factor)
+    cap = path_capacities(costs, top_k, capacity_factor, balance, soft_capacity_factor)
     # Preference order of each document (stable: equal costs → lower path id first).
     pref = np.argsort(costs, axis=1, kind="stable")
     if p > 1:
@@ -65,7 +94,7 @@ def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float
         for i in order.tolist():
             held = chosen[i]
             for path in pref[i].tolist():
-                if load[path] < cap and path not in held:
+                if load[path] < cap[path] and path not in held:
                     held.append(path)
                     load[path] += 1
                     break
@@ -77,25 +106,34 @@ def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float
 
 
 def _make_room(costs: np.ndarray, pref_i: np.ndarray, chosen: list[list[int]], load: np.ndarray, i: int,
-               cap: int) -> None:
+               cap: np.ndarray) -> None:
     """Document ``i`` finds room only on paths it already holds (possible with top_k > 1).
 
-    Total room suffices (``P * cap >= N * top_k``), so some path ``q`` it holds has room
-    and every path it lacks is full. Its best missing path ``q2`` has ``cap`` holders, not
-    all of whom can hold ``q`` too (``q`` would then be over capacity): the holder ``j``
-    that moves ``q2 → q`` at the least cost makes the room, and ``i`` takes ``q2``.
+    Total room suffices (``sum(cap) >= N * top_k``), so some path ``q`` it holds has room
+    and every path it lacks is full. With equal capacities its best missing path ``q2``
+    has ``cap`` holders, not all of whom can hold ``q`` too (``q`` would then be over
+    capacity): the holder ``j`` that moves ``q2 → q`` at the least cost makes the room,
+    and ``i`` takes ``q2``. Unequal (soft) capacities try the next missing paths, then
+    let ``i`` join its best missing path one over capacity.
     """
     held = chosen[i]
-    q2 = next(q for q in pref_i.tolist() if q not in held)
+    missing = [q for q in pref_i.tolist() if q not in held]
     best = None
-    for q in (q for q in held if load[q] < cap):
-        for j, other in enumerate(chosen):
-            if q2 in other and q not in other:
-                delta = costs[j, q] - costs[j, q2]
-                if best is None or delta < best[0]:
-                    best = (delta, j, q)
-    if best is None:  # impossible while capacity_factor >= 1 (see above); a loud guard
-        raise RuntimeError("balanced_assign ran out of room; this is a bug")
+    for q2 in missing:
+        for q in (q for q in held if load[q] < cap[q]):
+            for j, other in enumerate(chosen):
+                if q2 in other and q not in other:
+                    delta = costs[j, q] - costs[j, q2]
+                    if best is None or delta < best[0]:
+                        best = (delta, j, q)
+        if best is not None:
+            break
+    if best is None:
+        if (cap == cap[0]).all():  # impossible with equal capacities (see above); a loud guard
+            raise RuntimeError("balanced_assign ran out of room; this is a bug")
+        held.append(missing[0])
+        load[missing[0]] += 1
+        return
     _, j, q = best
     chosen[j][chosen[j].index(q2)] = q
     load[q] += 1
@@ -119,4 +157,4 @@ def _fill_empty(costs: np.ndarray, chosen: list[list[int]], load: np.ndarray) ->
             break
 
 
-__all__ = ["balanced_assign", "capacity_per_path"]
+__all__ = ["BALANCES", "balanced_assign", "capacity_per_path", "path_capacities"]

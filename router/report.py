@@ -11,6 +11,7 @@ def routing_report(
     *,
     num_paths: int,
     labels: Sequence[Any] | None = None,
+    grid: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Summarise a routing as a JSON-able dict.
 
@@ -20,6 +21,9 @@ def routing_report(
             membership and NMI/purity use each document's first (best) path.
         num_paths: P, so paths that received nothing still appear (as size 0).
         labels: optional known domain of each document (any hashable values).
+        grid: modules per level (``num_paths`` must be their product); with labels, adds
+            ``levels``: for each level, NMI and purity of the level's module index of
+            each document's path (the documents a module trains on, against the domains).
 
     Returns keys ``num_documents``, ``shard_sizes`` (one per path), ``imbalance``
     (max/mean shard size; None without documents), ``empty_shards`` (path ids), and with
@@ -48,20 +52,32 @@ def routing_report(
         "empty_shards": np.flatnonzero(sizes == 0).tolist(),
     }
     if labels is not None:
-        from sklearn.metrics import normalized_mutual_info_score  # lazy: keeps `import router` light
-
         labels = list(labels)
         if len(labels) != best.size:
             raise ValueError(f"labels has {len(labels)} entries for {best.size} documents")
-        report["nmi"] = float(normalized_mutual_info_score(labels, best)) if best.size else None
-        _, lab = np.unique(np.asarray([str(x) for x in labels]), return_inverse=True)
-        if best.size:
-            table = np.zeros((num_paths + 1, lab.max() + 1), np.int64)
-            np.add.at(table, (best, lab), 1)  # row -1 (a document with no path) never counts as correct
-            report["purity"] = float(table[:num_paths].max(axis=1).sum() / best.size)
-        else:
-            report["purity"] = None
+        report.update(_agreement(best, num_paths, labels))
+        if grid is not None:
+            g = tuple(int(k) for k in grid)
+            if int(np.prod(g)) != num_paths:
+                raise ValueError(f"grid {list(g)} has {int(np.prod(g))} paths, not num_paths={num_paths}")
+            ok = best >= 0
+            modules = np.full((len(g), best.size), -1, np.int64)
+            modules[:, ok] = np.unravel_index(best[ok], g)
+            report["levels"] = [dict(level=l, modules=k, **_agreement(modules[l], k, labels)) for l, k in enumerate(g)]
     return report
+
+
+def _agreement(assigned: np.ndarray, k: int, labels: list[Any]) -> dict[str, float | None]:
+    """NMI and purity of ``assigned`` (ids in [0, k), -1 = none) against ``labels``."""
+    from sklearn.metrics import normalized_mutual_info_score  # lazy: keeps `import router` light
+
+    if not assigned.size:
+        return {"nmi": None, "purity": None}
+    _, lab = np.unique(np.asarray([str(x) for x in labels]), return_inverse=True)
+    table = np.zeros((k + 1, lab.max() + 1), np.int64)
+    np.add.at(table, (assigned, lab), 1)  # row -1 (a document with no path) never counts as correct
+    return {"nmi": float(normalized_mutual_info_score(labels, assigned)),
+            "purity": float(table[:k].max(axis=1).sum() / assigned.size)}
 
 
 __all__ = ["routing_report"]

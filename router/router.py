@@ -3,18 +3,18 @@
 Path ids follow the grid's mixed radix with level 0 most significant
 (``np.ravel_multi_index(path, grid)``; for grid [4, 4], path (2, 1) is id 9).
 
-Two ways to turn features into paths (``method``):
+Ways to turn features into paths (``method``):
 
-* ``"product"``: the feature vector is rotated by a seeded random orthogonal matrix (so no
-  level gets only the leading, high-variance SVD components) and split into contiguous
-  blocks, one per level with K > 1. Level l clusters its block into K_l centroids. The
-  cost of path (k_0, k_1, ...) is the sum over levels of the squared distance from the
-  level's block to centroid k_l. Levels with K = 1 contribute nothing (and get no block,
-  so no feature dimension is wasted on them).
+* ``"product"``: k-means per level on separate blocks of the rotated features; path cost
+  is the sum of the levels' squared distances (``router.product``).
+* ``"tree"``: hierarchical k-means: level-0 clusters, their sub-clusters at level 1, and
+  so on; path cost is the sum of squared distances to the path's node at each level, so
+  paths that share a module receive related documents (``router.tree``).
 * ``"flat"``: one k-means with P centroids on the whole feature vector; cluster c is laid
   onto grid cell ``np.unravel_index(c, grid)`` (identity layout: cluster id = path id).
-  faiss cluster ids carry no meaning, so which clusters share a module is arbitrary in
-  this layout; at small scale it routes better by NMI than "product" did in our runs.
+  faiss cluster ids carry no meaning, so which clusters share a module is arbitrary.
+* ``"grouped"``: the flat k-means, with clusters laid onto cells so that the clusters
+  sharing a level-0 module are near each other (``router.tree.grouped_layout``).
 
 After :meth:`Router.fit_discriminative` the costs come from a logistic-regression head
 (−log p(path | prefix)); the k-means state stays and is the fallback.
@@ -32,40 +32,20 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .assign import balanced_assign
+from .assign import BALANCES, balanced_assign
 from .discriminative import DiscriminativeHead, fit_discriminative
 from .features import CallableFeaturizer, TokenTfidfFeaturizer, as_token_array
 from .kmeans import fit_kmeans, squared_distances
+from .product import fit_product, level_blocks, product_level_costs
 from .saved import ROUTER_FORMAT_VERSION, check_grid, read_router, write_router
+from .tree import fit_tree, grouped_layout, tree_costs
 
 # "random" is a control: a path drawn from a hash of the prefix tokens, so routing is
 # deterministic but carries no information about the document's content.
-METHODS = ("product", "flat", "random")
+METHODS = ("product", "tree", "flat", "grouped", "random")
 
 Doc = Sequence[int]
 Docs = Sequence[Sequence[int]]
-
-
-def _random_rotation(d: int, seed: int) -> np.ndarray:
-    """A seeded uniformly random orthogonal ``[d, d]`` matrix (QR of a Gaussian, sign-fixed)."""
-    rng = np.random.default_rng(seed)
-    q, r = np.linalg.qr(rng.standard_normal((d, d)))
-    return (q * np.sign(np.diag(r))[None, :]).astype(np.float32)
-
-
-def _level_blocks(d: int, grid: tuple[int, ...]) -> list[tuple[int, int] | None]:
-    """Feature columns [start, end) for each level; None for levels with K = 1."""
-    active = [l for l, k in enumerate(grid) if k > 1]
-    if d < len(active):
-        raise ValueError(
-            f"feature dim {d} is smaller than the number of levels with K > 1 ({len(active)}): "
-            "raise the featurizer dim or use method='flat'"
-        )
-    bounds = np.array_split(np.arange(d), max(len(active), 1))
-    blocks: list[tuple[int, int] | None] = [None] * len(grid)
-    for l, cols in zip(active, bounds):
-        blocks[l] = (int(cols[0]), int(cols[-1]) + 1)
-    return blocks
 
 
 class Router:
@@ -86,6 +66,8 @@ class Router:
         rotation: np.ndarray | None,
         fallback_order: np.ndarray,
         head: DiscriminativeHead | None = None,
+        balance: str = "hard",
+        soft_capacity_factor: float = 2.0,
     ) -> None:
         self.grid = check_grid(grid)
         self.num_paths = int(np.prod(self.grid))
@@ -93,6 +75,8 @@ class Router:
         self.prefix_tokens = int(prefix_tokens)
         self.top_k = int(top_k)
         self.capacity_factor = float(capacity_factor)
+        self.balance = balance
+        self.soft_capacity_factor = float(soft_capacity_factor)
         self.seed = int(seed)
         self.niter = int(niter)
         self.featurizer = featurizer
@@ -100,7 +84,8 @@ class Router:
         self.rotation = rotation
         self.fallback_order = np.asarray(fallback_order, np.int64)
         self.head = head
-        self._blocks = _level_blocks(featurizer.dim, self.grid) if method == "product" else None
+        if method == "product":
+            level_blocks(featurizer.dim, self.grid)  # refuses a feature dim too small for the levels
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -116,6 +101,8 @@ class Router:
         seed: int = 0,
         featurizer: TokenTfidfFeaturizer | CallableFeaturizer | None = None,
         niter: int = 20,
+        balance: str = "hard",
+        soft_capacity_factor: float = 2.0,
     ) -> "Router":
         """Fit featurizer and k-means on the prefixes of ``docs`` for ``grid``.
 
@@ -123,8 +110,9 @@ class Router:
             docs: token-id documents (lists or int arrays); only the first
                 ``prefix_tokens`` tokens of each are used.
             grid: modules per level, e.g. ``[4, 4]`` → 16 paths.
-            method: ``"product"`` (per-level k-means) or ``"flat"`` (one k-means, P clusters).
-            top_k, capacity_factor: defaults for :meth:`assign` (training shards).
+            method: one of :data:`METHODS` (see the module docstring).
+            top_k, capacity_factor, balance, soft_capacity_factor: defaults for
+                :meth:`assign` (training shards; see ``router.assign``).
             featurizer: default ``TokenTfidfFeaturizer(dim=64, seed=seed)``; an unfitted
                 token featurizer is fitted here; a :class:`CallableFeaturizer` is used as is.
             niter: k-means iterations.
@@ -139,9 +127,14 @@ class Router:
             raise ValueError(f"top_k must be in [1, {p}] (paths of grid {list(g)}), got {top_k}")
         if not capacity_factor >= 1.0:
             raise ValueError(f"capacity_factor must be >= 1.0, got {capacity_factor}")
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        if balance == "soft" and not soft_capacity_factor >= capacity_factor:
+            raise ValueError(f"soft_capacity_factor ({soft_capacity_factor}) must be >= capacity_factor "
+                             f"({capacity_factor})")
         prefixes = [as_token_array(d)[: int(prefix_tokens)] for d in docs]
         nonempty = [x for x in prefixes if x.size]
-        need = p if method == "flat" else max(g)
+        need = p if method in ("flat", "grouped") else max(g)
         if len(nonempty) < need:
             raise ValueError(
                 f"docs: {len(nonempty)} non-empty documents cannot be clustered into "
@@ -158,18 +151,13 @@ class Router:
             centroids = [np.zeros((1, featurizer.dim), np.float32)]
         elif method == "flat":
             centroids = [fit_kmeans(feats, p, niter=niter, seed=seed)]
+        elif method == "grouped":
+            flat = fit_kmeans(feats, p, niter=niter, seed=seed)
+            centroids = [flat[grouped_layout(flat, g, niter=niter, seed=seed)]]
+        elif method == "tree":
+            centroids = fit_tree(feats, g, niter=niter, seed=seed)
         else:
-            rotation = _random_rotation(featurizer.dim, seed)
-            rotated = feats @ rotation
-            blocks = _level_blocks(featurizer.dim, g)
-            centroids = []
-            for level, (k, block) in enumerate(zip(g, blocks)):
-                if block is None:  # K = 1: the level is shared, it contributes no cost
-                    centroids.append(np.zeros((1, 0), np.float32))
-                    continue
-                x = np.ascontiguousarray(rotated[:, block[0] : block[1]])
-                # A distinct seed per level so levels do not start from mirrored centroids.
-                centroids.append(fit_kmeans(x, k, niter=niter, seed=seed + 1000 * level))
+            centroids, rotation = fit_product(feats, g, niter=niter, seed=seed)
         router = cls(
             grid=g,
             method=method,
@@ -182,6 +170,8 @@ class Router:
             centroids=centroids,
             rotation=rotation,
             fallback_order=np.arange(p),
+            balance=balance,
+            soft_capacity_factor=soft_capacity_factor,
         )
         fit_costs = router._random_costs(prefixes) if method == "random" else router._kmeans_costs(feats)
         counts = np.bincount(fit_costs.argmin(axis=1), minlength=p)
@@ -221,18 +211,13 @@ class Router:
         """Per-level squared distances ``[N, K_l]`` (product method; zeros for K = 1 levels)."""
         if self.method != "product":
             raise ValueError("level_costs exists for method='product' only")
-        rotated = features.astype(np.float32) @ self.rotation
-        out = []
-        for k, block, c in zip(self.grid, self._blocks, self.centroids):
-            if block is None:
-                out.append(np.zeros((features.shape[0], k), np.float32))
-            else:
-                out.append(squared_distances(rotated[:, block[0] : block[1]], c))
-        return out
+        return product_level_costs(features, self.grid, self.centroids, self.rotation)
 
     def _kmeans_costs(self, features: np.ndarray) -> np.ndarray:
-        if self.method == "flat":
+        if self.method in ("flat", "grouped"):
             return squared_distances(features, self.centroids[0])
+        if self.method == "tree":
+            return tree_costs(features, self.grid, self.centroids)
         n = features.shape[0]
         total = np.zeros((n,) + self.grid, np.float32)
         for level, d in enumerate(self.level_costs(features)):
@@ -290,13 +275,23 @@ class Router:
         return order.astype(np.int64), np.take_along_axis(c, order, axis=1)
 
     def assign(
-        self, docs: Docs, *, top_k: int | None = None, capacity_factor: float | None = None
+        self, docs: Docs, *, top_k: int | None = None, capacity_factor: float | None = None,
+        balance: str | None = None,
     ) -> list[list[int]]:
         """Training shards: each document's ``top_k`` distinct paths, balanced (see router.assign)."""
+        return self.assign_costs(self.costs(docs), top_k=top_k, capacity_factor=capacity_factor, balance=balance)
+
+    def assign_costs(
+        self, costs: np.ndarray, *, top_k: int | None = None, capacity_factor: float | None = None,
+        balance: str | None = None,
+    ) -> list[list[int]]:
+        """:meth:`assign` on precomputed :meth:`costs` ``[N, P]``; None arguments take the router's."""
         return balanced_assign(
-            self.costs(docs),
+            costs,
             top_k=self.top_k if top_k is None else top_k,
             capacity_factor=self.capacity_factor if capacity_factor is None else capacity_factor,
+            balance=self.balance if balance is None else balance,
+            soft_capacity_factor=self.soft_capacity_factor,
         )
 
     def reroute_windows(self, token_ids: Doc, W: int) -> list[int]:
@@ -354,6 +349,8 @@ class Router:
             "prefix_tokens": self.prefix_tokens,
             "top_k": self.top_k,
             "capacity_factor": self.capacity_factor,
+            "balance": self.balance,
+            "soft_capacity_factor": self.soft_capacity_factor,
             "seed": self.seed,
             "niter": self.niter,
             "featurizer": {"kind": self.featurizer.kind, "params": self.featurizer.params()},

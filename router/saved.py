@@ -20,7 +20,10 @@ from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
 
 __all__ = ["ROUTER_FORMAT_VERSION", "check_grid", "read_router", "write_router"]
 
-ROUTER_FORMAT_VERSION = 1
+# 2: methods "tree" (per-level node centroids) and "grouped", keys "balance" and
+# "soft_capacity_factor". Version 1 directories (product/flat/random, hard balance) still load.
+ROUTER_FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _MANIFEST = "manifest.json"
 _FILES = {"kmeans": "kmeans.npz", "featurizer": "featurizer.npz", "discriminative": "discriminative.npz"}
 
@@ -61,10 +64,10 @@ def _read_manifest(mpath: Path) -> dict[str, Any]:
         raise ValueError(f"{mpath} is not valid JSON ({e}); save the router again") from e
     if not isinstance(m, dict):
         raise ValueError(f"{mpath} is not a router manifest (expected a JSON object)")
-    if m.get("version") != ROUTER_FORMAT_VERSION:
+    if m.get("version") not in _READABLE_VERSIONS:
         raise ValueError(
             f"{mpath}: router format version {m.get('version')!r} is not supported "
-            f"(this code reads version {ROUTER_FORMAT_VERSION})"
+            f"(this code reads versions {list(_READABLE_VERSIONS)}); re-run routing (dipaco-route) to refit it"
         )
     required_keys = ("grid", "method", "prefix_tokens", "top_k", "capacity_factor", "seed", "featurizer")
     missing = [k for k in required_keys if k not in m]
@@ -103,7 +106,7 @@ def read_router(d: Path, featurizer_fn: Callable[[list[np.ndarray]], Any] | None
         if h is None:
             raise ValueError(f"{mpath} says discriminative but lists no {_FILES['discriminative']}")
         head = DiscriminativeHead(h["coef"], h["intercept"], h["classes"], int(np.prod(grid)))
-    n_cent = 1 if m["method"] in ("flat", "random") else len(grid)
+    n_cent = 1 if m["method"] in ("flat", "grouped", "random") else len(grid)
     try:
         centroids = [km[f"centroids_{l}"] for l in range(n_cent)]
     except KeyError as e:
@@ -116,6 +119,8 @@ def read_router(d: Path, featurizer_fn: Callable[[list[np.ndarray]], Any] | None
         capacity_factor=m["capacity_factor"],
         seed=m["seed"],
         niter=m.get("niter", 20),
+        balance=m.get("balance", "hard"),  # version 1 had only the hard cap
+        soft_capacity_factor=m.get("soft_capacity_factor", 2.0),
         featurizer=feat,
         centroids=centroids,
         rotation=km.get("rotation"),

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from .assign import balanced_assign
 from .router import ROUTER_FORMAT_VERSION
 from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
 from .tokens import TokenDocs, TokenDocsWriter, open_token_docs
@@ -198,7 +197,7 @@ def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int
         if costs is None:  # the router's dtype: a cast could reorder near-ties
             costs = np.empty((n, batch.shape[1]), batch.dtype)
         costs[lo : lo + batch_size] = batch
-    return balanced_assign(costs, top_k=router.top_k, capacity_factor=router.capacity_factor)
+    return router.assign_costs(costs)
 
 
 __all__ = ["write_shards", "load_shard", "read_shards_manifest", "assign_in_batches", "SHARDS_FORMAT_VERSION"]

@@ -52,4 +52,50 @@ def topic_corpus(
     return docs, np.asarray(labels, np.int64)
 
 
-__all__ = ["topic_corpus"]
+def hierarchical_corpus(
+    super_topics: int = 2,
+    sub_topics: int = 4,
+    *,
+    docs_per_topic: int = 30,
+    vocab_per_topic: int = 40,
+    super_rate: float = 0.5,
+    length: tuple[int, int] = (24, 64),
+    shared_sub_topics: bool = False,
+    seed: int = 0,
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """A two-level topic hierarchy: ``super_topics`` super-topics of ``sub_topics`` topics each.
+
+    Each token of a document of topic (s, t) is drawn, with probability ``super_rate``,
+    from super-topic s's vocabulary (shared by its sub-topics) and otherwise from topic
+    (s, t)'s own vocabulary; all vocabularies are disjoint. Sibling topics are therefore
+    closer to each other than to any topic of another super-topic. With
+    ``shared_sub_topics`` sub-topic t's vocabulary is the same in every super-topic (a
+    second factor across domains, e.g. a genre): topic (s, t) then mixes super-topic s and
+    sub-topic t.
+
+    Returns:
+        (documents, super-topic label, leaf label ``s * sub_topics + t``), in leaf order.
+    """
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, vocab_per_topic + 1)
+    weights /= weights.sum()
+    docs: list[np.ndarray] = []
+    supers: list[int] = []
+    leaves: list[int] = []
+    for s in range(super_topics):
+        super_base = s * vocab_per_topic
+        for t in range(sub_topics):
+            leaf = s * sub_topics + t
+            leaf_base = (super_topics + (t if shared_sub_topics else leaf)) * vocab_per_topic
+            for _ in range(docs_per_topic):
+                n = int(rng.integers(length[0], length[1]))
+                toks = leaf_base + rng.choice(vocab_per_topic, size=n, p=weights)
+                shared = rng.random(n) < super_rate
+                toks[shared] = super_base + rng.choice(vocab_per_topic, size=int(shared.sum()), p=weights)
+                docs.append(toks.astype(np.int64))
+                supers.append(s)
+                leaves.append(leaf)
+    return docs, np.asarray(supers, np.int64), np.asarray(leaves, np.int64)
+
+
+__all__ = ["topic_corpus", "hierarchical_corpus"]

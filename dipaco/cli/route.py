@@ -38,7 +38,7 @@ def _app(cfg: DictConfig) -> None:
     with RunLock(run.root), disk_full_guard(run):
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(conf)))
         prep = prepare(conf, run)
-    keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity")
+    keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity", "levels")
     print(json.dumps({k: prep.report.get(k) for k in keys}))
 
 
