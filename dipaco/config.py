@@ -18,7 +18,7 @@ from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import DecoupledConfig
 from modules.config import ModelConfig
 
-DATA_SOURCES = ("python_sources", "jsonl", "json", "parquet", "text", "hub")
+DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub")
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 ROUTER_METHODS = ("product", "tree", "flat", "grouped", "random")
 ROUTER_BALANCES = ("hard", "soft")
@@ -41,7 +41,7 @@ class ConfigError(ValueError):
 class DataConfig:
     """Where documents come from (docs/design.md, "Data flow", first box)."""
 
-    # python_sources | jsonl | json | parquet | text | hub
+    # python_sources | multidomain | jsonl | json | parquet | text | hub
     source: str = "python_sources"
     # local file, glob or directory (jsonl/json/parquet/text) or a hub dataset name
     path: Optional[str] = None
@@ -56,16 +56,22 @@ class DataConfig:
     # a label used only to *evaluate* routing (NMI), never to route
     label_field: Optional[str] = None
     id_field: Optional[str] = None
+    # the document family splits are keyed by (e.g. the source file of a chunk): no group
+    # has documents in two splits. None: the document id (every document its own group)
+    group_field: Optional[str] = None
+    # a sample of documents by id hash (not by group: splits stay keyed by group either way)
     max_documents: Optional[int] = None
     # data scaled with paths: max_documents = documents_per_path × number of paths (set one
     # of the two). DiPaCo's gain needs data that grows with the paths; with a fixed corpus
     # 16 paths read the same documents as 4, each path a quarter as many.
     documents_per_path: Optional[int] = None
-    # python_sources: top-level stdlib packages left out. `test` alone is ~55% of the
+    # python_sources, multidomain: top-level stdlib packages left out. `test` alone is ~55% of the
     # stdlib bytes and would swamp every other domain.
     exclude_packages: List[str] = field(
         default_factory=lambda: ["test", "tests", "idlelib", "lib2to3", "turtledemo"]
     )
+    # multidomain: characters per domain at most (one domain must not swamp the others)
+    domain_max_chars: int = 24_000_000
     # documents are cut along top-level definitions into chunks of about this size
     target_doc_chars: int = 2400
     # documents longer than this are truncated (huge inputs must not blow up memory)

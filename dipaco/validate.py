@@ -43,7 +43,7 @@ def validate_config(cfg: Config) -> None:
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
     require(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}",
              f"use one of {', '.join(DATA_SOURCES)}")
-    require(d.source == "python_sources" or bool(d.path), "data.path",
+    require(d.source in ("python_sources", "multidomain") or bool(d.path), "data.path",
              f"data.source={d.source} needs a path", "pass data.path=FILE (or a hub dataset name)")
     require(d.max_documents is None or d.max_documents > 0, "data.max_documents",
              f"must be positive, got {d.max_documents}", "pass a positive number or null")

@@ -67,7 +67,7 @@ def test_python_sources_size_labels_and_no_third_party(stdlib_corpus: Corpus) ->
     assert len(labels) >= 20
     for pkg in ("json", "email", "asyncio", "argparse", "xml", "unittest"):
         assert pkg in labels
-    assert set(ds.column_names) == {"id", "text", "label", "split"}
+    assert set(ds.column_names) == {"id", "text", "label", "group", "split"}
     ids = ds["id"]
     assert len(set(ids)) == len(ids)
     tops = {i.split("/")[0].split("#")[0] for i in ids}
@@ -165,6 +165,15 @@ def test_corpus_splits_partition_the_documents(stdlib_corpus: Corpus) -> None:
     assert set(stdlib_corpus.split("test")["split"]) == {"test"}
     with pytest.raises(ValueError):
         stdlib_corpus.split("dev")
+
+
+def test_python_sources_split_by_file(stdlib_corpus: Corpus) -> None:
+    """Chunks of one stdlib file never land in two splits (the group is the file)."""
+    ds = stdlib_corpus.dataset
+    split_of_file: dict = {}
+    for doc_id, group, split in zip(ds["id"], ds["group"], ds["split"]):
+        assert doc_id.rsplit("#", 1)[0] == group
+        assert split_of_file.setdefault(group, split) == split
 
 
 def test_max_documents_caps_deterministically(stdlib_corpus: Corpus) -> None:

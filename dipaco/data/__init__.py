@@ -1,7 +1,7 @@
 """Data: corpus loading, the built-in offline corpus, tokenizer, tokenization cache, batches.
 
 raw documents → :func:`load_corpus` (a :class:`Corpus` holding an HF ``Dataset`` with
-``id``, ``text``, ``label``, ``split``) → :class:`Tokenizer` → :func:`tokenize_dataset`
+``id``, ``text``, ``label``, ``group``, ``split``) → :class:`Tokenizer` → :func:`tokenize_dataset`
 (adds ``input_ids``, cached on disk) or :func:`tokenize_to_docs` (a memory-mapped
 ``router.TokenDocs``) → :class:`TokenStream` batches for one path's shard.
 
@@ -19,6 +19,7 @@ _EXPORTS = {
                 "tokens_in_batch"),
     "corpus": ("DOCUMENT_FEATURES", "SOURCES", "Corpus", "load_corpus"),
     "errors": ("DataError",),
+    "multidomain": ("DOMAINS", "DomainDocument", "load_multidomain"),
     "python_sources": ("SourceDocument", "iter_python_sources", "list_source_files", "split_source",
                        "stdlib_root"),
     "splits": ("SPLITS", "split_of"),
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
                                      iter_eval_batches, tokens_in_batch)
     from dipaco.data.corpus import DOCUMENT_FEATURES, SOURCES, Corpus, load_corpus
     from dipaco.data.errors import DataError
+    from dipaco.data.multidomain import DOMAINS, DomainDocument, load_multidomain
     from dipaco.data.python_sources import (SourceDocument, iter_python_sources, list_source_files,
                                             split_source, stdlib_root)
     from dipaco.data.splits import SPLITS, split_of

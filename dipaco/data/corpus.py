@@ -32,6 +32,7 @@ import datasets
 from tqdm.auto import tqdm
 
 from dipaco.data.errors import DataError
+from dipaco.data.multidomain import cache_dir, load_multidomain
 from dipaco.data.python_sources import iter_python_sources, stdlib_root
 from dipaco.data.readers import (LOCAL_SOURCES, count_skip, iter_hub, iter_json_file, iter_json_lines,
                                  iter_parquet, read_text_head, relative_id, resolve_files)
@@ -40,17 +41,19 @@ from dipaco.data.splits import SPLITS, id_unit_interval, split_of
 if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch), which loading text never needs
     from dipaco.config import DataConfig
 
-# Columns of every corpus: label is None when the source has no label.
+# Columns of every corpus: label is None when the source has no label; group is the
+# document family the split is keyed by (the source file of a chunk; the id by default).
 DOCUMENT_FEATURES = datasets.Features(
     {
         "id": datasets.Value("string"),
         "text": datasets.Value("string"),
         "label": datasets.Value("string"),
+        "group": datasets.Value("string"),
         "split": datasets.Value("string"),
     }
 )
 
-SOURCES = ("python_sources",) + LOCAL_SOURCES + ("hub",)
+SOURCES = ("python_sources", "multidomain") + LOCAL_SOURCES + ("hub",)
 
 Record = Dict[str, Any]
 
@@ -59,8 +62,9 @@ Record = Dict[str, Any]
 class Corpus:
     """The loaded documents and the record of what was left out.
 
-    ``dataset`` has the columns ``id``, ``text``, ``label`` (string or None) and
-    ``split`` (``train`` / ``validation`` / ``test``, see :func:`split_of`).
+    ``dataset`` has the columns ``id``, ``text``, ``label`` (string or None), ``group``
+    and ``split`` (``train`` / ``validation`` / ``test``: :func:`split_of` of the group, so
+    no group has documents in two splits).
     """
 
     dataset: datasets.Dataset
@@ -91,6 +95,7 @@ class Corpus:
             "source": self.source,
             "num_documents": self.num_documents,
             "num_labels": len(self.labels),
+            "num_groups": len(set(self.dataset["group"])),
             "num_chars": sum(len(t) for t in self.dataset["text"]),
             "split_sizes": {s: splits.count(s) for s in SPLITS},
             "skipped": dict(self.skipped),
@@ -103,19 +108,22 @@ class Corpus:
 class _Cleaner:
     """Check raw records one by one, keep the usable ones, count the rest."""
 
-    def __init__(self, cfg: DataConfig, text_field: str, label_field: Optional[str], id_field: Optional[str]):
+    def __init__(self, cfg: DataConfig, text_field: str, label_field: Optional[str], id_field: Optional[str],
+                 group_field: Optional[str] = None):
         self.text_field = text_field
         self.label_field = label_field
         self.id_field = id_field
+        self.group_field = group_field
         self.min_chars = int(cfg.min_doc_chars or 0)
         self.max_chars = int(cfg.max_doc_chars or 0)
         self.skipped: Dict[str, int] = {}
-        self.rows: Dict[str, List[Any]] = {"id": [], "text": [], "label": []}
+        self.rows: Dict[str, List[Any]] = {"id": [], "text": [], "label": [], "group": []}
         self.seen_ids: Dict[str, int] = {}
         self.records = 0
         self.with_text_field = 0
         self.with_label_field = 0
         self.with_id_field = 0
+        self.with_group_field = 0
         self.first_keys: Optional[List[str]] = None
 
     def add(self, default_id: str, rec: Record, truncated: bool = False) -> None:
@@ -178,9 +186,14 @@ class _Cleaner:
         self.seen_ids[doc_id] = n + 1
         if n:
             doc_id = f"{doc_id}~{n + 1}"
+        group = doc_id  # no group field, or a record without one: the document is its own group
+        if self.group_field is not None and rec.get(self.group_field) is not None:
+            self.with_group_field += 1
+            group = str(rec[self.group_field])
         self.rows["id"].append(doc_id)
         self.rows["text"].append(text)
         self.rows["label"].append(label)
+        self.rows["group"].append(group)
 
 
 def _check_fields(c: _Cleaner, where: str) -> None:
@@ -196,18 +209,23 @@ def _check_fields(c: _Cleaner, where: str) -> None:
             f"data.label_field={c.label_field!r} is not a key of any record in {where} "
             f"(keys of the first record: {keys}). Fix: pass data.label_field=<key> or data.label_field=null"
         )
-    if c.id_field is not None and c.with_text_field and not c.with_id_field:
-        raise DataError(
-            f"data.id_field={c.id_field!r} is not a key of any record in {where} "
-            f"(keys of the first record: {keys}). Fix: pass data.id_field=<key> or data.id_field=null"
-        )
+    for key, name, found in (("id_field", c.id_field, c.with_id_field),
+                             ("group_field", c.group_field, c.with_group_field)):
+        if name is not None and c.with_text_field and not found:
+            raise DataError(
+                f"data.{key}={name!r} is not a key of any record in {where} "
+                f"(keys of the first record: {keys}). Fix: pass data.{key}=<key> or data.{key}=null"
+            )
 
 
 def _cap(rows: Dict[str, List[Any]], max_documents: Optional[int]) -> int:
     """Keep the ``max_documents`` rows with the smallest id hash, in corpus order.
 
     A hash sample (not the first N) so a capped stdlib corpus still spans every package,
-    and the same ids are kept on every run. Returns how many rows were dropped.
+    and the same ids are kept on every run. It samples documents, not groups: splits are
+    keyed by group whatever is sampled, so no group reaches two splits, and a sample by
+    document spreads over more source files (whole files would make a small sample a few
+    packages). Returns how many rows were dropped.
     """
     n = len(rows["id"])
     if max_documents is None or n <= max_documents:
@@ -238,7 +256,7 @@ def load_corpus(cfg: DataConfig, *, progress: bool = True) -> Corpus:
     max_chars = int(cfg.max_doc_chars or 0)
 
     if source == "python_sources":
-        cleaner = _Cleaner(cfg, "text", "label", None)
+        cleaner = _Cleaner(cfg, "text", "label", None, "group")
         docs = iter_python_sources(
             exclude_packages=list(cfg.exclude_packages or ()),
             target_doc_chars=int(cfg.target_doc_chars),
@@ -247,15 +265,24 @@ def load_corpus(cfg: DataConfig, *, progress: bool = True) -> Corpus:
             progress=progress,
         )
         for doc in docs:
-            cleaner.add(doc.id, {"text": doc.text, "label": doc.label})
+            cleaner.add(doc.id, {"text": doc.text, "label": doc.label, "group": doc.group})
         where = f"the standard library at {stdlib_root()}"
+    elif source == "multidomain":
+        cleaner = _Cleaner(cfg, "text", "label", None, "group")
+        domain_docs, _ = load_multidomain(
+            exclude_packages=list(cfg.exclude_packages or ()), target_doc_chars=int(cfg.target_doc_chars),
+            max_doc_chars=max_chars or 20000, domain_max_chars=int(cfg.domain_max_chars), progress=progress)
+        for d in domain_docs:
+            cleaner.add(d.id, {"text": d.text, "label": d.label, "group": d.group})
+        where = f"the multidomain corpus (cache in {cache_dir()})"
     else:
         text_field = str(cfg.text_field)
         label_field = cfg.label_field
         id_field = cfg.id_field
-        if source == "text":  # one document per file: there are no fields to pick
-            text_field, id_field = "text", None
-        cleaner = _Cleaner(cfg, text_field, label_field, id_field)
+        group_field = getattr(cfg, "group_field", None)
+        if source == "text":  # one document per file (its own group): there are no fields to pick
+            text_field, id_field, group_field = "text", None, None
+        cleaner = _Cleaner(cfg, text_field, label_field, id_field, group_field)
         if source == "hub":
             if not path:
                 raise DataError("data.path is not set for data.source=hub. Fix: pass data.path=<hub dataset name>")
@@ -272,7 +299,7 @@ def load_corpus(cfg: DataConfig, *, progress: bool = True) -> Corpus:
         else:
             files, root = resolve_files(path, source)
             where = f"data.path={path}"
-            columns = [c for c in (text_field, label_field, id_field) if c]
+            columns = [c for c in (text_field, label_field, id_field, group_field) if c]
             for f in tqdm(files, desc=f"load {source}", unit="file", disable=not progress):
                 rel = relative_id(f, root)
                 if source == "text":
@@ -303,7 +330,7 @@ def load_corpus(cfg: DataConfig, *, progress: bool = True) -> Corpus:
     val = float(cfg.val_fraction)
     test = float(cfg.test_fraction)
     try:
-        rows["split"] = [split_of(i, val, test) for i in rows["id"]]
+        rows["split"] = [split_of(g, val, test) for g in rows["group"]]
     except ValueError as e:
         raise DataError(f"{e}. Fix: use e.g. data.val_fraction=0.05 data.test_fraction=0.05") from None
     dataset = datasets.Dataset.from_dict(rows, features=DOCUMENT_FEATURES)

@@ -44,13 +44,18 @@ class SourceDocument:
     text: str
     label: str
 
+    @property
+    def group(self) -> str:
+        """The source file (the id without ``#<index>``): documents of one file share a split."""
+        return self.id.rsplit("#", 1)[0]
+
 
 def stdlib_root() -> str:
     """The directory of the running interpreter's standard library."""
     return sysconfig.get_paths()["stdlib"]
 
 
-def _label_of(rel_path: str) -> str:
+def label_of(rel_path: str) -> str:
     """Top-level importable name of a file given by its path relative to the stdlib."""
     parts = rel_path.split("/")
     if len(parts) > 1:
@@ -59,13 +64,15 @@ def _label_of(rel_path: str) -> str:
 
 
 def list_source_files(
-    exclude_packages: Sequence[str] = (), root: Optional[str] = None
+    exclude_packages: Sequence[str] = (), root: Optional[str] = None,
+    suffixes: Optional[Tuple[str, ...]] = (".py",),
 ) -> List[str]:
     """Paths (relative to ``root``, with ``/``) of the stdlib's ``.py`` files, sorted.
 
     Top-level packages or modules named in ``exclude_packages`` are left out, and so are
     top-level directories that are not importable names (``lib-dynload``,
-    ``config-3.x-...``) and the third-party directories.
+    ``config-3.x-...``) and the third-party directories. ``suffixes=None`` lists every
+    file of those directories (the multidomain corpus also reads the stdlib's data files).
     """
     root = root or stdlib_root()
     excluded = set(exclude_packages)
@@ -83,9 +90,9 @@ def list_source_files(
         # os.walk visits in the order left in dirnames: sort so the walk is reproducible
         dirnames[:] = sorted(keep)
         for name in sorted(filenames):
-            if not name.endswith(".py"):
+            if suffixes is not None and not name.endswith(suffixes):
                 continue
-            if not rel_dir and name[:-3] in excluded:
+            if not rel_dir and name.rsplit(".", 1)[0] in excluded:
                 continue
             out.append(f"{rel_dir}/{name}" if rel_dir else name)
     out.sort()
@@ -164,10 +171,8 @@ def _chunks_of_source(text: str, target_chars: int) -> List[str]:
 def split_source(text: str, target_chars: int, max_chars: int) -> List[str]:
     """Cut one Python file into documents of about ``target_chars`` (each ≤ ``max_chars``).
 
-    Chunks are grouped greedily: a document is closed when the next chunk would push it
-    past ``target_chars``. A last document shorter than a quarter of the target is merged
-    into the previous one when the result stays ≤ ``max_chars`` (a trailing
-    ``if __name__ == "__main__":`` block is not worth a document of its own).
+    Chunks are grouped by :func:`pack_pieces` (a trailing ``if __name__ == "__main__":``
+    block is not worth a document of its own).
     """
     if target_chars <= 0 or max_chars <= 0:
         raise ValueError("target_chars and max_chars must be positive")
@@ -175,6 +180,16 @@ def split_source(text: str, target_chars: int, max_chars: int) -> List[str]:
     pieces: List[str] = []
     for chunk in _chunks_of_source(text, target_chars):
         pieces.extend(_cut_lines(chunk, max_chars) if len(chunk) > max_chars else [chunk])
+    return pack_pieces(pieces, target_chars, max_chars)
+
+
+def pack_pieces(pieces: Sequence[str], target_chars: int, max_chars: int) -> List[str]:
+    """Group consecutive ``pieces`` (each ≤ ``max_chars``) greedily into documents of about ``target_chars``.
+
+    A document is closed when the next piece would push it past ``target_chars``; a last
+    document shorter than a quarter of the target joins the previous one when the result
+    stays ≤ ``max_chars``.
+    """
     docs: List[str] = []
     cur = ""
     for piece in pieces:
@@ -188,6 +203,17 @@ def split_source(text: str, target_chars: int, max_chars: int) -> List[str]:
         else:
             docs.append(cur)
     return docs
+
+
+def split_text(text: str, target_chars: int, max_chars: int) -> List[str]:
+    """Cut any text file into documents of about ``target_chars`` at line boundaries.
+
+    The non-Python counterpart of :func:`split_source`: the pieces are lines (a line longer
+    than ``max_chars`` is cut inside, e.g. a one-line JSON file), packed by :func:`pack_pieces`.
+    """
+    if target_chars <= 0 or max_chars <= 0:
+        raise ValueError("target_chars and max_chars must be positive")
+    return pack_pieces(_cut_lines(text, min(target_chars, max_chars)), target_chars, max_chars)
 
 
 def iter_python_sources(
@@ -216,7 +242,7 @@ def iter_python_sources(
             if skipped is not None:
                 skipped["non_utf8"] = skipped.get("non_utf8", 0) + 1
             continue
-        label = _label_of(rel)
+        label = label_of(rel)
         for i, doc in enumerate(split_source(text, target_doc_chars, max_doc_chars)):
             yield SourceDocument(id=f"{rel}#{i}", text=doc, label=label)
 

@@ -1,8 +1,10 @@
-"""Train / validation / test assignment of a document by a stable hash of its id.
+"""Train / validation / test assignment of a document by a stable hash of its group.
 
-The split is a pure function of the id (sha256, not Python's salted ``hash``), so a
+The split is a pure function of a key (sha256, not Python's salted ``hash``), so a
 document keeps its split when other documents are added, removed or reordered, on every
-machine and in every process.
+machine and in every process. The corpus passes the document's *group* (its source file
+or document family, ``data.group_field``; the id when there is none): chunks of one file
+then share a split, and validation never scores text whose neighbours were trained on.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ def id_unit_interval(doc_id: str, salt: str = "split") -> float:
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
-def split_of(doc_id: str, val_fraction: float, test_fraction: float) -> str:
-    """Return ``"train"``, ``"validation"`` or ``"test"`` for one document id.
+def split_of(key: str, val_fraction: float, test_fraction: float) -> str:
+    """Return ``"train"``, ``"validation"`` or ``"test"`` for one group key (or document id).
 
-    About ``test_fraction`` of ids land in test and ``val_fraction`` in validation.
+    About ``test_fraction`` of keys land in test and ``val_fraction`` in validation.
     Raising one fraction only moves documents out of train, never between the other two
     in the other direction: ids in [0, test) are test, [test, test + val) validation.
     """
@@ -34,7 +36,7 @@ def split_of(doc_id: str, val_fraction: float, test_fraction: float) -> str:
             f"data.val_fraction={val_fraction} and data.test_fraction={test_fraction} must lie in "
             "[0, 1) and sum to less than 1"
         )
-    u = id_unit_interval(doc_id)
+    u = id_unit_interval(key)
     if u < test_fraction:
         return "test"
     if u < test_fraction + val_fraction:

@@ -1,0 +1,394 @@
+"""The built-in offline multi-domain corpus ``multidomain``: five kinds of text from this install.
+
+Why: routing can only specialise paths when the corpus has domains that differ in kind.
+Every fresh install of dipaco already holds such text on disk: the interpreter's standard
+library and the packages dipaco depends on. No network, no download.
+
+Where the files come from (never a hard-coded path):
+
+* the standard library, ``sysconfig.get_paths()["stdlib"]`` (the top-level packages in
+  ``data.exclude_packages`` left out, as for ``python_sources``), and the interpreter's C
+  headers, ``sysconfig.get_paths()["include"]``;
+* the installed distributions dipaco requires, transitively (``importlib.metadata``:
+  each distribution's ``requires`` and its ``files`` list). Requirements behind an
+  environment marker (extras such as ``dev``, platform-only wheels such as CUDA runtimes)
+  are left out, so the same package versions give the same corpus on every platform.
+
+The domains (``label``; labels only evaluate routing, they never route):
+
+=================== =======================================================================
+``python``          stdlib ``.py`` files, cut along top-level definitions
+                    (:func:`~dipaco.data.python_sources.split_source`)
+``c_cpp``           C/C++ headers and sources (``.h``, ``.hpp``, ``.c``, ``.cpp``, ``.cuh`` ...):
+                    the Python headers, ``torch/include``, numpy's headers ...
+``prose``           English prose: license texts, the long descriptions of the
+                    distributions (``METADATA`` bodies: their READMEs), and ``.txt`` / ``.md``
+                    files that read as prose (mostly letters and spaces, frequent "the")
+``reference_docs``  reference documentation: the language reference shipped as
+                    ``pydoc_data/topics.py`` (one group per topic), ``.rst`` files, and the
+                    docstrings of the dependencies' modules, classes and functions
+``structured_data`` JSON / CSV / YAML / TOML / INI files and the ``RECORD`` CSVs of the
+                    distributions
+=================== =======================================================================
+
+How it is built. Files are classified by name into a domain; within a domain they are
+read in the order of a hash of their path (so a cap samples across packages rather than
+taking the alphabetically first) until the domain holds ``data.domain_max_chars``
+characters; a file gives at most :data:`MAX_FILE_CHARS`. Files whose text is identical to
+one already taken (the Apache license shipped by ten packages) are dropped, so no text is
+in two splits. Each file is cut into documents of about ``data.target_doc_chars`` at line
+boundaries (Python at definitions). Documents are emitted sorted by domain and path.
+
+Ids are ``"<domain>/<origin>/<path>#<i>"`` with origin ``stdlib``, ``include`` or the
+distribution's normalised name; ``group`` (what splits are keyed by, see
+:mod:`dipaco.data.splits`) is the source file, or the topic for the language reference.
+
+Cache. The first build reads ~70 MB of files (about two minutes on 2 cores, with progress
+bars); the documents are then written to ``$DIPACO_CACHE`` (default ``~/.cache/dipaco``)
+as ``multidomain-<fingerprint>.jsonl``. The fingerprint covers :data:`BUILDER_VERSION`,
+the build settings and every candidate file's (path, size, mtime), so a changed install
+(an upgraded package) rebuilds and an unchanged one reads the cache in seconds.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata as metadata
+import json
+import os
+import re
+import sysconfig
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from tqdm.auto import tqdm
+
+from dipaco.data.errors import DataError
+from dipaco.data.python_sources import label_of, list_source_files, pack_pieces, split_source, split_text
+from dipaco.data.readers import count_skip, read_text_head
+
+__all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
+           "load_multidomain", "requirement_closure"]
+
+# Bump when the classification or cutting changes: old caches are then rebuilt.
+BUILDER_VERSION = 1
+DOMAINS = ("python", "c_cpp", "prose", "reference_docs", "structured_data")
+# One file gives at most this many characters (a 5 MB JSON table must not fill a domain).
+MAX_FILE_CHARS = 400_000
+
+_C_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".inl")
+_DATA_SUFFIXES = (".json", ".csv", ".yaml", ".yml", ".toml", ".ini", ".cfg")
+_PROSE_SUFFIXES = (".txt", ".md")
+_LICENSE_PREFIXES = ("license", "licence", "copying", "notice", "authors", "copyright")
+_TEST_DIRS = frozenset({"test", "tests", "testing"})
+_TOPICS = "pydoc_data/topics.py"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One file that may give documents: where it is and how to cut it."""
+
+    domain: str
+    origin: str  # "stdlib", "include" or the normalised distribution name
+    rel: str  # path inside its origin, with "/"
+    path: str  # absolute path on this machine
+    kind: str  # "python", "text", "prose", "metadata", "docstrings" or "topics"
+
+    @property
+    def key(self) -> str:
+        """``<domain>/<origin>/<rel>``: the id prefix of its documents, stable across machines."""
+        return f"{self.domain}/{self.origin}/{self.rel}"
+
+
+@dataclass(frozen=True)
+class DomainDocument:
+    """One document of the multidomain corpus (before the common checks in corpus.py)."""
+
+    id: str
+    text: str
+    label: str
+    group: str
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_closure(root: str = "dipaco") -> List[metadata.Distribution]:
+    """The installed distributions ``root`` requires, transitively, sorted by name (``root`` excluded)."""
+    try:
+        metadata.distribution(root)
+    except metadata.PackageNotFoundError:
+        raise DataError(f"data.source=multidomain reads the dependencies of the installed {root} "
+                        f"package, which is not installed. Fix: pip install -e .") from None
+    seen: Dict[str, metadata.Distribution] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        if _norm(name) in seen:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional dependency of a dependency, not installed here
+        seen[_norm(name)] = dist
+        for req in dist.requires or ():
+            if ";" not in req:  # markers: extras and platform-only wheels stay out
+                todo.append(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1))  # type: ignore[union-attr]
+    seen.pop(_norm(root))
+    return [seen[k] for k in sorted(seen)]
+
+
+def _is_license(base: str) -> bool:
+    return base.lower().startswith(_LICENSE_PREFIXES)
+
+
+def _classify_stdlib(rel: str) -> Optional[Tuple[str, str]]:
+    """(domain, kind) of a stdlib file, or None when it gives no documents."""
+    low = rel.lower()
+    if rel == _TOPICS:
+        return "reference_docs", "topics"
+    if low.endswith(".py"):
+        return "python", "python"
+    return _classify_by_suffix(low)
+
+
+def _classify_by_suffix(low: str) -> Optional[Tuple[str, str]]:
+    if low.endswith(_C_SUFFIXES):
+        return "c_cpp", "text"
+    if low.endswith(_DATA_SUFFIXES):
+        return "structured_data", "text"
+    if low.endswith(".rst"):
+        return "reference_docs", "text"
+    if _is_license(low.rsplit("/", 1)[-1]):
+        return "prose", "text"
+    if low.endswith(_PROSE_SUFFIXES):
+        return "prose", "prose"  # kept only when it reads as prose (see _reads_as_prose)
+    return None
+
+
+def _classify_dist(rel: str) -> Optional[Tuple[str, str]]:
+    """(domain, kind) of a file listed by a distribution, or None."""
+    parts = rel.split("/")
+    base = parts[-1]
+    if "__pycache__" in parts:
+        return None
+    if parts[0].endswith(".dist-info"):
+        if base == "METADATA":
+            return "prose", "metadata"
+        if base == "RECORD":
+            return "structured_data", "text"
+        return ("prose", "text") if _is_license(base) else None
+    if base.endswith(".py"):
+        return None if _TEST_DIRS & set(parts[:-1]) else ("reference_docs", "docstrings")
+    return _classify_by_suffix(rel.lower())
+
+
+def discover(exclude_packages: Sequence[str] = (), stdlib: Optional[str] = None,
+             include: Optional[str] = None,
+             distributions: Optional[Sequence[metadata.Distribution]] = None) -> List[Candidate]:
+    """Every candidate file of this install, classified; defaults: this interpreter and dipaco's dependencies."""
+    stdlib = stdlib or sysconfig.get_paths()["stdlib"]
+    include = include or sysconfig.get_paths()["include"]
+    dists = requirement_closure() if distributions is None else distributions
+    out: List[Candidate] = []
+    for rel in list_source_files(exclude_packages, stdlib, suffixes=None):
+        where = _classify_stdlib(rel)
+        if where:
+            out.append(Candidate(where[0], "stdlib", rel, os.path.join(stdlib, *rel.split("/")), where[1]))
+    if os.path.isdir(include):
+        for rel in list_source_files((), include, suffixes=_C_SUFFIXES):
+            out.append(Candidate("c_cpp", "include", rel, os.path.join(include, *rel.split("/")), "text"))
+    for dist in dists:
+        name = dist.metadata["Name"]
+        if not name:
+            continue  # a broken dist-info without METADATA: no stable name for ids
+        origin = _norm(name)
+        for f in dist.files or ():
+            rel = f.as_posix()
+            where = _classify_dist(rel)
+            if where and not rel.startswith(".."):  # "../../bin/x": scripts outside site-packages
+                out.append(Candidate(where[0], origin, rel, str(dist.locate_file(f)), where[1]))
+    return out
+
+
+# --------------------------------------------------------------------------- cutting
+
+
+def _reads_as_prose(text: str) -> bool:
+    """English prose, not a data table: mostly letters and spaces, with "the" every ~1000 chars."""
+    head = text[:8000]
+    if len(head) < 200:
+        return False
+    wordy = sum(c.isalpha() or c.isspace() for c in head) / len(head)
+    return wordy >= 0.8 and len(re.findall(r"\bthe\b", head, re.IGNORECASE)) * 1000 >= len(head)
+
+
+def _docstrings(text: str) -> List[str]:
+    """``"<qualified name>\\n<docstring>\\n\\n"`` for the module and each class and function."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    out: List[str] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                doc = ast.get_docstring(child, clean=True)
+                if doc and len(doc) >= 40:  # a one-liner "Return x." is no documentation
+                    out.append(f"{name}\n{doc}\n\n")
+                visit(child, name + ".")
+
+    module_doc = ast.get_docstring(tree, clean=True)
+    if module_doc:
+        out.append(f"{module_doc}\n\n")
+    visit(tree, "")
+    return out
+
+
+def _topics(text: str) -> List[Tuple[str, str]]:
+    """(topic, text) of the language reference in ``pydoc_data/topics.py``, read without importing it."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "topics" for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return []
+            return sorted((str(k), str(v)) for k, v in value.items() if isinstance(v, str))
+    return []
+
+
+def _cut(c: Candidate, text: str, target: int, max_chars: int) -> List[Tuple[str, str, str]]:
+    """(id, group, text) of the documents of one file."""
+    if c.kind == "topics":
+        return [(f"{c.key}::{topic}#{i}", f"{c.key}::{topic}", doc)
+                for topic, body in _topics(text)
+                for i, doc in enumerate(split_text(f"{topic}\n\n{body}", target, max_chars))]
+    if c.kind == "python":
+        docs = split_source(text, target, max_chars)
+    elif c.kind == "docstrings":
+        pieces = [p for s in _docstrings(text) for p in split_text(s, max_chars, max_chars)]
+        docs = pack_pieces(pieces, target, max_chars)
+    elif c.kind == "metadata":  # e-mail headers, a blank line, the long description
+        body = text.split("\n\n", 1)[1] if "\n\n" in text else ""
+        docs = split_text(body, target, max_chars) if len(body.strip()) >= 200 else []
+    elif c.kind == "prose" and not _reads_as_prose(text):
+        docs = []
+    else:
+        docs = split_text(text, target, max_chars)
+    return [(f"{c.key}#{i}", c.key, doc) for i, doc in enumerate(docs)]
+
+
+def _order(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def build(candidates: Sequence[Candidate], target_doc_chars: int, max_doc_chars: int,
+          domain_max_chars: int, skipped: Optional[Dict[str, int]] = None,
+          progress: bool = False) -> List[DomainDocument]:
+    """Read and cut the candidates of each domain (hash order, up to the cap), sorted by domain and id."""
+    skipped = {} if skipped is None else skipped
+    seen_text: set = set()
+    docs: List[DomainDocument] = []
+    for domain in DOMAINS:
+        mine = sorted((c for c in candidates if c.domain == domain), key=lambda c: _order(c.key))
+        total = 0
+        bar = tqdm(total=domain_max_chars, desc=f"multidomain {domain}", unit="char", unit_scale=True,
+                   mininterval=2.0, disable=not progress)
+        for c in mine:
+            if total >= domain_max_chars:
+                break
+            try:
+                raw, _ = read_text_head(c.path, MAX_FILE_CHARS)
+                text = raw.decode("utf-8")[:MAX_FILE_CHARS]
+            except OSError:
+                count_skip(skipped, "unreadable_file")
+                continue
+            except UnicodeDecodeError:
+                count_skip(skipped, "non_utf8")
+                continue
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+            if "\x00" in text or not text.strip() or digest in seen_text:
+                count_skip(skipped, "duplicate_file" if digest in seen_text else "binary_or_empty")
+                continue
+            seen_text.add(digest)
+            for doc_id, group, doc in _cut(c, text, target_doc_chars, max_doc_chars):
+                docs.append(DomainDocument(doc_id, doc, domain, group))
+                total += len(doc)
+                bar.update(len(doc))
+        bar.close()
+    docs.sort(key=lambda d: (DOMAINS.index(d.label), d.id))
+    return docs
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def cache_dir() -> str:
+    """``$DIPACO_CACHE``, else ``~/.cache/dipaco``: where built corpora are kept between runs."""
+    return os.environ.get("DIPACO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dipaco")
+
+
+def fingerprint(candidates: Iterable[Candidate], settings: Dict[str, object]) -> str:
+    """sha256 of the builder version, the settings and every candidate's (path, size, mtime)."""
+    h = hashlib.sha256(json.dumps({"version": BUILDER_VERSION, **settings}, sort_keys=True).encode())
+    for c in sorted(candidates, key=lambda c: c.key):
+        try:
+            st = os.stat(c.path)
+        except OSError:
+            continue
+        h.update(f"{c.key}\x00{c.path}\x00{st.st_size}\x00{st.st_mtime_ns}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _write_jsonl(path: str, docs: Sequence[DomainDocument]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps(asdict(d), ensure_ascii=False) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written cache
+
+
+def _read_jsonl(path: str) -> Iterator[DomainDocument]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield DomainDocument(**json.loads(line))
+
+
+def load_multidomain(exclude_packages: Sequence[str] = (), target_doc_chars: int = 2400,
+                     max_doc_chars: int = 20000, domain_max_chars: int = 24_000_000, progress: bool = False,
+                     ) -> Tuple[List[DomainDocument], str]:
+    """The documents of the multidomain corpus and the cache file they were read from (built on a miss)."""
+    candidates = discover(exclude_packages)
+    settings = {"exclude": sorted(exclude_packages), "target": target_doc_chars, "max": max_doc_chars,
+                "cap": domain_max_chars}
+    path = os.path.join(cache_dir(), f"multidomain-{fingerprint(candidates, settings)[:20]}.jsonl")
+    if os.path.isfile(path):
+        try:
+            return list(_read_jsonl(path)), path
+        except (ValueError, TypeError, UnicodeDecodeError):  # a damaged cache file: build it again
+            pass
+    if progress:
+        print(f"multidomain: first build from {len(candidates)} files of this install "
+              f"(cached afterwards at {path})", flush=True)
+    # files left out here are not added to Corpus.skipped: a cache hit must give the same corpus record
+    left_out: Dict[str, int] = {}
+    docs = build(candidates, target_doc_chars, max_doc_chars, domain_max_chars, left_out, progress)
+    try:
+        _write_jsonl(path, docs)
+    except OSError as e:
+        raise DataError(f"cannot write the multidomain cache {path}: {e.strerror or e}. "
+                        f"Fix: set DIPACO_CACHE to a writable directory") from None
+    if progress:
+        print(f"multidomain: {len(docs)} documents; files left out: {left_out}", flush=True)
+    return docs, path

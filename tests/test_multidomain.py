@@ -1,0 +1,199 @@
+"""Tests of the multidomain corpus builder on a small fake install, and of group splits."""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import replace
+from importlib.metadata import PathDistribution
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from dipaco.config import DataConfig
+from dipaco.data import DataError, load_corpus, split_of
+from dipaco.data import multidomain
+from dipaco.data.multidomain import DOMAINS, DomainDocument, discover, load_multidomain
+
+EXCLUDES = ["test"]
+PROSE = ("The quick brown fox jumps over the lazy dog, and the dog does not mind it at all. "
+         "This is the kind of sentence that the prose filter should keep in the corpus. ") * 6
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+def _dist(site: Path, name: str, files: Dict[str, str]) -> PathDistribution:
+    """A dist-info folder whose RECORD lists ``files`` (written under ``site``)."""
+    info = f"{name}-1.0.dist-info"
+    for rel, text in files.items():
+        _write(site / rel, text)
+    record = [f"{rel},," for rel in files] + [f"{info}/RECORD,,"]
+    _write(site / info / "RECORD", "\n".join(record) + "\n")
+    return PathDistribution(site / info)
+
+
+@pytest.fixture()
+def fake_install(tmp_path, monkeypatch) -> Path:
+    """A stdlib, C include dir and two distributions in ``tmp_path``; the cache under it."""
+    std, inc, site = tmp_path / "stdlib", tmp_path / "include", tmp_path / "site"
+    code = "".join(f"def func_{i}(x):\n    '''Return x plus {i}.'''\n    return x + {i}\n\n\n" for i in range(40))
+    _write(std / "json" / "decoder.py", code)
+    _write(std / "argparse.py", code.replace("func_", "parse_"))
+    _write(std / "test" / "test_json.py", code)  # excluded package
+    _write(std / "pydoc_data" / "topics.py",
+           "topics = {'if': " + repr("The if statement. " * 30) + ", 'for': " + repr("The for loop. " * 30) + "}\n")
+    _write(std / "LICENSE.txt", PROSE)
+    _write(inc / "Python.h", "#include <stdio.h>\n" + "static int py_value_%d = 0;\n" * 60)
+    _write(inc / "cpython" / "object.h", "typedef struct _object { long refcnt; } PyObject;\n" * 40)
+    module = ('"""' + PROSE[:300] + '"""\n\n\nclass Fake:\n    """A fake class whose docstring is long enough to keep."""\n\n'
+              '    def run(self, n):\n        """Run the fake ``n`` times and return the number of runs made."""\n'
+              '        return n\n')
+    pkg = _dist(site, "fakepkg", {
+        "fakepkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: fakepkg\nVersion: 1.0\n\n" + PROSE,
+        "fakepkg-1.0.dist-info/LICENSE": "Apache License\n" + PROSE[::-1] + "\nthe end of the license text " * 20,
+        "fakepkg/__init__.py": module,
+        "fakepkg/tests/test_core.py": module,  # test code gives no reference docs
+        "fakepkg/include/fake.hpp": "namespace fake { int value = 1; }\n" * 50,
+        "fakepkg/data/table.json": json.dumps([{"k": i, "v": f"value {i}"} for i in range(60)]),
+        "fakepkg/data/conf.yaml": "".join(f"key_{i}: {i}\n" for i in range(80)),
+        "fakepkg/data/numbers.txt": "".join(f"{i} {i * i} {i * 3.5}\n" for i in range(200)),  # not prose
+        "fakepkg/README.md": "# Fakepkg\n\n" + PROSE,
+        "fakepkg/docs/guide.rst": "Guide\n=====\n\n" + "Use :func:`fake.run` to run. " * 40,
+    })
+    other = _dist(site, "other", {
+        "other-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: other\nVersion: 1.0\n\nShort.\n",
+        "other-1.0.dist-info/LICENSE": "Apache License\n" + PROSE[::-1] + "\nthe end of the license text " * 20,
+        "other/bits.h": "#define OTHER_BIT(n) (1u << (n))\n" * 50,
+    })
+    monkeypatch.setattr(multidomain, "discover",
+                        lambda exclude: discover(exclude, str(std), str(inc), [pkg, other]))
+    monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def _load(**kw) -> List[DomainDocument]:
+    return load_multidomain(EXCLUDES, target_doc_chars=kw.pop("target", 600), max_doc_chars=4000, **kw)[0]
+
+
+def test_domains_labels_and_groups(fake_install) -> None:
+    docs = _load()
+    by_label = {d: [x for x in docs if x.label == d] for d in DOMAINS}
+    assert all(by_label.values()), {d: len(v) for d, v in by_label.items()}
+    groups = {d: {x.group for x in v} for d, v in by_label.items()}
+    assert groups["python"] == {"python/stdlib/argparse.py", "python/stdlib/json/decoder.py"}
+    assert groups["c_cpp"] == {"c_cpp/include/Python.h", "c_cpp/include/cpython/object.h",
+                               "c_cpp/fakepkg/fakepkg/include/fake.hpp", "c_cpp/other/other/bits.h"}
+    # two identical licenses: one kept; numbers.txt is no prose; METADATA headers are left out
+    assert len([g for g in groups["prose"] if g.endswith("/LICENSE")]) == 1
+    assert "prose/fakepkg/fakepkg/data/numbers.txt" not in groups["prose"]
+    assert "prose/fakepkg/fakepkg/README.md" in groups["prose"]
+    assert not any("Metadata-Version" in x.text for x in by_label["prose"])
+    # the language reference: one group per topic; docstrings of the dependency, not of its tests
+    assert {"reference_docs/stdlib/pydoc_data/topics.py::if",
+            "reference_docs/stdlib/pydoc_data/topics.py::for"} <= groups["reference_docs"]
+    assert "reference_docs/fakepkg/fakepkg/__init__.py" in groups["reference_docs"]
+    assert not any("tests" in g for g in groups["reference_docs"])
+    assert any("Fake.run\nRun the fake" in x.text for x in by_label["reference_docs"])
+    assert {"structured_data/fakepkg/fakepkg/data/table.json", "structured_data/fakepkg/fakepkg/data/conf.yaml",
+            "structured_data/fakepkg/fakepkg-1.0.dist-info/RECORD"} <= groups["structured_data"]
+    assert not any("test_json" in x.id for x in docs)  # data.exclude_packages
+    assert len({x.id for x in docs}) == len(docs)
+    assert all(x.id.startswith(x.group + "#") for x in docs)
+
+
+def test_build_is_deterministic_and_cached(fake_install, monkeypatch) -> None:
+    first, path = load_multidomain(EXCLUDES, 600, 4000)
+    os.remove(path)
+    second, path2 = load_multidomain(EXCLUDES, 600, 4000)
+    assert first == second and path == path2  # two builds give the same documents
+
+    def no_build(*a, **k):
+        raise AssertionError("a cache hit must not rebuild")
+
+    monkeypatch.setattr(multidomain, "build", no_build)
+    assert load_multidomain(EXCLUDES, 600, 4000)[0] == first
+    # a damaged cache file is built again, not crashed on
+    with open(path, "w") as f:
+        f.write('{"id": "half a line')
+    with pytest.raises(AssertionError, match="must not rebuild"):
+        load_multidomain(EXCLUDES, 600, 4000)
+    # a changed install (a file grows) has another fingerprint: it rebuilds
+    with open(fake_install / "include" / "Python.h", "a") as f:
+        f.write("static int added;\n")
+    with pytest.raises(AssertionError, match="must not rebuild"):
+        load_multidomain(EXCLUDES, 600, 4000)
+
+
+def test_unwritable_cache_is_one_line_error(fake_install, monkeypatch) -> None:
+    blocker = fake_install / "not_a_dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("DIPACO_CACHE", str(blocker))
+    with pytest.raises(DataError, match=r"multidomain cache.*Fix: set DIPACO_CACHE") as e:
+        load_multidomain(EXCLUDES, 600, 4000)
+    assert "\n" not in str(e.value)
+
+
+def test_domain_cap_limits_each_domain(fake_install) -> None:
+    full = _load()
+    capped = _load(domain_max_chars=1500)
+    for d in DOMAINS:
+        size = sum(len(x.text) for x in capped if x.label == d)
+        # the cap stops reading files once reached: at most one file beyond it
+        biggest_file = max(sum(len(x.text) for x in full if x.group == g) for g in {x.group for x in full})
+        assert size <= 1500 + biggest_file
+    c_full = {x.group for x in full if x.label == "c_cpp"}
+    c_capped = {x.group for x in capped if x.label == "c_cpp"}
+    assert c_capped < c_full  # a strict subset: files were left out
+
+
+def test_load_corpus_multidomain_splits_by_file(fake_install) -> None:
+    cfg = replace(DataConfig(), source="multidomain", exclude_packages=EXCLUDES, target_doc_chars=300,
+                  min_doc_chars=1, val_fraction=0.3, test_fraction=0.3)
+    c = load_corpus(cfg, progress=False)
+    assert c.labels == sorted(DOMAINS)
+    ds = c.dataset
+    split_of_group: Dict[str, set] = {}
+    for g, s in zip(ds["group"], ds["split"]):
+        split_of_group.setdefault(g, set()).add(s)
+    assert all(len(s) == 1 for s in split_of_group.values())
+    assert len({s for v in split_of_group.values() for s in v}) == 3
+
+
+def test_group_field_keeps_each_group_in_one_split(tmp_path) -> None:
+    """Property test (fixed seed): whatever the group sizes, no group is in two splits."""
+    rng = random.Random(0)
+    rows = [{"text": f"document {i} " * 10, "file": f"f{rng.randrange(80)}"} for i in range(600)]
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = replace(DataConfig(), source="jsonl", path=str(f), group_field="file",
+                  val_fraction=0.2, test_fraction=0.2)
+    c = load_corpus(cfg, progress=False)
+    seen: Dict[str, str] = {}
+    for g, s in zip(c.dataset["group"], c.dataset["split"]):
+        assert seen.setdefault(g, s) == s
+        assert s == split_of(g, 0.2, 0.2)
+    assert set(seen.values()) == {"train", "validation", "test"}
+    # capped by max_documents (a sample of documents): still no group in two splits
+    capped = load_corpus(replace(cfg, max_documents=100), progress=False)
+    assert all(seen[g] == s for g, s in zip(capped.dataset["group"], capped.dataset["split"]))
+    # without group_field every document is its own group (the old id split)
+    plain = load_corpus(replace(cfg, group_field=None), progress=False)
+    assert plain.dataset["group"] == plain.dataset["id"]
+    with pytest.raises(DataError, match=r"data\.group_field='nope'.*Fix"):
+        load_corpus(replace(cfg, group_field="nope"), progress=False)
+
+
+@pytest.mark.slow
+def test_real_install_small_build(tmp_path, monkeypatch) -> None:
+    """The real stdlib and dependencies, capped small: every domain gets documents."""
+    monkeypatch.setenv("DIPACO_CACHE", str(tmp_path))
+    docs, path = load_multidomain(["test", "tests", "idlelib", "lib2to3", "turtledemo"],
+                                  2400, 20000, domain_max_chars=150_000)
+    assert os.path.isfile(path)
+    for d in DOMAINS:
+        size = sum(len(x.text) for x in docs if x.label == d)
+        assert size >= 20_000, (d, size)
