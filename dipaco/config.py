@@ -180,6 +180,9 @@ class TrainerConfig:
     warmup_fraction: float = 0.0
     dense_baseline: bool = True  # same-size dense model, same inner steps, all data
     eval_max_documents: Optional[int] = 400
+    # the split the final evaluation scores: "validation" (where settings are chosen and
+    # path early stopping picks its weights) or "test" (held out from both: report on it)
+    eval_split: str = "validation"
     eval_batch_size: int = 16
     # also score each validation document whole, in consecutive windows of eval_seq_len
     # tokens (None: model.max_seq_len), prefix excluded: summary.json's *_long keys

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dipaco.checkpoint import sha256_file, write_json
-from dipaco.config import Config, ConfigError
+from dipaco.config import Config, ConfigError, require
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, progress_bars, tokenize_to_docs
 from dipaco.dense import WARMUP_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.device import model_device, to_device
@@ -51,8 +51,9 @@ class Prepared:
 
     tokenizer: Any
     train_ids: TokenDocs  # memory-mapped token ids of the training documents
-    val_ids: TokenDocs
+    val_ids: TokenDocs  # validation documents (routing report, path early stopping)
     val_labels: list[Optional[str]]
+    eval_ids: TokenDocs  # what the final evaluation scores: trainer.eval_split
     router: Any
     report: dict
     warmup_steps: int = 0
@@ -99,11 +100,11 @@ def _evaluated(cfg: Config, val_ids: TokenDocs) -> TokenDocs:
 
 
 def validation_ids(cfg: Config, run: RunDir) -> TokenDocs:
-    """A finished run's validation documents as token ids, exactly as its evaluation saw
-    them (same corpus split, the run's tokenizer and token cache)."""
+    """A finished run's evaluated documents (``trainer.eval_split``) as token ids, exactly
+    as its evaluation saw them (same corpus split, the run's tokenizer and token cache)."""
     run.require(run.tokenizer, "tokenizer")
     corpus = load_corpus(cfg.data, progress=False)
-    val_tok = tokenize_to_docs(corpus.split("validation"), Tokenizer.load(run.tokenizer),
+    val_tok = tokenize_to_docs(corpus.split(cfg.trainer.eval_split), Tokenizer.load(run.tokenizer),
                                cache_dir=cfg.data.cache_dir or str(run.cache), progress=False)
     return _evaluated(cfg, val_tok)
 
@@ -131,6 +132,12 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
     val_ids = _evaluated(cfg, tokenize_to_docs(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress))
     val_labels = list(val_ds["label"])[: len(val_ids)]
+    eval_ids = val_ids
+    if t.eval_split != "validation":
+        eval_ds = corpus.split(t.eval_split)
+        require(len(eval_ds) > 0, "trainer.eval_split", f"the {t.eval_split} split is empty",
+                "raise data.test_fraction or data.max_documents")
+        eval_ids = _evaluated(cfg, tokenize_to_docs(eval_ds, tokenizer, cache_dir=cache_dir, progress=t.progress))
     timings["tokenize_s"] = time.perf_counter() - t0
     _log(f"tokens: {train_ids.num_tokens:,} train, vocabulary {tokenizer.vocab_size}")
 
@@ -200,7 +207,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         nmi = f", NMI vs labels {report['nmi']:.3f}" + (f" (per level: {levels})" if levels else "")
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
-                    router=router, report=report, warmup_steps=n_warm, train_dataset=train_ids,
+                    eval_ids=eval_ids, router=router, report=report, warmup_steps=n_warm, train_dataset=train_ids,
                     timings=timings)
 
 

@@ -266,11 +266,11 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
         info = {"steps": steps + prep.warmup_steps, "train_loss": stats.loss, "tokens": stats.tokens,
                 "seconds": stats.seconds, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
         save_dense(run.baseline, grid, info)
-    ev = evaluate_single(prep.val_ids, PathModel(grid, 0), seq_len=t.seq_len,
+    ev = evaluate_single(prep.eval_ids, PathModel(grid, 0), seq_len=t.seq_len,
                          prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size)
     out = {"info": info, "eval": ev}
     if t.eval_long:
-        out["eval_long"] = evaluate_single(prep.val_ids, PathModel(grid, 0), seq_len=eval_window(cfg),
+        out["eval_long"] = evaluate_single(prep.eval_ids, PathModel(grid, 0), seq_len=eval_window(cfg),
                                            prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size,
                                            whole_documents=True)
     return out
@@ -278,7 +278,7 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
 
 def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
     """Routed perplexity on the validation split (:func:`dipaco.job_eval.evaluate_run`)."""
-    return evaluate_run(cfg, run, prep.router, prep.val_ids, ckpt)
+    return evaluate_run(cfg, run, prep.router, prep.eval_ids, ckpt)
 
 
 def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
@@ -300,6 +300,7 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "wrong_path_ppl": routed.get("wrong_path", {}).get("ppl"),
         "per_path": routed["once"]["per_path"],
         "eval_tokens": routed["once"]["num_tokens"],
+        "eval_split": cfg.trainer.eval_split,
         # trainer.eval_long: whole documents in windows of eval_seq_len (None when off)
         "routed_ppl_long": routed_long,
         "dense_ppl_long": dense_long,

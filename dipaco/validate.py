@@ -149,6 +149,10 @@ def _validate_evaluation(cfg: Config) -> None:
     require(window > r.prefix_tokens, "trainer.eval_seq_len",
              f"a window of {window} tokens does not reach past the routing prefix ({r.prefix_tokens})",
              f"use trainer.eval_seq_len>{r.prefix_tokens}")
+    require(t.eval_split in ("validation", "test"), "trainer.eval_split",
+             f"unknown split {t.eval_split!r}", "use trainer.eval_split=validation or test")
+    require(t.eval_split == "validation" or cfg.data.test_fraction > 0, "trainer.eval_split",
+             "data.test_fraction=0 leaves the test split empty", "set data.test_fraction>0, e.g. 0.05")
     require(t.eval_every >= 1, "trainer.eval_every", f"must be >= 1, got {t.eval_every}", "e.g. trainer.eval_every=2")
     require(not t.path_early_stopping or cfg.diloco.mode == "sync", "trainer.path_early_stopping",
              "path early stopping runs in the synchronous rounds only", "use diloco.mode=sync")

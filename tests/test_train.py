@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from dipaco.checkpoint import load_state
+from dipaco.prepare import validation_ids
+from dipaco.run_dir import RunDir
 from dipaco.config import ConfigError, compose_config
 from dipaco.train import train
 from dipaco.validate import validate_config
@@ -116,6 +118,7 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(local_run: tuple[Path, d
         ("trainer.batch_size=3", "trainer.batch_size"),
         ("data.source=jsonl", "data.path"),
         ("model.n_heads=3", "model"),
+        ("trainer.eval_split=train", "trainer.eval_split"),
     ],
 )
 def test_impossible_configs_name_the_key(override: str, key: str) -> None:
@@ -226,6 +229,19 @@ def test_flat_diloco_baseline_trains(tmp_path: Path) -> None:
     assert set(lines[-1]["paths"]) == {"0", "1", "2", "3"}
     assert lines[-1]["modules"]["L0.0"]["contributions"] == 4
     assert summary["bytes_sent"] > 0 and summary["num_paths"] == 1
+
+
+def test_eval_split_test_scores_the_held_out_documents(local_run: tuple[Path, dict], tmp_path: Path) -> None:
+    """Settings are chosen on validation, results reported on test: the same run scores
+    other documents (and dipaco-infer's document list follows the setting)."""
+    _, val_summary = local_run
+    summary = train(compose_config(SMOKE + ["trainer.eval_split=test"], tmp_path))
+    assert val_summary["eval_split"] == "validation" and summary["eval_split"] == "test"
+    cfg = compose_config(SMOKE + ["trainer.eval_split=test"], tmp_path)
+    test_docs = validation_ids(cfg, RunDir.at(tmp_path))
+    val_docs = validation_ids(compose_config(SMOKE, tmp_path), RunDir.at(tmp_path))
+    assert len(test_docs) > 0 and summary["eval_tokens"] != val_summary["eval_tokens"]
+    assert {tuple(d) for d in test_docs}.isdisjoint({tuple(d) for d in val_docs})
 
 
 def test_default_top_k_is_two_and_one_path_grids_route_each_document_once() -> None:
