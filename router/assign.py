@@ -7,7 +7,10 @@ capacity is its *natural load* (how many documents have it among their ``top_k``
 cheapest paths) clipped to ``[capacity, ceil(soft_capacity_factor * N * top_k / P)]``: a
 big natural cluster keeps its documents up to the soft ceiling instead of spilling the
 excess onto other clusters' paths, while overflow never pushes a path above the hard cap
-unless its own documents already did.
+unless its own documents already did. Mirroring the ceiling, a soft shard also holds at
+least ``floor(N * top_k / P / soft_capacity_factor)`` documents: a path that no cluster
+prefers (a k-means leaf of 10 documents out of 7,000, seen on the multidomain corpus)
+still gets enough data to train.
 
 1. Assignment runs in ``top_k`` rounds; round r gives each document its r-th path. Doing
    everyone's first choice before anyone's second keeps overflow out of the shards
@@ -17,7 +20,7 @@ unless its own documents already did.
    best path that still has room and that they do not already hold. Overflow therefore
    lands on the uncertain documents, which lose least by moving.
 3. When ``N >= P`` (top_k = 1) or generally when enough documents exist, no shard is left
-   empty: each empty path takes its nearest document (lowest cost for that path) from a
+   empty (soft: below its floor): each empty path takes its nearest document (lowest cost for that path) from a
    shard that keeps at least one document, replacing that document's path from the
    largest such shard.
 
@@ -100,7 +103,12 @@ def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float
                     break
             else:
                 _make_room(costs, pref[i], chosen, load, i, cap)
-    _fill_empty(costs, chosen, load)
+    # no empty shard (hard); soft: no shard below mean / soft_capacity_factor either, the
+    # mirror of its ceiling: a cluster nobody prefers must still get enough data to train
+    floor = np.ones(p, np.int64)
+    if balance == "soft":
+        floor[:] = max(1, math.floor(n * top_k / p / soft_capacity_factor))
+    _fill_to_floor(costs, chosen, load, floor)
     # Report paths best first by cost, whatever order the rounds produced.
     return [sorted(h, key=lambda q, row=costs[i]: (row[q], q)) for i, h in enumerate(chosen)]
 
@@ -140,21 +148,23 @@ def _make_room(costs: np.ndarray, pref_i: np.ndarray, chosen: list[list[int]], l
     held.append(q2)  # q2's load is unchanged: j left it, i joined it
 
 
-def _fill_empty(costs: np.ndarray, chosen: list[list[int]], load: np.ndarray) -> None:
-    """Give every empty path its nearest document that can move without emptying a shard."""
-    for path in np.flatnonzero(load == 0).tolist():
+def _fill_to_floor(costs: np.ndarray, chosen: list[list[int]], load: np.ndarray, floor: np.ndarray) -> None:
+    """Bring every path up to ``floor[path]`` documents with its nearest documents that can
+    move without taking their donor shard below its own floor (the largest donor gives)."""
+    for path in np.flatnonzero(load < floor).tolist():
         for i in np.argsort(costs[:, path], kind="stable").tolist():
+            if load[path] >= floor[path]:
+                break
             held = chosen[i]
             if path in held:
                 continue
-            donors = [q for q in held if load[q] > 1]
+            donors = [q for q in held if load[q] > floor[q]]
             if not donors:
                 continue
             give_up = max(donors, key=lambda q: (load[q], costs[i, q]))
             held[held.index(give_up)] = path
             load[give_up] -= 1
             load[path] += 1
-            break
 
 
 __all__ = ["BALANCES", "balanced_assign", "capacity_per_path", "path_capacities"]

@@ -180,6 +180,17 @@ def test_soft_balance_stays_within_the_soft_factor_and_above_the_hard_cap_only_w
     hard_cap = capacity_per_path(n, p, top_k, 1.25)
     # a path goes over the hard cap only as far as its own natural load, never past the soft factor
     assert np.all(sizes <= np.maximum(hard_cap, np.minimum(natural, capacity_per_path(n, p, top_k, 2.0))))
+    # ... and no path below the mirror floor, mean / soft factor (a cluster nobody prefers still trains)
+    assert np.all(sizes >= max(1, (n * top_k // p) // 2)), (sizes, n * top_k / p)
+
+
+def test_soft_balance_gives_a_path_nobody_prefers_its_floor():
+    # 200 documents all nearest path 0 or 1; paths 2 and 3 are nobody's choice
+    rng = np.random.default_rng(0)
+    costs = np.concatenate([rng.random((200, 2)), 5.0 + rng.random((200, 2))], axis=1)
+    sizes = np.bincount([s[0] for s in balanced_assign(costs, balance="soft", soft_capacity_factor=2.0)],
+                        minlength=4)
+    assert sizes.min() >= 200 // 4 // 2 and sizes.sum() == 200
 
 
 def test_balance_arguments_are_checked():
