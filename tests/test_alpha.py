@@ -77,7 +77,10 @@ def test_a_tiny_run_with_every_option(tmp_path: Path) -> None:
     # L0.0 is on paths 0 and 1 of the 2x2 grid: α = tokens × shard tokens / mean
     assert rounds[0]["modules"]["L0.0"]["alpha_sum"] == pytest.approx(trained * (scale[0] + scale[1]), rel=1e-6)
     assert [("val_loss" in r["paths"]["0"]) for r in rounds] == [False, True, True]  # rounds 2 and 3
-    assert set(summary["best_rounds"].values()) <= {2, 3}
+    # a path with validation documents keeps round 2 or 3; one without has nothing to compare (None)
+    val_sizes = json.loads((tmp_path / "routing_report.json").read_text())["validation"]["shard_sizes"]
+    for p, best in summary["best_rounds"].items():
+        assert best in ({2, 3} if val_sizes[int(p)] else {None}), (p, best, val_sizes)
     assert (tmp_path / "checkpoints" / "best_paths" / "path_0.safetensors").is_file()
     assert summary["eval_tokens_long"] > summary["eval_tokens"]
     # dipaco-infer reads the kept best weights and reproduces both protocols
