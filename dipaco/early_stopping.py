@@ -36,8 +36,10 @@ from router import load_shard, write_shards
 
 
 def write_validation_shards(run: RunDir, best_paths: np.ndarray, val_ids: Any, num_paths: int) -> None:
-    """Each validation document into the shard of its routed path (``best_paths[i]``)."""
-    write_shards(val_ids, [[int(p)] for p in best_paths], num_paths, run.val_shards)
+    """Each validation document into the shard of its routed path (``best_paths[i]``).
+
+    A path with no validation document keeps its last weights (its best round is None)."""
+    write_shards(val_ids, [[int(p)] for p in best_paths], num_paths, run.val_shards, warn_empty=False)
 
 
 def best_path_files(run: RunDir, path_id: int) -> tuple[Path, Path]:

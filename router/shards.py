@@ -70,8 +70,12 @@ def write_shards(
     out_dir: str | os.PathLike,
     *,
     token_column: str = "input_ids",
+    warn_empty: bool = True,
 ) -> dict[str, Any]:
     """Write the shards of ``docs`` given each row's paths (``Router.assign`` output).
+
+    ``warn_empty=False``: an empty shard is expected (a path's validation shard on a small
+    corpus) and is only recorded in the manifest, without a warning.
 
     ``docs`` is a :class:`TokenDocs` (e.g. a memory-mapped corpus), an HF dataset with a
     ``token_column`` or a list of token id sequences; rows are copied in batches, so
@@ -123,7 +127,7 @@ def write_shards(
         f"shard {p} is empty: no document was routed to path {p}; that path has no training data"
         for p in empty
     ]
-    for msg in messages:
+    for msg in messages if warn_empty else []:
         warnings.warn(msg, stacklevel=2)
     mean = sizes.mean()
     manifest: dict[str, Any] = {
