@@ -6,6 +6,7 @@ and is reused on ``resume=true``, so a resumed run routes exactly as the first d
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -117,6 +118,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     corpus = load_corpus(cfg.data, progress=bars_enabled(t.progress))
     if corpus.skipped:
         _log(f"skipped documents: {dict(corpus.skipped)}")
+    _require_documents_per_path(cfg, corpus.num_documents)
     train_ds = corpus.split("train")
     val_ds = corpus.split("validation")
     _require_splits(cfg, corpus.num_documents, len(train_ds), len(val_ds))
@@ -238,6 +240,19 @@ def shards_fingerprint(fps: Fingerprints, run: RunDir) -> dict:
     discriminative re-shard rewrites both) and the data the router assigned."""
     return fps.want("shards", router=sha256_file(run.router / "manifest.json"),
                     data=fps.saved.get("router", {}).get("data"))
+
+
+def _require_documents_per_path(cfg: Config, num_documents: int) -> None:
+    """Data scaled with paths is the point of ``data.documents_per_path``: a corpus too
+    small for it would silently give every path fewer documents than asked (and skew a
+    paths sweep), so it is one line naming the most the corpus allows."""
+    per_path = cfg.data.documents_per_path
+    if per_path is None:
+        return
+    paths = math.prod(cfg.grid.levels)
+    require(num_documents >= per_path * paths, "data.documents_per_path",
+            f"{per_path} x {paths} paths asks for {per_path * paths:,} documents; the corpus has {num_documents:,}",
+            f"use data.documents_per_path<={num_documents // paths} or a larger corpus (e.g. data=multidomain)")
 
 
 def _require_splits(cfg: Config, num_documents: int, num_train: int, num_val: int) -> None:

@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dipaco.config import ConfigError, compose_config
+from dipaco.prepare import _require_documents_per_path
 from dipaco.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,14 @@ def test_documents_per_path_scales_the_corpus_with_the_paths(grid: str, paths: i
 def test_documents_per_path_and_max_documents_are_exclusive() -> None:
     with pytest.raises(ConfigError, match="documents_per_path.*drop one"):
         validate_config(compose_config(["data.documents_per_path=250", "data.max_documents=100"]))
+
+
+def test_a_corpus_too_small_for_documents_per_path_is_one_line_naming_the_most_it_allows() -> None:
+    cfg = compose_config(["grid=4x4", "data.documents_per_path=1000"])
+    validate_config(cfg)
+    _require_documents_per_path(cfg, 16_000)  # exactly enough
+    with pytest.raises(ConfigError, match=r"16,000 documents; the corpus has 5,212.*documents_per_path<=325"):
+        _require_documents_per_path(cfg, 5_212)
 
 
 def test_setup_cfg_lists_every_package() -> None:
