@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -127,7 +126,6 @@ def _sample_rows(x: np.ndarray, m: int, rng: np.random.Generator) -> np.ndarray:
 def _lloyd(x: np.ndarray, centroids: np.ndarray, niter: int, tol: float) -> tuple[np.ndarray, float]:
     """Lloyd iterations from ``centroids`` until the objective stalls; returns (centroids, mean sq. distance)."""
     n, d = x.shape
-    k = centroids.shape[0]
     labels = np.full(n, -1, np.int64)
     prev_obj = math.inf
     for _ in range(niter):

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from modules import KVCache, ModelConfig, ModuleGrid, PathModel, init_grid_from_dense
-from modules.layers import rotary_tables
 
 V, D = 64, 32
 

@@ -64,7 +64,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 from tqdm.auto import tqdm
 
 from dipaco.data.errors import DataError
-from dipaco.data.python_sources import label_of, list_source_files, pack_pieces, split_source, split_text
+from dipaco.data.python_sources import list_source_files, pack_pieces, split_source, split_text
 from dipaco.data.readers import count_skip, read_text_head
 
 __all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
