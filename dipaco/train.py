@@ -277,7 +277,7 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
 
 
 def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
-    """Routed perplexity on the validation split (:func:`dipaco.job_eval.evaluate_run`)."""
+    """Routed perplexity on ``trainer.eval_split`` (:func:`dipaco.job_eval.evaluate_run`)."""
     return evaluate_run(cfg, run, prep.router, prep.eval_ids, ckpt)
 
 

@@ -96,7 +96,7 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
 
 def _reference_model(run_dir: Path, path_id: int):
     """The path assembled the trainer's way: every module loaded (independent of PathLoader)."""
-    from dipaco.train import load_grid_from_checkpoint
+    from dipaco.job_eval import load_grid_from_checkpoint
     from modules import PathModel
 
     run = InferenceRun.open(run_dir)
