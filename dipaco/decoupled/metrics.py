@@ -118,6 +118,16 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
                 executed += open_phases.pop(key)
             else:
                 open_phases.pop(key, None)
+    # killed after its push but before its "end" line: the phase's updates were applied,
+    # so its steps were useful (and no redo ran: its path state was already saved)
+    applied_slots = {slot for _, slot in slot_applied}
+    for key, steps in list(open_phases.items()):
+        slot = f"{key[1]}:{key[2]}"
+        if slot in applied_slots and slot not in counted:
+            counted.add(slot)
+            useful_steps += steps
+            executed += steps
+            del open_phases[key]
     wasted_killed = sum(open_phases.values())
     executed += wasted_killed
 
