@@ -105,7 +105,7 @@ def child(case: str, tokens: int) -> dict:
         out["kv_cache_bytes"] = 2 * model.num_layers * c.n_heads * c.max_seq_len * c.head_dim * 4
         out["built_modules"] = sorted(loader.built_module_ids())
     elif case == "full_grid":
-        from dipaco.train import load_grid_from_checkpoint
+        from dipaco.job_eval import load_grid_from_checkpoint
 
         grid = load_grid_from_checkpoint(run.cfg, run.checkpoint)
         out["model_bytes"] = tensor_bytes(grid.built_modules().values())

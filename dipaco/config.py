@@ -22,6 +22,7 @@ DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "te
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 ROUTER_METHODS = ("product", "tree", "flat", "grouped", "random")
 ROUTER_BALANCES = ("hard", "soft")
+RESHARD_ASSIGNS = ("classifier", "loss")  # router.em.RESHARD_ASSIGNS
 FEATURIZERS = ("tfidf", "lm")
 MODES = ("sync", "decoupled")
 ALPHAS = ("tokens", "shard_size")  # what weighs a path's pseudo-gradient (dipaco/sync/alpha.py)
@@ -116,10 +117,16 @@ class RouterConfig:
     balance: str = "hard"
     soft_capacity_factor: float = 2.0
     niter: int = 20
-    # discriminative re-shard (sklearn classifier on per-path losses) at this round; None: off
+    # EM re-shard (docs/evaluation.md): after this round, score documents under every path
+    # and re-assign them; None: off
     reshard_at_round: Optional[int] = None
-    # documents whose per-path losses label the classifier's training set
+    # repeat the re-shard every R rounds after reshard_at_round (while < trainer.rounds); None: once
+    reshard_every: Optional[int] = None
+    # documents scored under every path (the E step); the rest are routed by the classifier
     reshard_documents: int = 2000
+    # classifier: a classifier of the lowest-loss path routes every document | loss: the
+    # scored documents take their lowest-loss paths under routing's balance (router/em.py)
+    reshard_assign: str = "classifier"
     # evaluation: re-route every W tokens (None: route once by the prefix)
     reroute_every: Optional[int] = None
 

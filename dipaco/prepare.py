@@ -59,6 +59,7 @@ class Prepared:
     report: dict
     warmup_steps: int = 0
     train_dataset: Any = None  # the rows write_shards copies when re-sharding (== train_ids)
+    train_labels: Optional[list] = None  # known domain of each training document (None: unlabelled data)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -190,8 +191,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     labels = val_labels if any(lab is not None for lab in val_labels) else None
     # per-document path lists: shard sizes and imbalance are the training shards' (every
     # membership counts, as the balanced assignment caps them); NMI uses the best path
-    report = routing_report(assignments, num_paths=router.num_paths, grid=router.grid,
-                            labels=list(train_ds["label"]) if labels is not None else None)
+    train_labels = list(train_ds["label"]) if labels is not None else None
+    report = routing_report(assignments, num_paths=router.num_paths, grid=router.grid, labels=train_labels)
     report["validation"] = routing_report(best, num_paths=router.num_paths, labels=labels, grid=router.grid)
     if reuse_shards:  # as written with the shards (a re-shard adds to it)
         report = run.read_json(run.routing_report)
@@ -210,7 +211,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
                     eval_ids=eval_ids, router=router, report=report, warmup_steps=n_warm, train_dataset=train_ids,
-                    timings=timings)
+                    train_labels=train_labels, timings=timings)
 
 
 def _tokenizer(cfg: Config, run: RunDir, train_ds: Any, fps: Fingerprints, data_fp: str) -> Tokenizer:

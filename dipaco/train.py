@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -15,23 +14,21 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from dipaco.build import build_comm_plan, build_grid
 from dipaco.checkpoint import atomic_write_text, write_json
 from dipaco.config import Config, ConfigError, eval_window
-from dipaco.data import progress_bars
 from dipaco.decoupled.run import run_decoupled
 from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
-from dipaco.evaluate import evaluate_single, per_document_losses
-from dipaco.job_eval import evaluate_run, load_grid_from_checkpoint
-from dipaco.fingerprint import Fingerprints
+from dipaco.evaluate import evaluate_single
+from dipaco.job_eval import evaluate_run
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
 from dipaco.plots import write_plots
-from dipaco.prepare import Prepared, prepare, shards_fingerprint
+from dipaco.prepare import Prepared, prepare
 from dipaco.results import RoundsResult
+from dipaco.reshard import reshard_rounds, run_rounds_with_reshards
 from dipaco.resume import check_fresh, finished_summary, has_saved_config, resume_config
 from dipaco.rounds import run_rank
 from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
@@ -40,7 +37,6 @@ from dipaco.slurm import slurm_rendezvous
 from dipaco.tracking import MetricsWriter
 from dipaco.validate import validate_config
 from modules import PathModel
-from router import assign_in_batches, expand_replicas, routing_report, write_shards
 
 
 def _log(msg: str) -> None:
@@ -185,63 +181,11 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
 
 
 def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> RoundsResult:
-    """Launch the ranks for the DiPaCo rounds, with the optional discriminative re-shard.
-
-    The re-shard happens between two launches: ranks stop after round k (checkpoint
-    written), this process labels documents with their best path, fits the classifier and
-    rewrites the shards, then ranks resume from round k on the new shards. Both backends
-    and every launcher share this, since ranks read their shards when they start.
-    """
-    k = cfg.router.reshard_at_round
-    user_stop = cfg.trainer.stop_after_rounds
-    if k is None or k >= cfg.trainer.rounds or prep.router.uses_discriminative:
+    """Launch the ranks for the DiPaCo rounds, stopping for each EM re-shard phase
+    (``router.reshard_at_round``, ``router.reshard_every``; :mod:`dipaco.reshard`)."""
+    if not reshard_rounds(cfg):
         return launch(run_rank, cfg, run)
-    first = copy.deepcopy(cfg)
-    first.trainer.stop_after_rounds = k if user_stop is None else min(k, user_stop)
-    result = launch(run_rank, first, run)
-    if result.completed_rounds < k or (user_stop is not None and user_stop <= k):
-        return result
-    reshard(cfg, run, prep, Path(result.checkpoint))
-    second = copy.deepcopy(cfg)
-    second.resume = True
-    # one result for the whole run: traffic, tokens and time of both launches
-    return launch(run_rank, second, run).after(result)
-
-
-def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
-    """Discriminative re-routing: label documents by their best path, fit, re-shard."""
-    t0 = time.perf_counter()
-    grid = load_grid_from_checkpoint(cfg, ckpt)
-    rng = np.random.default_rng(cfg.seed)
-    n = min(len(prep.train_ids), cfg.router.reshard_documents)
-    pick = np.sort(rng.choice(len(prep.train_ids), size=n, replace=False))
-    sample = [prep.train_ids[i] for i in pick]
-    losses = np.stack([
-        per_document_losses(sample, PathModel(grid, p), seq_len=cfg.trainer.seq_len,
-                            prefix_tokens=cfg.router.prefix_tokens, batch_size=cfg.trainer.eval_batch_size)
-        for p in range(grid.num_paths)], axis=1)  # [n, P]
-    keep = np.isfinite(losses).all(axis=1)
-    fitted = prep.router.fit_discriminative(losses[keep], docs=[d for d, ok in zip(sample, keep) if ok])
-    info: dict[str, Any] = {"documents": int(keep.sum()), "fitted": bool(fitted)}
-    if fitted:
-        prep.router.save(run.router)
-        assignments = assign_in_batches(prep.router, prep.train_ids)
-        with progress_bars(cfg.trainer.progress):
-            write_shards(prep.train_dataset, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
-                         grid.num_paths * cfg.grid.replicas, run.shards)
-        fps = Fingerprints(run, cfg, _log)
-        fps.record("shards", shards_fingerprint(fps, run))
-        best = losses[keep].argmin(axis=1)
-        info["agreement_with_kmeans"] = float(np.mean(prep.router.kmeans_costs(
-            [d for d, ok in zip(sample, keep) if ok]).argmin(axis=1) == best))
-        info.update(routing_report(assignments, num_paths=grid.num_paths))  # training shards, overlap counted
-    info["seconds"] = time.perf_counter() - t0
-    report = run.read_json(run.routing_report)
-    report["reshard"] = info
-    write_json(run.routing_report, report)
-    _log(f"re-shard after round {cfg.router.reshard_at_round}: classifier fitted={fitted}, "
-         f"shard sizes {info.get('shard_sizes')}")
-    return info
+    return run_rounds_with_reshards(cfg, run, prep)
 
 
 def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dipaco.config import (
     LAUNCHERS,
     MIN_VOCAB,
     MODES,
+    RESHARD_ASSIGNS,
     ROUTER_BALANCES,
     ROUTER_METHODS,
     WANDB_MODES,
@@ -88,8 +89,7 @@ def validate_config(cfg: Config) -> None:
             f"use one of {ROUTER_BALANCES}")
     require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
             f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
-    require(r.reshard_at_round is None or 0 < r.reshard_at_round < t.rounds, "router.reshard_at_round",
-             f"must lie strictly between 0 and trainer.rounds={t.rounds}", "e.g. router.reshard_at_round=2")
+    _validate_reshard(cfg)
     require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",
              "must be positive or null", "e.g. router.reroute_every=64")
     require(t.rounds > 0, "trainer.rounds", f"must be > 0, got {t.rounds}", "e.g. trainer.rounds=8")
@@ -159,6 +159,24 @@ def _validate_evaluation(cfg: Config) -> None:
     require(not t.path_early_stopping or r.reshard_at_round is None, "trainer.path_early_stopping",
              "a re-shard re-routes the validation shards the kept weights were chosen on",
              "drop router.reshard_at_round or trainer.path_early_stopping")
+
+
+def _validate_reshard(cfg: Config) -> None:
+    """The EM re-shard phases: ``reshard_at_round``, then every ``reshard_every`` rounds."""
+    r, t = cfg.router, cfg.trainer
+    require(r.reshard_at_round is None or 0 < r.reshard_at_round < t.rounds, "router.reshard_at_round",
+            f"must lie strictly between 0 and trainer.rounds={t.rounds}", "e.g. router.reshard_at_round=2")
+    require(r.reshard_every is None or r.reshard_every >= 1, "router.reshard_every",
+            f"must be >= 1 or null, got {r.reshard_every}", "e.g. router.reshard_every=4")
+    require(r.reshard_every is None or r.reshard_at_round is not None, "router.reshard_every",
+            "repeats the re-shard that router.reshard_at_round starts, which is off",
+            "set router.reshard_at_round=K (the first phase) or drop router.reshard_every")
+    require(r.reshard_assign in RESHARD_ASSIGNS, "router.reshard_assign", f"unknown value {r.reshard_assign!r}",
+            f"use one of {RESHARD_ASSIGNS}")
+    require(r.reshard_documents >= 1, "router.reshard_documents", f"must be >= 1, got {r.reshard_documents}",
+            "e.g. router.reshard_documents=2000")
+    require(r.reshard_at_round is None or cfg.diloco.mode == "sync", "router.reshard_at_round",
+            "re-sharding runs between the synchronous rounds only", "use diloco.mode=sync or drop the re-shard")
 
 
 def _validate_slurm(la: LauncherConfig) -> None:

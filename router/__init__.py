@@ -15,11 +15,19 @@ Typical use::
 """
 from .assign import balanced_assign, capacity_per_path
 from .discriminative import DiscriminativeHead, fit_discriminative
+from .em import RESHARD_ASSIGNS, compare_assignments, loss_assign, mean_assigned_loss, reshard_assignments
 from .features import CallableFeaturizer, TokenTfidfFeaturizer
 from .kmeans import fit_kmeans, search, squared_distances
 from .report import routing_report
 from .router import METHODS, ROUTER_FORMAT_VERSION, Router
-from .shards import assign_in_batches, expand_replicas, load_shard, read_shards_manifest, write_shards
+from .shards import (
+    assign_in_batches,
+    expand_replicas,
+    load_shard,
+    read_assignments,
+    read_shards_manifest,
+    write_shards,
+)
 from .tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs, write_token_docs
 
 __all__ = [
@@ -35,6 +43,11 @@ __all__ = [
     "capacity_per_path",
     "fit_discriminative",
     "DiscriminativeHead",
+    "RESHARD_ASSIGNS",
+    "loss_assign",
+    "reshard_assignments",
+    "compare_assignments",
+    "mean_assigned_loss",
     "write_shards",
     "assign_in_batches",
     "TokenDocs",
@@ -45,5 +58,6 @@ __all__ = [
     "expand_replicas",
     "load_shard",
     "read_shards_manifest",
+    "read_assignments",
     "routing_report",
 ]

@@ -75,6 +75,7 @@ def fit_discriminative(
     max_iter: int = 500,
     min_docs: int = 8,
     seed: int = 0,
+    labels: np.ndarray | None = None,
 ) -> DiscriminativeHead | None:
     """Fit the path classifier; returns None (with a warning) when the fallback applies.
 
@@ -83,6 +84,9 @@ def fit_discriminative(
         losses: float ``[N, P]`` loss of each document under each path (lower is better).
         C: inverse L2 regularisation strength of the logistic regression.
         min_docs: below this many documents, keep k-means routing.
+        labels: int ``[N]`` the path each document should learn; None: its lowest-loss
+            path. The EM re-shard passes the balanced M-step's paths, so that the
+            classifier routes new documents as the capacity-respecting assignment did.
     """
     from sklearn.linear_model import LogisticRegression  # lazy: scikit-learn is slow to import; `import router` stays light
 
@@ -97,7 +101,11 @@ def fit_discriminative(
     if not np.isfinite(losses).all():
         raise ValueError("losses contains NaN or inf; drop those documents before fitting")
     n, num_paths = losses.shape
-    labels = losses.argmin(axis=1)
+    if labels is None:
+        labels = losses.argmin(axis=1)
+    labels = np.asarray(labels, np.int64)
+    if labels.shape != (n,) or (n and (labels.min() < 0 or labels.max() >= num_paths)):
+        raise ValueError(f"labels must be {n} path ids in [0, {num_paths}), got shape {labels.shape}")
     classes = np.unique(labels)
     if n < min_docs:
         warnings.warn(

@@ -321,8 +321,11 @@ class Router:
         C: float = 1.0,
         max_iter: int = 500,
         min_docs: int = 8,
+        labels: np.ndarray | None = None,
     ) -> bool:
         """Re-route by measured losses ``[N, P]`` of ``docs`` (or precomputed ``features``).
+
+        ``labels``: the path each document should learn (default: its lowest-loss path).
 
         Returns True when a classifier now drives :meth:`costs`; False when the documented
         fallback applied (too few documents or a single preferred path) and k-means routes.
@@ -336,7 +339,8 @@ class Router:
                 f"losses must be [N, {self.num_paths}] (one column per path of grid {list(self.grid)}), "
                 f"got shape {losses.shape}"
             )
-        self.head = fit_discriminative(feats, losses, C=C, max_iter=max_iter, min_docs=min_docs, seed=self.seed)
+        self.head = fit_discriminative(feats, losses, C=C, max_iter=max_iter, min_docs=min_docs, seed=self.seed,
+                                       labels=labels)
         return self.head is not None
 
     # ------------------------------------------------------------------ persistence

@@ -179,6 +179,23 @@ def load_shard(out_dir: str | os.PathLike, path_id: int) -> TokenDocs:
     return data.select(rows[offsets[p] : offsets[p + 1]])
 
 
+def read_assignments(out_dir: str | os.PathLike, replicas: int = 1) -> list[list[int]]:
+    """The paths of each stored row, as written (the inverse of :func:`write_shards`).
+
+    Rows are the documents that had at least one path, in order; with ``replicas`` R the
+    training path ``t = p·R + r`` counts as grid path ``p`` (:func:`expand_replicas`).
+    """
+    out = Path(out_dir)
+    manifest = read_shards_manifest(out)
+    index = load_npz_checked(out / _INDEX, manifest["files"][_INDEX])
+    offsets, rows = index["offsets"], index["rows"]
+    paths: list[list[int]] = [[] for _ in range(manifest["num_rows"])]
+    for t in range(manifest["num_paths"]):
+        for row in rows[offsets[t] : offsets[t + 1]].tolist():
+            paths[row].append(t // int(replicas))
+    return [sorted(set(p)) for p in paths]
+
+
 def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int]]", *,
                       batch_size: int = BATCH_ROWS) -> list[list[int]]:
     """``router.assign(docs)`` with costs computed ``batch_size`` documents at a time.
@@ -204,7 +221,8 @@ def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int
     return router.assign_costs(costs)
 
 
-__all__ = ["write_shards", "load_shard", "read_shards_manifest", "assign_in_batches", "SHARDS_FORMAT_VERSION"]
+__all__ = ["write_shards", "load_shard", "read_shards_manifest", "read_assignments", "assign_in_batches",
+           "SHARDS_FORMAT_VERSION"]
 
 
 def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> list[list[int]]:
