@@ -158,6 +158,7 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path, round_idx: int
     report["reshards"] = report.get("reshards", []) + [info]
     report["reshard"] = info
     write_json(run.routing_report, report)
+    prep.report["reshards"] = report["reshards"]  # summary.json lists them
     nmi = f", NMI vs labels {info['nmi']:.3f}" if info.get("nmi") is not None else ""
     moved = f", {info['reassigned']:.1%} of documents moved" if info.get("reassigned") is not None else ""
     _log(f"re-shard after round {round_idx} ({r.reshard_assign}): classifier fitted={info['fitted']}, "

@@ -278,6 +278,9 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "path_parameters": sum(counts[m] for m in grid.module_ids_of_path(0)),
         "total_parameters": sum(counts.values()),
         "routing": {k: prep.report.get(k) for k in ("shard_sizes", "imbalance", "nmi", "purity")},
+        # EM re-shard phases (routing_report.json has each in full)
+        "reshards": [{k: p.get(k) for k in ("round", "assign", "reassigned", "shard_sizes", "nmi")}
+                     for p in prep.report.get("reshards", [])],
         "dense_baseline": baseline.get("info"),
         "timings": prep.timings,
         "launcher": cfg.launcher.name,

@@ -77,7 +77,7 @@ def test_em_phases_run_at_their_rounds_and_resume_across_a_phase(
     log = capsys.readouterr().out
     assert log.index("re-shard after round 2") < log.index("round 3/3") and log.count("round 3/3") == 1
     assert "round 2/3" not in log  # round 2 was not trained again
-    assert summary["rounds"] == 3
+    assert summary["rounds"] == 3 and [p["round"] for p in summary["reshards"]] == [1, 2]
     report = json.loads((tmp_path / "routing_report.json").read_text())
     phases = report["reshards"]
     assert [p["round"] for p in phases] == [1, 2] and report["reshard"] == phases[-1]
