@@ -62,7 +62,8 @@ def topology(world: int, group_size: int) -> Topology:
     return Topology(grid.module_ids, [grid.module_ids_of_path(p) for p in range(grid.num_paths)], world, group_size)
 
 
-def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replicate") -> DiLoCoSync:
+def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replicate",
+          rounds: int = ROUNDS) -> DiLoCoSync:
     """ROUNDS rounds of the [2, 2] grid as dipaco/rounds.py drives them; returns the sync."""
     grid = ModuleGrid(MODEL, LEVELS, seed=0)
     fsdp = mode.startswith("fsdp")
@@ -80,7 +81,7 @@ def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replica
     grad_sync = (lambda ps: allreduce_gradients(ps, wpg, G)) if G > 1 and not fsdp else None
     learners = {p: PathLearner(p, PathModel(grid, p), Stream(p, local, G), tcfg, ROUNDS * H, grad_sync=grad_sync)
                 for p in paths}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for p in paths:
             sync.begin_path(p)
             sync.end_path(p, learners[p].train_steps(H).tokens)
@@ -135,6 +136,15 @@ def _worker(rank: int, world: int, out: str) -> None:
             results["adam_roundtrip"] = all(
                 torch.equal(v.full_tensor(), full["optimizer"]["state"][i]["exp_avg"])
                 for i, s in learner.optimizer.state_dict()["state"].items() for k, v in s.items() if k == "exp_avg")
+    # resume with another group size: one worker group of 4 loads the state written by
+    # groups of 2 (re-sharded 4 ways), and gathers it back to the same full tensors
+    topo4 = topology(world, 4)
+    sync4 = train(rank, topo4, ProcessGroups(topo4, rank), "fsdp", rounds=0)
+    states: list[Any] = [None] * world
+    dist.all_gather_object(states, results["fsdp"])
+    merged = {k: v for st in states for k, v in st.items()}  # every module's full state
+    sync4.load_state_dict(merged)
+    results["merged"], results["regathered"] = merged, sync4.state_dict()
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
@@ -195,6 +205,16 @@ def test_sharded_sync_reloads_a_full_state_by_resharding(ranks: list[dict[str, A
             full = res["replicate"][f"{m}/global"]
             assert torch.equal(got, shard_flat(full, res["shapes"][m], 2, rank % 2))
         assert res["adam_roundtrip"]
+
+
+@pytest.mark.multiprocess
+def test_state_of_groups_of_two_resumes_in_one_group_of_four(ranks: list[dict[str, Any]]) -> None:
+    for res in ranks:
+        merged, back = res["merged"], res["regathered"]
+        assert len([k for k in back if k.endswith("/global")]) == 6
+        for k, v in back.items():
+            if k != "diloco/round":
+                assert torch.equal(v, merged[k]), k
 
 
 def test_shard_layout_round_trips() -> None:
