@@ -10,6 +10,7 @@ a whole module during the exchange, and nothing is all-gathered inside the worke
 afterwards (the replicated exchange all-gathers the G reduced slices,
 :class:`dipaco.sync.comm.TorchComm`).
 
+The weights are those of a replicated worker group (docs/design.md contract 1).
 Only codec ``none`` is supported (validation refuses the others with ``fsdp``).
 Checkpoints keep the full layout: :meth:`ShardedModuleSync.state_dict` gathers the
 shards (a collective over the worker group) and :meth:`~ShardedModuleSync.load_state_dict`
