@@ -67,7 +67,12 @@ def worker_mesh(group: Any, device: torch.device) -> "DeviceMesh":
     """A 1-D DeviceMesh over the worker group's process group (its ranks, ascending)."""
     if fully_shard is None:
         raise RuntimeError(FSDP_MISSING)
-    return DeviceMesh.from_group(group, device_type=torch.device(device).type)
+    kind = torch.device(device).type
+    if kind == "cuda" and dist.get_backend(group) != "nccl":
+        # ranks sharing a GPU fall back to gloo (dipaco/device.py), which FSDP2 cannot use on CUDA
+        raise RuntimeError("launcher.group_parallel=fsdp on GPUs needs one GPU per rank (nccl); "
+                           "use launcher.nproc <= the number of GPUs, or launcher.group_parallel=replicate")
+    return DeviceMesh.from_group(group, device_type=kind)
 
 
 def apply_fsdp(modules: dict[str, nn.Module], mesh: "DeviceMesh") -> None:
