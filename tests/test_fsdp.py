@@ -157,7 +157,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.mark.multiprocess
 def test_fsdp_group_matches_replicated_group_and_local_backend(ranks: list[dict[str, Any]]) -> None:
-    local = train(None, topology(2, 1)).state_dict()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a loaded 2-core host, 2 OpenMP threads take ~50x longer
+    try:
+        local = train(None, topology(2, 1)).state_dict()
+    finally:
+        torch.set_num_threads(threads)
     for r in (0, 2):  # local rank 0 of each worker group: its modules' full states
         fsdp, repl = ranks[r]["fsdp"], ranks[r]["replicate"]
         held = [k for k in fsdp if k.endswith("/global")]
