@@ -94,8 +94,12 @@ class PathLearner:
         self.scaler = grad_scaler(self.device, cfg.precision)
         if cfg.activation_checkpointing:
             set_activation_checkpointing(model, True)
-        # the compiled wrapper shares the model's parameters; state dicts use self.model
-        self.forward = maybe_compile(model, compile_enabled(cfg.compile, self.device), cfg.compile_backend)
+        # the compiled wrapper shares the model's parameters; state dicts use self.model.
+        # Sharded (fsdp) paths stay eager: compile over FSDP2 modules is untested here, and
+        # validation refuses an explicit trainer.compile=true with fsdp, so "auto" (on for
+        # CUDA) must not switch it on behind the user's back.
+        compiled = compile_enabled(cfg.compile, self.device) and not any(is_sharded(p) for p in self.params)
+        self.forward = maybe_compile(model, compiled, cfg.compile_backend)
         self.step = 0
         # Steps already taken before this learner (the dense warm-up): the schedule of a
         # warm-started path continues where the warm-up left it.

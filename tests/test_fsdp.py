@@ -10,6 +10,7 @@ full checkpoint state by re-sharding it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,12 @@ def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replica
             sync.end_path(p, learners[p].train_steps(H).tokens)
         sync.last_stats = sync.finish_round()
     sync.learners = learners
+    if fsdp:
+        # trainer.compile left to "auto" is on for CUDA; sharded paths must stay eager anyway
+        # (validation refuses compile=true with fsdp): ask for it and check nothing compiled
+        model = learners[paths[0]].model
+        wanted = replace(tcfg, compile=True, compile_backend="eager")
+        sync.eager = PathLearner(paths[0], model, Stream(paths[0], local, G), wanted, 1).forward is model
     return sync
 
 
@@ -119,6 +126,7 @@ def _worker(rank: int, world: int, out: str) -> None:
             results["plan"] = {m.module_id: m.bytes_per_rank for m in plan.modules if m.module_id in sync.syncs}
             results["masters"] = sorted({str(p.dtype) for s in sync.syncs.values() for p in s.params})
             results["dtensor"] = all(is_sharded(p) for s in sync.syncs.values() for p in s.params)
+            results["eager"] = sync.eager
         state = sync.state_dict()  # a collective over the worker group when sharded
         results[mode] = state
         if mode == "fsdp_bf16":
@@ -189,6 +197,11 @@ def test_sharded_exchange_sends_shard_sized_messages_as_planned(ranks: list[dict
         for m, _, sub, nbytes in exchanges:
             assert nbytes == ring_allreduce_bytes(len(sub), 4 * shard[m])
         assert res["dtensor"] and res["masters"] == ["torch.float32"]
+
+
+@pytest.mark.multiprocess
+def test_sharded_paths_stay_eager_even_when_compile_is_asked(ranks: list[dict[str, Any]]) -> None:
+    assert all(res["eager"] for res in ranks)
 
 
 @pytest.mark.multiprocess
