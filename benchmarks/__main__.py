@@ -68,6 +68,10 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
                "one path's peak RSS, [8,8] / [1,1] grid", "~1 (flat)"),
     "gpu": (_module("gpu"), lambda d: ", ".join(f"{r['model']}: {fmt(r['vs_bare'])}" for r in d["rows"] if "vs_bare" in r),
             "DiPaCo [2,2] loop tokens/s / bare loop, this device", ">= 0.95"),
+    "groups": (_module("groups"),
+               lambda d: ", ".join(f"{r['model']}: {fmt(r['memory_vs_replicate'])}" for r in d.get("rows", [])
+                                   if "memory_vs_replicate" in r) or "needs 2 GPUs",
+               "fsdp / replicate peak memory per rank, worker group of 2", "~0.5 at scale"),
     "routing": (_script("routing"), _routing, "k-means time, sklearn KMeans / dipaco", ">= 3"),
     "infer": (_script("infer"), lambda d: "see infer.json", "generate memory, KV-cache speed-up", "see bench_infer"),
     "decoupled": (_module("decoupled"), _get(["headline", "decoupled_goodput"]),

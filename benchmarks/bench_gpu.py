@@ -87,12 +87,12 @@ def peak_flops(device: Any, precision: str) -> tuple[float, str]:
     return _gemm_peak(device, dtype), f"measured {dtype} GEMM"
 
 
-def _rss_now() -> int:
+def rss_now() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _warm_runtime(device: Any) -> None:
+def warm_runtime(device: Any) -> None:
     """One step of a throwaway model first: thread pools, kernels and autograd's own
     buffers are then outside the measured peak, which is left to the model itself."""
     import torch
@@ -129,8 +129,8 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, m.vocab_size, size=int(n)) for n in rng.integers(T, 4 * T, size=200)]
     levels = [1, 1] if side == "bare" else [2, 2]
-    _warm_runtime(device)
-    rss0 = _rss_now()
+    warm_runtime(device)
+    rss0 = rss_now()
     reset_peak_memory(device)
     grid = ModuleGrid(m, levels, seed=0, device=device)
     paths = list(range(grid.num_paths))

@@ -59,4 +59,5 @@ def build_comm_plan(cfg: Config, world_size: int) -> CommPlan:
     topo = build_topology(cfg, grid, world_size, cfg.launcher.name != "local")
     counts = {m: grid.param_count(m) for m in grid.module_ids}
     d = cfg.diloco
-    return plan_round(topo, counts, make_codec(d.codec, **codec_kwargs(d)), d.inner_steps, d.lossy_exchange)
+    return plan_round(topo, counts, make_codec(d.codec, **codec_kwargs(d)), d.inner_steps, d.lossy_exchange,
+                      sharded=cfg.launcher.group_parallel == "fsdp")

@@ -34,7 +34,8 @@ the two agree exactly):
 * the weights of the round (Σα, number of contributions, number dropped; 3 float64,
   ``META_BYTES`` = 24 bytes) are all-reduced in the same subgroup: ring formula.
 * with G > 1 the worker group then all-gathers the reduced fp32 slices:
-  ``allgather_bytes(G, 4*s)`` per rank.
+  ``allgather_bytes(G, 4*s)`` per rank; not with ``launcher.group_parallel=fsdp``, where
+  rank ``r`` keeps slice ``r`` (its FSDP shard, ``sharded=True``).
 * a module held by a single worker group (k = 1) sends nothing: no codec, no collective.
 * the DDP equivalent: a dense data-parallel run of the same path model over all W ranks
   all-reduces every gradient every inner step: ``H * ring_allreduce_bytes(W, 4*N_path)``
@@ -227,13 +228,17 @@ def module_exchange(topo: Topology, m: str, numel: int, codec: CodecLike,
 
 
 def module_bytes_per_rank(topo: Topology, m: str, numel: int, codec: CodecLike,
-                          lossy_exchange: str = "reduce_scatter") -> int:
-    """Bytes one rank of ``m``'s module group sends per round (formulas in the module doc)."""
+                          lossy_exchange: str = "reduce_scatter", sharded: bool = False) -> int:
+    """Bytes one rank of ``m``'s module group sends per round (formulas in the module doc).
+
+    ``sharded`` (``launcher.group_parallel=fsdp``): rank ``r`` keeps its reduced slice (its
+    FSDP shard, :mod:`dipaco.sync.sharded`), so nothing is all-gathered inside the group.
+    """
     ex = module_exchange(topo, m, numel, codec, lossy_exchange)
     if ex.k <= 1:
         return 0
     meta = ring_allreduce_bytes(ex.k, META_BYTES)
-    intra = allgather_bytes(topo.group_size, 4 * ex.slice_numel)
+    intra = 0 if sharded else allgather_bytes(topo.group_size, 4 * ex.slice_numel)
     return ex.cross_bytes + meta + intra
 
 
@@ -243,6 +248,7 @@ def plan_round(
     codec: CodecLike,
     inner_steps: int = 1,
     lossy_exchange: str = "reduce_scatter",
+    sharded: bool = False,
 ) -> CommPlan:
     """Bytes per round per module for ``codec``, and the DDP equivalent.
 
@@ -252,6 +258,7 @@ def plan_round(
         codec: the codec object (``make_codec(diloco.codec, **codec_kwargs(diloco))``).
         inner_steps: H, for the DDP equivalent (DDP all-reduces every inner step).
         lossy_exchange: how lossy codecs cross module subgroups (:data:`LOSSY_EXCHANGES`).
+        sharded: modules are FSDP-sharded inside each worker group (no intra-group gather).
     """
     missing = [m for m in topo.module_ids if m not in param_counts]
     if missing:
@@ -262,7 +269,7 @@ def plan_round(
     for m in topo.module_ids:
         n = int(param_counts[m])
         groups = tuple(topo.groups_of_module(m))
-        per_rank = module_bytes_per_rank(topo, m, n, codec, lossy_exchange)
+        per_rank = module_bytes_per_rank(topo, m, n, codec, lossy_exchange, sharded)
         rows.append(ModulePlan(
             module_id=m,
             sharers=tuple(topo.paths_of_module(m)),

@@ -20,6 +20,7 @@ from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub")
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
+GROUP_PARALLEL = ("replicate", "fsdp")  # launcher.group_parallel
 ROUTER_METHODS = ("product", "tree", "flat", "grouped", "random")
 ROUTER_BALANCES = ("hard", "soft")
 RESHARD_ASSIGNS = ("classifier", "loss")  # router.em.RESHARD_ASSIGNS
@@ -227,6 +228,9 @@ class LauncherConfig:
     name: str = "local"  # local | spawn | torchrun | slurm
     nproc: int = 1  # ranks started on this host (spawn); ranks per node (slurm)
     group_size: int = 1  # G: ranks per worker group (data parallel inside a path)
+    # how a worker group shares a path: replicate (every rank holds the modules, gradients
+    # all-reduced) | fsdp (FSDP2: parameters, gradients, AdamW and outer state sharded, docs/gpu.md)
+    group_parallel: str = "replicate"
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the run, never hangs it
     # launcher=slurm only (conf/launcher/slurm.yaml maps these onto hydra.launcher.*)

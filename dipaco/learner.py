@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from dipaco.config import TrainerConfig
 from dipaco.device import autocast, compile_enabled, grad_scaler, maybe_compile, to_device
 from dipaco.schedule import lr_at
+from dipaco.sync.fsdp import full_optimizer_state, full_value, is_sharded, shard_optimizer_state
 from modules import set_activation_checkpointing
 
 
@@ -93,8 +94,12 @@ class PathLearner:
         self.scaler = grad_scaler(self.device, cfg.precision)
         if cfg.activation_checkpointing:
             set_activation_checkpointing(model, True)
-        # the compiled wrapper shares the model's parameters; state dicts use self.model
-        self.forward = maybe_compile(model, compile_enabled(cfg.compile, self.device), cfg.compile_backend)
+        # the compiled wrapper shares the model's parameters; state dicts use self.model.
+        # Sharded (fsdp) paths stay eager: compile over FSDP2 modules is untested here, and
+        # validation refuses an explicit trainer.compile=true with fsdp, so "auto" (on for
+        # CUDA) must not switch it on behind the user's back.
+        compiled = compile_enabled(cfg.compile, self.device) and not any(is_sharded(p) for p in self.params)
+        self.forward = maybe_compile(model, compiled, cfg.compile_backend)
         self.step = 0
         # Steps already taken before this learner (the dense warm-up): the schedule of a
         # warm-started path continues where the warm-up left it.
@@ -146,7 +151,8 @@ class PathLearner:
                 self.scaler.unscale_(self.optimizer)  # clip and check the true gradients
             # max_norm=inf scales by exactly 1.0: the norm is still computed, for the check below
             clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+            # sharded (fsdp) gradients give a DTensor norm: the whole group's norm, same on every rank
+            norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, clip))
             self.step += 1
             value = float(loss)
             if not bool(torch.isfinite(norm)):
@@ -174,16 +180,32 @@ class PathLearner:
         stats.seconds = time.perf_counter() - t0
         return stats
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the path's parameters are FSDP-sharded (``launcher.group_parallel=fsdp``)."""
+        return any(is_sharded(p) for p in self.params)
+
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimiser state, step count and data position (checkpointed per path)."""
-        state = {"optimizer": self.optimizer.state_dict(), "step": self.step,
+        """Inner optimiser state, step count and data position (checkpointed per path).
+
+        Sharded: the AdamW moments are gathered whole (a collective: every rank of the
+        worker group calls it), so the file does not depend on the group size.
+        """
+        opt = self.optimizer.state_dict()
+        if self.sharded:
+            opt = full_optimizer_state(opt)
+        state = {"optimizer": opt, "step": self.step,
                  "stream": self.stream.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Inverse of :meth:`state_dict` (sharded: this rank keeps its rows of each moment)."""
+        opt = state["optimizer"]
+        if self.sharded:
+            opt = shard_optimizer_state(opt, [p for g in self.optimizer.param_groups for p in g["params"]])
+        self.optimizer.load_state_dict(opt)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])

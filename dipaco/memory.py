@@ -23,6 +23,11 @@ Per rank (a worker group's rank; the local backend is one process playing every 
   (4 × 4 bytes per parameter), plus one fp32 pseudo-gradient per path and module kept
   for the round's cosine-similarity report (4 bytes per parameter of each path).
 
+With ``launcher.group_parallel=fsdp`` (``shards`` = G) each rank keeps 1/G of the
+parameters, gradients, AdamW moments and outer state (:mod:`dipaco.sync.fsdp`), plus one
+whole fp32 module while FSDP2 has it all-gathered for its forward or backward (the
+largest held module is counted; FSDP2's prefetch of the next one is not).
+
 The model leaves out the allocator's slack, temporary buffers of single kernels and
 the framework's own footprint; ``benchmarks/bench_gpu.py`` compares it with a measured
 peak (``docs/gpu.md``).
@@ -81,14 +86,18 @@ def activation_bytes(model: ModelConfig, num_levels: int, sequences: int, seq_le
 
 def rank_memory(model: ModelConfig, num_levels: int, held_params: int, path_params: list[int], *,
                 sequences: int, seq_len: int, low_precision: bool = False,
-                checkpointing: bool = False) -> RankMemory:
+                checkpointing: bool = False, shards: int = 1, gathered_params: int = 0) -> RankMemory:
     """The :class:`RankMemory` of a rank holding ``held_params`` parameters and training
-    paths of ``path_params`` parameters each, ``sequences`` per micro-batch."""
+    paths of ``path_params`` parameters each, ``sequences`` per micro-batch.
+
+    ``shards``: G under ``group_parallel=fsdp`` (1: replicated); ``gathered_params``: the
+    parameters of the largest module, held whole while FSDP2 has it all-gathered.
+    """
     return RankMemory(
-        parameters=FP32 * held_params,
-        gradients=FP32 * held_params,
-        optimizer=2 * FP32 * sum(path_params),
+        parameters=FP32 * (held_params // shards + (gathered_params if shards > 1 else 0)),
+        gradients=FP32 * held_params // shards,
+        optimizer=2 * FP32 * sum(path_params) // shards,
         activations=activation_bytes(model, num_levels, sequences, seq_len, low_precision=low_precision,
                                      checkpointing=checkpointing),
-        outer=4 * FP32 * held_params + FP32 * sum(path_params),
+        outer=(4 * FP32 * held_params + FP32 * sum(path_params)) // shards,
     )

@@ -36,6 +36,7 @@ from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.checkpointing import load_checkpoint, save_checkpoint
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync, RoundStats
+from dipaco.sync.fsdp import apply_fsdp, worker_mesh
 from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.records import round_record
 from dipaco.tracking import MetricsWriter
@@ -91,7 +92,12 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     if distributed:
         pgroups = ProcessGroups(topo, rank, cfg.launcher.backend)
         worker_pg = pgroups.worker_group(topo.group_of_rank(rank))
-    sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups)
+    # launcher.group_parallel=fsdp: shard every held module over the worker group BEFORE the
+    # sync and the learners take its (then DTensor) parameters
+    fsdp = distributed and cfg.launcher.group_parallel == "fsdp"
+    if fsdp:
+        apply_fsdp(modules, worker_mesh(worker_pg, device))
+    sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups, sharded=fsdp)
 
     G = topo.group_size if distributed else 1
     alpha = PathAlpha.from_config(cfg.diloco.alpha, run.shards)
@@ -104,7 +110,7 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
                                         batch_size=cfg.trainer.batch_size, seed=cfg.seed, eos_id=eos,
                                         rank=local_rank, world=G)
         grad_sync = None
-        if G > 1:
+        if G > 1 and not fsdp:  # FSDP2 reduce-scatters the gradients itself
             grad_sync = (lambda params, _pg=worker_pg: allreduce_gradients(params, _pg, G))
         learners[p] = PathLearner(p, PathModel(grid, p // cfg.grid.replicas), stream, cfg.trainer, total,
                                   grad_sync=grad_sync, step_offset=n_warm)

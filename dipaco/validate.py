@@ -12,6 +12,7 @@ from dipaco.config import (
     ALPHAS,
     DATA_SOURCES,
     FEATURIZERS,
+    GROUP_PARALLEL,
     LAUNCHERS,
     MIN_VOCAB,
     MODES,
@@ -31,6 +32,8 @@ from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import mode_problems
 from dipaco.device import config_problems as device_problems
 from dipaco.sync.codecs import CODECS
+from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
+from modules import ModuleGrid
 
 
 def validate_config(cfg: Config) -> None:
@@ -124,6 +127,7 @@ def validate_config(cfg: Config) -> None:
              "use a batch size that is a multiple of the group size")
     for key, problem, fix in device_problems(t, la):
         raise ConfigError(key, problem, fix)
+    _validate_group_parallel(cfg)
     require(m.vocab_size >= MIN_VOCAB, "model.vocab_size",
              f"{m.vocab_size} is too small: a byte-level BPE needs {MIN_VOCAB} tokens (256 bytes + end-of-text)",
              f"use model.vocab_size={MIN_VOCAB} or more (tiny uses 512)")
@@ -177,6 +181,38 @@ def _validate_reshard(cfg: Config) -> None:
             "e.g. router.reshard_documents=2000")
     require(r.reshard_at_round is None or cfg.diloco.mode == "sync", "router.reshard_at_round",
             "re-sharding runs between the synchronous rounds only", "use diloco.mode=sync or drop the re-shard")
+
+
+def _validate_group_parallel(cfg: Config) -> None:
+    """``launcher.group_parallel=fsdp`` (dipaco/sync/fsdp.py): what it needs, what it refuses."""
+    la, t, dl = cfg.launcher, cfg.trainer, cfg.diloco
+    key = "launcher.group_parallel"
+    require(la.group_parallel in GROUP_PARALLEL, key, f"unknown value {la.group_parallel!r}",
+            f"use one of {GROUP_PARALLEL}")
+    if la.group_parallel != "fsdp":
+        return
+    require(fsdp_available(), key, FSDP_MISSING, "or use launcher.group_parallel=replicate")
+    require(la.name != "local", key, "launcher=local runs one process: there is no worker group to shard over",
+            "add launcher=spawn launcher.group_size=2 (or more)")
+    require(la.group_size > 1, key, "with launcher.group_size=1 there is nothing to shard",
+            "set launcher.group_size to 2 or more, or use launcher.group_parallel=replicate")
+    require(not cfg.model.tie_embeddings, key, "model.tie_embeddings=true uses the sharded embed weight "
+            "outside the embed's forward", "set model.tie_embeddings=false or launcher.group_parallel=replicate")
+    require(dl.codec == "none", key, f"diloco.codec={dl.codec} is not supported on sharded modules",
+            "use diloco.codec=none or launcher.group_parallel=replicate")
+    require(dl.mode == "sync", key, f"diloco.mode={dl.mode} is not supported with fsdp",
+            "use diloco.mode=sync or launcher.group_parallel=replicate")
+    require(t.precision != "fp16", key, "fp16's loss scaler is not wired for sharded gradients",
+            "use trainer.precision=bf16 (or fp32)")
+    require(t.compile is not True, key, "torch.compile is not tested with fsdp", "set trainer.compile=false")
+    require(not t.path_early_stopping, key, "path early stopping evaluates on one rank of the group, "
+            "but sharded modules need every rank", "set trainer.path_early_stopping=false")
+    grid = ModuleGrid(cfg.model, list(cfg.grid.levels))  # lazy: shapes only, on meta
+    for mid in dict.fromkeys(grid.kind_of(m) if m in ("embed", "head") else "L0.0" for m in grid.module_ids):
+        bad = [f"{n}{tuple(s)}" for n, s in grid.param_shapes(mid).items() if not s or s[0] % la.group_size]
+        require(not bad, "launcher.group_size", f"fsdp needs every parameter's first dimension to divide by "
+                f"{la.group_size}; {mid} has {', '.join(bad)}", "pick a group size that divides model.d_model, "
+                "model.vocab_size and the MLP width")
 
 
 def _validate_slurm(la: LauncherConfig) -> None:

@@ -267,6 +267,11 @@ class ModuleGrid:
                 self._count_cache[kind] = sum(p.numel() for p in self._construct(kind).parameters())
         return self._count_cache[kind]
 
+    def param_shapes(self, module_id: str) -> dict[str, torch.Size]:
+        """``name → shape`` of one module's parameters (does not build it)."""
+        with torch.device("meta"):
+            return {n: p.shape for n, p in self._construct(self.kind_of(module_id)).named_parameters()}
+
     def path_param_count(self, path_id: int) -> int:
         """Parameters of one path: the sum over its modules (the tied weight counts once)."""
         return sum(self.param_count(mid) for mid in self.module_ids_of_path(path_id))

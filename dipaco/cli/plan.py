@@ -42,6 +42,7 @@ def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
     t = cfg.trainer
     groups = range(topo.num_groups) if distributed else [None]
     G = topo.group_size if distributed else 1
+    shards = G if cfg.launcher.group_parallel == "fsdp" else 1  # validated: fsdp is never local
     sequences = t.batch_size // G // max(1, t.micro_batches)
     rows: dict[RankMemory, list[int]] = {}
     for g in groups:
@@ -50,7 +51,8 @@ def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
         mem = rank_memory(cfg.model, len(cfg.grid.levels), sum(counts[m] for m in held),
                           [sum(counts[m] for m in topo.path_modules[p]) for p in paths],
                           sequences=sequences, seq_len=t.seq_len, low_precision=t.precision != "fp32",
-                          checkpointing=t.activation_checkpointing)
+                          checkpointing=t.activation_checkpointing, shards=shards,
+                          gathered_params=max(counts[m] for m in held))
         rows.setdefault(mem, []).append(-1 if g is None else g)
     out = []
     for mem, gs in sorted(rows.items(), key=lambda kv: -kv[0].total):

@@ -9,6 +9,11 @@ files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
 * ``outer/<module>.rank<r>.safetensors``: residuals of the other holders (torch backend);
 * ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
 * ``state.json``: round, grid, and the worker grouping the residuals are keyed by.
+
+Files hold whole tensors in every case: with ``launcher.group_parallel=fsdp`` the shards
+of the weights, of θ_global and its outer state and of the AdamW moments are gathered
+over the worker group on save (:mod:`dipaco.sync.fsdp`) and each rank keeps its rows on
+load, so a run resumes with another group size or with ``group_parallel=replicate``.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch.distributed as dist
 
 from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
 from dipaco.sync.diloco import DiLoCoSync
+from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.topology import Topology
 from modules import ModuleGrid
 
@@ -37,9 +43,12 @@ def _barrier(distributed: bool) -> None:
         dist.barrier()
 
 
-def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict[str, torch.Tensor]) -> None:
-    """``modules/<module>`` (the live module's weights) and ``outer/<module>`` (its ModuleState)."""
-    save_state(part / "modules" / f"{module_id}.safetensors", grid.module_state_dict(module_id))
+def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict[str, torch.Tensor],
+                       weights: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """``modules/<module>`` (the live module's weights, or ``weights``) and ``outer/<module>``
+    (its ModuleState)."""
+    weights = grid.module_state_dict(module_id) if weights is None else weights
+    save_state(part / "modules" / f"{module_id}.safetensors", weights)
     save_state(part / "outer" / f"{module_id}.safetensors", outer)
 
 
@@ -56,9 +65,12 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
     _barrier(distributed)
     part = ckpts.partial_dir(round_idx)
     for mid in my_modules:
+        # sharded modules (group_parallel=fsdp) are gathered whole here: both calls are then
+        # collectives over the worker group, made by its every rank in the same module order
         outer = sync.syncs[mid].state_dict()
+        weights = full_module_state(grid.module(mid)) if sync.sharded else None
         if not distributed or min(topo.module_ranks(mid)) == rank:
-            write_module_files(part, grid, mid, outer)
+            write_module_files(part, grid, mid, outer, weights)
         else:
             # Error-feedback residuals are per rank (its worker group's, and the chunk it
             # owns in the two-phase exchange): the other holders save theirs too, or an
@@ -66,9 +78,10 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
             mine = {k: v for k, v in outer.items() if k.startswith("residual.")}
             if mine:
                 save_state(part / "outer" / f"{mid}.rank{rank}.safetensors", mine)
-    if not distributed or topo.local_rank(rank) == 0:
-        for p, learner in learners.items():
-            save_state(part / "paths" / f"path_{p}.safetensors", learner.state_dict())
+    for p, learner in learners.items():
+        state = learner.state_dict()  # every rank: a collective when sharded
+        if not distributed or topo.local_rank(rank) == 0:
+            save_state(part / "paths" / f"path_{p}.safetensors", state)
     _barrier(distributed)
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
@@ -103,7 +116,11 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
                    f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
                    "re-dealt and error-feedback residuals are dropped")
     for mid in my_modules:
-        grid.load_module_state_dict(mid, load_state(path / "modules" / f"{mid}.safetensors"))
+        weights = load_state(path / "modules" / f"{mid}.safetensors")
+        if sync.sharded:  # full tensors: this rank keeps its rows (any group size, either group_parallel)
+            load_module_state(grid.module(mid), weights)
+        else:
+            grid.load_module_state_dict(mid, weights)
         outer = load_state(path / "outer" / f"{mid}.safetensors")
         own = path / "outer" / f"{mid}.rank{rank}.safetensors"
         if rank is not None and own.exists():

@@ -15,25 +15,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dipaco.sync.fsdp import local_shard
 from dipaco.topology import Topology
 
 __all__ = ["check_identical_modules", "module_digest"]
 
 
 def module_digest(module: nn.Module) -> bytes:
-    """32-byte sha256 of a module's parameters (names, dtypes, shapes, bytes)."""
+    """32-byte sha256 of a module's parameters (names, dtypes, shapes, bytes); of this
+    rank's shard of each when the module is FSDP-sharded."""
     h = hashlib.sha256()
     for name, p in module.named_parameters():
-        t = p.detach().to("cpu").contiguous()
+        t = local_shard(p.detach()).to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 
 def check_identical_modules(
-    modules: dict[str, nn.Module], topology: Topology, rank: int, process_groups: Any
+    modules: dict[str, nn.Module], topology: Topology, rank: int, process_groups: Any, *,
+    sharded: bool = False,
 ) -> dict[str, str]:
     """Compare each held module's digest across its module group's ranks.
+
+    ``sharded`` (``launcher.group_parallel=fsdp``): each rank digests its own shard, and
+    only ranks holding the same shard (the same local rank) are compared.
 
     Returns ``{module_id: hex digest}`` of the modules this rank holds.
 
@@ -62,8 +68,9 @@ def check_identical_modules(
         out = [t.cpu() for t in out]
         by_digest: dict[str, list[int]] = {}
         for r, t in zip(ranks, out):
-            by_digest.setdefault(bytes(t.tolist()).hex()[:12], []).append(r)
-        if len(by_digest) > 1:
+            shard = f"shard {topology.local_rank(r)} " if sharded else ""
+            by_digest.setdefault(shard + bytes(t.tolist()).hex()[:12], []).append(r)
+        if len(by_digest) > (topology.group_size if sharded else 1):
             variants = "; ".join(f"ranks {rs} have {h}…" for h, rs in by_digest.items())
             problems.append(f"module {m!r} differs across its module group: {variants}")
     flag = torch.tensor([1 if problems else 0], dtype=torch.int64, device=device)

@@ -289,6 +289,24 @@ class TorchComm(Communicator):
         self.trace.append((module_id, "all_gather_slices", wg_ranks, nbytes.intra))
         return torch.cat(parts), nbytes
 
+    def exchange_shard(self, module_id: str, shard: torch.Tensor) -> tuple[torch.Tensor, CommBytes]:
+        """``group_parallel=fsdp``, codec ``none``: sum this rank's shard of Σα·Δ over its
+        module subgroup (local rank ``r`` of every holder: the same shard index, HSDP-style).
+
+        The shard is this rank's rows of every parameter (:mod:`dipaco.sync.fsdp`), so
+        nothing is all-gathered inside the worker group afterwards: each rank keeps its
+        shard of θ_global. Same call-order contract as :meth:`exchange`.
+        """
+        sub_ranks = tuple(self.topology.module_subgroup_ranks(module_id, self.local_rank))
+        k = len(sub_ranks)
+        if k <= 1:
+            return shard.to(torch.float32, copy=True), CommBytes()
+        reduced = shard.to(self.device, torch.float32, copy=True)
+        dist.all_reduce(reduced, group=self.pg.module_subgroup(module_id, self.local_rank))
+        nbytes = CommBytes(cross=ring_allreduce_bytes(k, 4 * shard.numel()))
+        self.trace.append((module_id, "all_reduce_shard", sub_ranks, nbytes.cross))
+        return reduced.cpu(), nbytes
+
     def _two_phase(
         self,
         module_id: str,

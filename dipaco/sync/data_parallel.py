@@ -6,7 +6,8 @@ registers per-parameter autograd hooks on the parameters of the model it wraps; 
 shared parameters, the hooks of one path's DDP wrapper would fire during another path's
 backward and all-reduce (or wait for) the wrong buckets. Instead, the path learner calls
 :func:`allreduce_gradients` explicitly after each backward, on the current path's
-parameters only.
+parameters only. (FSDP2, ``launcher.group_parallel=fsdp``, does work: it is applied
+per shared module, not per path, :mod:`dipaco.sync.fsdp`; this module is then unused.)
 
 Who must call what: every rank of the worker group calls these functions with the same
 parameter list (same order, same shapes) at the same step; a ``None`` gradient is

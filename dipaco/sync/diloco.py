@@ -37,6 +37,7 @@ from dipaco.sync.comm import LocalComm, TorchComm
 from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
 from dipaco.sync.outer import outer_options
+from dipaco.sync.sharded import ShardedModuleSync
 from dipaco.topology import Topology
 
 __all__ = ["DiLoCoSync", "RoundStats"]
@@ -91,6 +92,9 @@ class DiLoCoSync:
             an encoded slice per rank, two codec errors), ``"all_gather"`` ((k−1) encoded
             slices per rank, one codec error) or ``"auto"`` (fewer bytes, per module).
             Codec ``none`` always uses all_reduce. See :meth:`Topology.exchange`.
+        sharded: ``launcher.group_parallel=fsdp``: the modules are FSDP2-sharded inside the
+            worker group (:func:`dipaco.sync.fsdp.apply_fsdp`) and each rank synchronises its
+            shard (:class:`dipaco.sync.sharded.ShardedModuleSync`); torch backend only.
     """
 
     def __init__(
@@ -108,8 +112,10 @@ class DiLoCoSync:
         backend: str = "auto",
         track_cosine: bool = True,
         lossy_exchange: str = "reduce_scatter",
+        sharded: bool = False,
     ) -> None:
         self.topology = topology
+        self.sharded = bool(sharded)
         self.rank = rank
         self.codec = make_codec(codec, **(codec_kw or {}))
         if lossy_exchange not in LOSSY_EXCHANGES:  # before any collective (process groups)
@@ -141,8 +147,9 @@ class DiLoCoSync:
                         "exactly one module (e.g. a tied embedding belongs to 'embed' only)"
                     )
                 owner[id(q)] = m
+        kind = ShardedModuleSync if self.sharded else ModuleSync
         self.syncs: dict[str, ModuleSync] = {
-            m: ModuleSync(
+            m: kind(
                 m,
                 list(modules[m].parameters()),
                 self.comm,
@@ -161,12 +168,13 @@ class DiLoCoSync:
     @classmethod
     def from_config(cls, d: DiLoCoConfig, topology: Topology, modules: dict[str, nn.Module], *,
                     rank: int | None = None, process_groups: Any = None, backend: str = "auto",
-                    track_cosine: bool = True) -> "DiLoCoSync":
+                    track_cosine: bool = True, sharded: bool = False) -> "DiLoCoSync":
         """Build it from ``cfg.diloco``: codec and its options, error feedback, the outer
         optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange."""
         return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d), error_feedback=d.error_feedback,
                    outer=outer_options(d), sharing_rescale=d.sharing_rescale, process_groups=process_groups,
-                   backend=backend, track_cosine=track_cosine, lossy_exchange=d.lossy_exchange)
+                   backend=backend, track_cosine=track_cosine, lossy_exchange=d.lossy_exchange,
+                   sharded=sharded)
 
     # ----------------------------------------------------------------- who trains what
     def paths_to_train(self) -> list[int]:
@@ -240,11 +248,12 @@ class DiLoCoSync:
 
     def plan(self, inner_steps: int) -> CommPlan:
         """The communication plan of this run's modules with this codec."""
-        counts = {m: s.numel for m, s in self.syncs.items()}
+        counts = {m: getattr(s, "full_numel", s.numel) for m, s in self.syncs.items()}
         missing = [m for m in self.topology.module_ids if m not in counts]
         if missing:
             raise ValueError(f"this rank does not hold {missing}; call dipaco.comm_plan.plan_round with every module's size")
-        return plan_round(self.topology, counts, self.codec, inner_steps, self.lossy_exchange)
+        return plan_round(self.topology, counts, self.codec, inner_steps, self.lossy_exchange,
+                          sharded=self.sharded)
 
     # ----------------------------------------------------------------- checks and state
     def weights_hash(self) -> dict[str, str]:
@@ -263,7 +272,8 @@ class DiLoCoSync:
             if bad:
                 raise RuntimeError(f"modules {bad} changed since DiLoCoSync was built; rebuild it after loading weights")
             return self.weights_hash()
-        return check_identical_modules(self.modules, self.topology, self.rank, self.process_groups)
+        return check_identical_modules(self.modules, self.topology, self.rank, self.process_groups,
+                                       sharded=self.sharded)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat ``{"<module>/<key>": tensor}`` plus ``"diloco/round"``: safetensors-ready."""

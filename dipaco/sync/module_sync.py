@@ -129,14 +129,15 @@ class ModuleSync:
         self.error_feedback = bool(error_feedback) and self.shared and self.codec.lossy
         self.sharing_rescale = bool(sharing_rescale)
         self.track_cosine = bool(track_cosine)
-        self.numel = sum(p.numel() for p in self.params)
+        flat = self._live_flat()  # this process's part of the module: all of it, or a shard
+        self.numel = flat.numel()
         self.group_size = topo.group_size
         self.slice_numel = topo.slice_numel(self.numel)
         self.padded_numel = self.slice_numel * self.group_size
         self.exchange = comm.exchange_for(module_id, self.numel, self._wire_codec)
         self.contributors = list(comm.contributors(module_id))
         # θ_global, outer optimiser, residuals: the core shared with decoupled mode
-        self.state = ModuleState(module_id, flatten_params(self.params), outer)
+        self.state = ModuleState(module_id, flat, outer)
         self.dropped_total = 0
         self._reset_round()
 
@@ -164,6 +165,10 @@ class ModuleSync:
         self._dropped: dict[int, int] = {c: 0 for c in self.contributors}
         self._deltas: list[torch.Tensor] = []
 
+    def _live_flat(self) -> torch.Tensor:
+        """The live parameters as one flat fp32 vector (the layout of θ_global)."""
+        return flatten_params(self.params)
+
     def restore(self) -> None:
         """Copy the global weights into the live parameters (before each path's turn)."""
         self.state.restore(self.params)
@@ -182,7 +187,7 @@ class ModuleSync:
         alpha = float(tokens)
         if not alpha >= 0 or math.isinf(alpha):
             raise ValueError(f"path {path_id}: tokens={tokens} must be a finite number ≥ 0")
-        delta = pseudo_gradient(self.global_weights.detach(), flatten_params(self.params))
+        delta = pseudo_gradient(self.global_weights.detach(), self._live_flat())
         if not bool(torch.isfinite(delta).all()):
             self._dropped[contributor] += 1
             self.dropped_total += 1
@@ -252,6 +257,21 @@ class ModuleSync:
                 self.owner_residuals[c] = torch.zeros(n, dtype=torch.float32)
         return self.owner_residuals
 
+    def _exchange(self) -> tuple[torch.Tensor, CommBytes, dict[int, torch.Tensor] | None,
+                                 dict[int, torch.Tensor] | None]:
+        """Encode every contributor's buffer and sum them over the module group.
+
+        Returns the sum, the bytes, the owner residuals the exchange updated in place and
+        a copy of them from before (to put back when the round takes no step).
+        """
+        payloads = {c: self._encode(c) for c in self.contributors}
+        owner = self._owner_feedback()
+        # the exchange re-encodes owner residuals in place; whether there is a step is known
+        # only after it (from the reduced totals), so keep a copy to put back without one
+        kept = {c: r.clone() for c, r in owner.items()} if owner else None
+        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.exchange, owner)
+        return total, nbytes, owner, kept
+
     @torch.no_grad()
     def reduce_and_step(self) -> ModuleRoundStats:
         """Exchange, average with weights α, outer step, copy into the live params.
@@ -261,16 +281,11 @@ class ModuleSync:
         momentum) is applied and every error-feedback residual is kept as it was; the live
         params are reset to θ_global either way.
         """
-        payloads = {c: self._encode(c) for c in self.contributors}
         metas = {
             c: torch.tensor([self._alpha[c], self._count[c], self._dropped[c]], dtype=torch.float64)
             for c in self.contributors
         }
-        owner = self._owner_feedback()
-        # the exchange re-encodes owner residuals in place; whether there is a step is known
-        # only after it (from the reduced totals), so keep a copy to put back without one
-        kept = {c: r.clone() for c, r in owner.items()} if owner else None
-        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.exchange, owner)
+        total, nbytes, owner, kept = self._exchange()
         meta, meta_bytes = self.comm.reduce_meta(self.module_id, metas)
         nbytes = CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
         alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
@@ -310,7 +325,7 @@ class ModuleSync:
     def live_hash(self) -> str:
         """sha256 of the live parameters, flattened to fp32 like the global weights
         (equal to :meth:`weights_hash` right after ``restore``)."""
-        return params_hash([flatten_params(self.params)])
+        return params_hash([self._live_flat()])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """:meth:`ModuleState.state_dict`: ``global``, ``outer.<key>``, ``residual.<group>``

@@ -1,0 +1,86 @@
+"""DiLoCo of a module whose parameters are FSDP2-sharded inside the worker group
+(``launcher.group_parallel=fsdp``).
+
+Local rank ``r`` of a worker group holds shard ``r`` of the module (its rows of every
+parameter, :mod:`dipaco.sync.fsdp`) and therefore only shard ``r`` of θ_global, of the
+outer optimiser's state and of the round's Σα·Δ. The exchange is one all-reduce of that
+shard over the module subgroup ``r`` (rank ``r`` of every worker group holding the
+module: HSDP-style), and the outer step updates the shard in place. No rank ever holds
+a whole module during the exchange, and nothing is all-gathered inside the worker group
+afterwards (the replicated exchange all-gathers the G reduced slices,
+:class:`dipaco.sync.comm.TorchComm`).
+
+The weights are those of a replicated worker group (docs/design.md contract 1).
+Only codec ``none`` is supported (validation refuses the others with ``fsdp``).
+Checkpoints keep the full layout: :meth:`ShardedModuleSync.state_dict` gathers the
+shards (a collective over the worker group) and :meth:`~ShardedModuleSync.load_state_dict`
+keeps this rank's shard, so a run may resume with another ``launcher.group_size`` or
+with ``group_parallel=replicate``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from dipaco.sync.comm import CommBytes, TorchComm
+from dipaco.sync.fsdp import gather_flat, local_shard, shard_flat
+from dipaco.sync.module_state import load_flat
+from dipaco.sync.module_sync import ModuleSync, flatten_params
+
+__all__ = ["ShardedModuleSync"]
+
+
+class ShardedModuleSync(ModuleSync):
+    """:class:`ModuleSync` over this rank's shard of a module (arguments as there; ``comm``
+    must be a :class:`TorchComm`)."""
+
+    def __init__(self, module_id: str, params: Sequence[nn.Parameter], comm: TorchComm, **kw: Any) -> None:
+        if not isinstance(comm, TorchComm):
+            raise ValueError("a sharded module needs real ranks (TorchComm): launcher.group_parallel=fsdp "
+                             "does not run under launcher=local")
+        self.shapes = [torch.Size(p.shape) for p in params]  # global shapes (a DTensor's .shape)
+        super().__init__(module_id, params, comm, **kw)
+        if self.shared and self.codec.lossy:
+            raise ValueError(f"module {module_id!r}: diloco.codec={self.codec.name} is not supported with "
+                             "launcher.group_parallel=fsdp; use diloco.codec=none")
+        self.full_numel = sum(math.prod(s) for s in self.shapes)
+        # the shard is the unit of exchange: one "slice", no padding (shards are even)
+        self.slice_numel = self.padded_numel = self.numel
+        self._shard = (comm.topology.group_size, comm.local_rank)
+
+    def _local_params(self) -> list[torch.Tensor]:
+        return [local_shard(p) for p in self.params]
+
+    def _live_flat(self) -> torch.Tensor:
+        return flatten_params(self._local_params())
+
+    def restore(self) -> None:
+        load_flat(self._local_params(), self.global_weights.detach())
+
+    def _exchange(self) -> tuple[torch.Tensor, CommBytes, None, None]:
+        (c,) = self.contributors  # a rank plays its own worker group only
+        value = self._acc.get(c)
+        if value is None:
+            value = torch.zeros(self.numel, dtype=torch.float32)
+        total, nbytes = self.comm.exchange_shard(self.module_id, value)
+        return total, nbytes, None, None
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full layout of :meth:`ModuleSync.state_dict`: every shard-sized tensor is
+        gathered over the worker group (a collective: every rank of the group calls it)."""
+        G, _ = self._shard
+        comm: TorchComm = self.comm  # type: ignore[assignment]
+        group = comm.pg.worker_group(comm.group)
+        return {k: gather_flat(v, self.shapes, group, G, comm.device) if v.numel() == self.numel else v
+                for k, v in self.state.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep this rank's shard of every full-size tensor of ``state``, then load it."""
+        G, r = self._shard
+        mine = {k: shard_flat(v.reshape(-1).to(torch.float32), self.shapes, G, r)
+                if v.numel() == self.full_numel else v for k, v in state.items()}
+        super().load_state_dict(mine)
