@@ -98,7 +98,7 @@ class PathLearner:
         # Sharded (fsdp) paths stay eager: compile over FSDP2 modules is untested here, and
         # validation refuses an explicit trainer.compile=true with fsdp, so "auto" (on for
         # CUDA) must not switch it on behind the user's back.
-        compiled = compile_enabled(cfg.compile, self.device) and not any(is_sharded(p) for p in self.params)
+        compiled = compile_enabled(cfg.compile, self.device) and not self.sharded
         self.forward = maybe_compile(model, compiled, cfg.compile_backend)
         self.step = 0
         # Steps already taken before this learner (the dense warm-up): the schedule of a

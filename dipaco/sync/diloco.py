@@ -248,7 +248,7 @@ class DiLoCoSync:
 
     def plan(self, inner_steps: int) -> CommPlan:
         """The communication plan of this run's modules with this codec."""
-        counts = {m: getattr(s, "full_numel", s.numel) for m, s in self.syncs.items()}
+        counts = {m: s.full_numel for m, s in self.syncs.items()}
         missing = [m for m in self.topology.module_ids if m not in counts]
         if missing:
             raise ValueError(f"this rank does not hold {missing}; call dipaco.comm_plan.plan_round with every module's size")

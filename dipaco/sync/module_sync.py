@@ -131,6 +131,7 @@ class ModuleSync:
         self.track_cosine = bool(track_cosine)
         flat = self._live_flat()  # this process's part of the module: all of it, or a shard
         self.numel = flat.numel()
+        self.full_numel = self.numel  # the whole module's size (a sharded sync holds a part)
         self.group_size = topo.group_size
         self.slice_numel = topo.slice_numel(self.numel)
         self.padded_numel = self.slice_numel * self.group_size

@@ -49,7 +49,6 @@ class ShardedModuleSync(ModuleSync):
         self.full_numel = sum(math.prod(s) for s in self.shapes)
         # the shard is the unit of exchange: one "slice", no padding (shards are even)
         self.slice_numel = self.padded_numel = self.numel
-        self._shard = (comm.topology.group_size, comm.local_rank)
 
     def _local_params(self) -> list[torch.Tensor]:
         return [local_shard(p) for p in self.params]
@@ -72,7 +71,7 @@ class ShardedModuleSync(ModuleSync):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full layout of :meth:`ModuleSync.state_dict`: every shard-sized tensor is
         gathered over the worker group (a collective: every rank of the group calls it)."""
-        G, _ = self._shard
+        G = self.group_size
         comm: TorchComm = self.comm  # type: ignore[assignment]
         group = comm.pg.worker_group(comm.group)
         return {k: gather_flat(v, self.shapes, group, G, comm.device) if v.numel() == self.numel else v
@@ -80,7 +79,7 @@ class ShardedModuleSync(ModuleSync):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Keep this rank's shard of every full-size tensor of ``state``, then load it."""
-        G, r = self._shard
+        G, r = self.group_size, self.comm.local_rank
         mine = {k: shard_flat(v.reshape(-1).to(torch.float32), self.shapes, G, r)
                 if v.numel() == self.full_numel else v for k, v in state.items()}
         super().load_state_dict(mine)
