@@ -128,6 +128,22 @@ def test_build_is_deterministic_and_cached(fake_install, monkeypatch) -> None:
         load_multidomain(EXCLUDES, 600, 4000)
 
 
+def test_parallel_build_equals_sequential_build(fake_install) -> None:
+    """Worker processes read and cut the files; the corpus, the cap and the skip counts are
+    those of a build in one process (the parent keeps the files' order)."""
+    _write(fake_install / "stdlib" / "gen.py", "# Auto-generated\n" + "x = 1\n" * 50)
+    _write(fake_install / "stdlib" / "copy_of_argparse.py", (fake_install / "stdlib" / "argparse.py").read_text())
+    candidates = multidomain.discover(EXCLUDES)
+    for cap in (10**9, 1500):
+        one: Dict[str, int] = {}
+        two: Dict[str, int] = {}
+        seq = multidomain.build(candidates, 600, 4000, cap, one, workers=1)
+        par = multidomain.build(candidates, 600, 4000, cap, two, workers=2)
+        assert seq == par and one == two
+        if cap == 10**9:  # uncapped, every file is reached: the copy and the shared license
+            assert one["generated_file"] == 1 and one["duplicate_file"] == 2, one
+
+
 def test_unwritable_cache_is_one_line_error(fake_install, monkeypatch) -> None:
     blocker = fake_install / "not_a_dir"
     blocker.write_text("x")
@@ -229,3 +245,4 @@ def test_real_install_small_build(tmp_path, monkeypatch) -> None:
     for d in DOMAINS:
         size = sum(len(x.text) for x in docs if x.label == d)
         assert size >= 20_000, (d, size)
+
