@@ -187,6 +187,7 @@ class TrainerConfig:
     # (the DiPaCo paper pretrains a dense model for ~27% of the steps)
     warmup_fraction: float = 0.0
     dense_baseline: bool = True  # same-size dense model, same inner steps, all data
+    # documents of the split scored: spread evenly over it (a split is sorted by domain), None = all
     eval_max_documents: Optional[int] = 400
     # the split the final evaluation scores: "validation" (where settings are chosen and
     # path early stopping picks its weights) or "test" (held out from both: report on it)

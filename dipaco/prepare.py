@@ -96,9 +96,24 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
     return featurize
 
 
+def evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
+    """Rows of a split's ``n`` documents that the evaluation scores: all of them, or
+    ``max_documents`` spread evenly over the split (row ``floor(i * n / max_documents)``).
+
+    Spread, not the first rows: a split is in corpus order, i.e. sorted by domain (or by
+    package for python_sources), so its first 400 documents of the multidomain corpus were
+    python and C/C++ only. An even spread keeps every domain in proportion and is a
+    function of ``n`` alone, so every run and ``dipaco-infer score`` pick the same rows.
+    """
+    if max_documents is None or n <= int(max_documents):
+        return np.arange(n, dtype=np.int64)
+    k = int(max_documents)
+    return (np.arange(k, dtype=np.int64) * n) // k
+
+
 def _evaluated(cfg: Config, val_ids: TokenDocs) -> TokenDocs:
-    """The validation documents the run's evaluation scores (the first eval_max_documents)."""
-    return val_ids if cfg.trainer.eval_max_documents is None else val_ids[: cfg.trainer.eval_max_documents]
+    """The documents of the split that the run's evaluation scores (:func:`evaluated_rows`)."""
+    return val_ids.select(evaluated_rows(len(val_ids), cfg.trainer.eval_max_documents))
 
 
 def validation_ids(cfg: Config, run: RunDir) -> TokenDocs:
@@ -133,8 +148,10 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     cache_dir = cfg.data.cache_dir or str(run.cache)
     # memory-mapped: from here on documents are read by offset, never held in memory
     train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
-    val_ids = _evaluated(cfg, tokenize_to_docs(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress))
-    val_labels = list(val_ds["label"])[: len(val_ids)]
+    val_all = tokenize_to_docs(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
+    val_ids = _evaluated(cfg, val_all)
+    all_labels = val_ds["label"]
+    val_labels = [all_labels[i] for i in evaluated_rows(len(val_all), t.eval_max_documents)]
     eval_ids = val_ids
     if t.eval_split != "validation":
         eval_ds = corpus.split(t.eval_split)

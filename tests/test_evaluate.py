@@ -44,3 +44,20 @@ def test_per_document_losses_agree_with_the_routed_evaluation() -> None:
     assert report["num_tokens"] == counts.sum() > 0
     expected = float((per_doc[counts > 0] * counts[counts > 0]).sum() / counts.sum())
     assert np.isclose(report["loss"], expected, rtol=1e-6)
+
+
+def test_evaluated_rows_spread_over_the_split() -> None:
+    """The evaluation's sample of a split: every row when it fits, else rows spread evenly
+    (a split is sorted by domain: the first rows would be one or two domains)."""
+    from dipaco.prepare import evaluated_rows
+
+    assert evaluated_rows(5, None).tolist() == [0, 1, 2, 3, 4]
+    assert evaluated_rows(5, 400).tolist() == [0, 1, 2, 3, 4]
+    rows = evaluated_rows(1653, 400)
+    assert len(rows) == len(set(rows.tolist())) == 400 and rows[0] == 0 and rows[-1] < 1653
+    assert np.all(np.diff(rows) >= 1) and np.all(np.diff(rows) <= 5)  # no gap: every stretch sampled
+    # five domains in corpus order, sized like the multidomain validation split: each keeps its share
+    labels = np.repeat(["python", "c_cpp", "prose", "reference_docs", "structured_data"], [214, 556, 62, 725, 96])
+    picked = labels[rows]
+    for name, size in zip(["python", "c_cpp", "prose", "reference_docs", "structured_data"], [214, 556, 62, 725, 96]):
+        assert abs((picked == name).sum() - 400 * size / 1653) <= 1

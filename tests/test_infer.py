@@ -54,7 +54,10 @@ def corpus_texts(trained_run):
 
     cfg = InferenceRun.open(trained_run, need_weights=False).cfg
     corpus = load_corpus(cfg.data, progress=False)
-    val = list(corpus.split("validation")["text"])[: cfg.trainer.eval_max_documents]
+    from dipaco.prepare import evaluated_rows
+
+    texts = corpus.split("validation")["text"]
+    val = [texts[i] for i in evaluated_rows(len(texts), cfg.trainer.eval_max_documents)]
     return list(corpus.split("train")["text"]), val
 
 
