@@ -105,7 +105,7 @@ def measured_rows(grid: Sequence[int], rounds: int, inner_steps: int, root: Path
     rows = []
     first: Optional[Path] = None
     for codec in CODECS:
-        overrides = ["model=tiny", f"grid.levels=[{','.join(map(str, grid))}]", "data.max_documents=1500",
+        overrides = ["data=python_sources", "model=tiny", f"grid.levels=[{','.join(map(str, grid))}]", "data.max_documents=1500",
                      f"data.cache_dir={root / 'cache'}",
                      f"diloco.codec={codec}", f"diloco.inner_steps={inner_steps}", f"trainer.rounds={rounds}",
                      "trainer.batch_size=8", "trainer.seq_len=64", "router.prefix_tokens=16",

@@ -48,6 +48,7 @@ FLAT_DILOCO_NOTE = ("not done: the trainer cannot express flat DiLoCo (P worker 
 def overrides_for(grid: Sequence[int], size: dict[str, Any], seed: int, reroute_every: int) -> list[str]:
     """Hydra overrides of one routed run (the printed command reproduces it)."""
     return [
+        "data=python_sources",
         "model=tiny",
         f"grid.levels=[{','.join(str(k) for k in grid)}]",
         f"data.max_documents={size['max_documents']}",

@@ -44,7 +44,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     from dipaco.config import compose_config
     from dipaco.train import train
 
-    overrides = [f"model={size['model']}", "grid.levels=[2,2]", "launcher=spawn", "launcher.nproc=4",
+    overrides = ["data=python_sources", f"model={size['model']}", "grid.levels=[2,2]", "launcher=spawn", "launcher.nproc=4",
                  f"diloco.inner_steps={args.inner_steps}", f"diloco.codec={args.codec}",
                  f"trainer.rounds={size['rounds']}", f"trainer.batch_size={size['batch_size']}",
                  f"trainer.seq_len={size['seq_len']}", f"data.max_documents={size['max_documents']}",

@@ -43,8 +43,9 @@ class ConfigError(ValueError):
 class DataConfig:
     """Where documents come from (docs/design.md, "Data flow", first box)."""
 
-    # python_sources | multidomain | jsonl | json | parquet | text | hub
-    source: str = "python_sources"
+    # multidomain (the default: five labelled domains from this install, docs/data.md) |
+    # python_sources | jsonl | json | parquet | text | hub
+    source: str = "multidomain"
     # local file, glob or directory (jsonl/json/parquet/text) or a hub dataset name
     path: Optional[str] = None
     # hub sources only: the dataset's config name and split

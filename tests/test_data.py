@@ -44,7 +44,7 @@ TARGET_FOR_5K = 2400
 @pytest.fixture(scope="module")
 def stdlib_corpus() -> Corpus:
     """The built-in corpus, scanned once for the module (~4 s)."""
-    return load_corpus(DataConfig(target_doc_chars=TARGET_FOR_5K), progress=False)
+    return load_corpus(DataConfig(source="python_sources", target_doc_chars=TARGET_FOR_5K), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_python_sources_split_by_file(stdlib_corpus: Corpus) -> None:
 
 
 def test_max_documents_caps_deterministically(stdlib_corpus: Corpus) -> None:
-    a = load_corpus(_cfg(target_doc_chars=TARGET_FOR_5K, max_documents=300), progress=False)
+    a = load_corpus(_cfg(source="python_sources", target_doc_chars=TARGET_FOR_5K, max_documents=300), progress=False)
     assert a.num_documents == 300 and a.skipped["capped_by_max_documents"] == stdlib_corpus.num_documents - 300
     # the kept documents are the 300 with the smallest id hash, in corpus order: a
     # function of the ids alone, so every run keeps the same ones

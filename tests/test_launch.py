@@ -93,7 +93,7 @@ def test_two_torchrun_agents_on_localhost_train_one_run(tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
-           "-m", "dipaco.cli.train", "launcher=torchrun", "model=tiny", "trainer=tiny",
+           "-m", "dipaco.cli.train", "launcher=torchrun", "data=python_sources", "model=tiny", "trainer=tiny",
            "data.max_documents=120", "router.prefix_tokens=16", "diloco.inner_steps=2",
            "trainer.rounds=1", "trainer.dense_baseline=false", f"hydra.run.dir={tmp_path}/run"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

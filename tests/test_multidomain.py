@@ -246,3 +246,20 @@ def test_real_install_small_build(tmp_path, monkeypatch) -> None:
         size = sum(len(x.text) for x in docs if x.label == d)
         assert size >= 20_000, (d, size)
 
+
+def test_default_config_trains_on_multidomain(fake_install, tmp_path) -> None:
+    """The default corpus end to end (on the fake install): routed, trained, scored, and the
+    routing report measures NMI against the five domains."""
+    from dipaco.config import compose_config
+    from dipaco.train import train
+
+    assert compose_config([], tmp_path / "unused").data.source == "multidomain"  # the default
+    run = tmp_path / "run"
+    cfg = compose_config(["experiment=smoke", "data=multidomain", "data.max_documents=null",
+                          f"data.exclude_packages={EXCLUDES}", "data.target_doc_chars=200",
+                          "data.min_doc_chars=1", "data.val_fraction=0.2", "data.test_fraction=0.1",
+                          "trainer.rounds=1", "trainer.dense_baseline=false", "trainer.plots=false"], run)
+    summary = train(cfg)
+    assert 1.0 < summary["routed_ppl"] < 512
+    report = json.loads((run / "routing_report.json").read_text())
+    assert report["num_documents"] > 0 and 0.0 <= report["nmi"] <= 1.0
