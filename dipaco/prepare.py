@@ -149,9 +149,10 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     # memory-mapped: from here on documents are read by offset, never held in memory
     train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
     val_all = tokenize_to_docs(val_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
-    val_ids = _evaluated(cfg, val_all)
+    rows = evaluated_rows(len(val_all), t.eval_max_documents)
+    val_ids = val_all.select(rows)
     all_labels = val_ds["label"]
-    val_labels = [all_labels[i] for i in evaluated_rows(len(val_all), t.eval_max_documents)]
+    val_labels = [all_labels[i] for i in rows]
     eval_ids = val_ids
     if t.eval_split != "validation":
         eval_ds = corpus.split(t.eval_split)

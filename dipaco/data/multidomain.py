@@ -63,7 +63,7 @@ import os
 import re
 import sysconfig
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from tqdm.auto import tqdm
 
@@ -346,6 +346,17 @@ def _workers() -> int:
     return max(1, min(8, n))
 
 
+def _read_in_order(files: Sequence[Candidate], read: Callable, pool: Any, workers: int) -> Iterator[Tuple]:
+    """``read(f)`` of each file, in order; with a pool, a batch of files at a time (the
+    batch bounds the read-ahead when the consumer stops early)."""
+    if pool is None:
+        yield from map(read, files)
+        return
+    step = _BATCH_PER_WORKER * workers
+    for start in range(0, len(files), step):
+        yield from pool.map(read, files[start:start + step], chunksize=4)
+
+
 def build(candidates: Sequence[Candidate], target_doc_chars: int, max_doc_chars: int,
           domain_max_chars: int, skipped: Optional[Dict[str, int]] = None,
           progress: bool = False, workers: Optional[int] = None) -> List[DomainDocument]:
@@ -371,28 +382,21 @@ def build(candidates: Sequence[Candidate], target_doc_chars: int, max_doc_chars:
             total = 0
             bar = tqdm(total=domain_max_chars, desc=f"multidomain {domain}", unit="char", unit_scale=True,
                        mininterval=2.0, disable=not progress)
-            # batches bound the read-ahead: files past the cap cost at most one batch
-            step = _BATCH_PER_WORKER * workers
-            for start in range(0, len(mine), step):
+            for reason, digest, cut in _read_in_order(mine, read, pool, workers):
                 if total >= domain_max_chars:
-                    break
-                batch = mine[start:start + step]
-                results = pool.map(read, batch, chunksize=4) if pool is not None else map(read, batch)
-                for reason, digest, cut in results:
-                    if total >= domain_max_chars:
-                        break  # the rest of the batch was read ahead and is dropped
-                    if digest is not None and digest in seen_text:
-                        count_skip(skipped, "duplicate_file")
-                        continue
-                    if digest is not None:
-                        seen_text.add(digest)
-                    if reason:
-                        count_skip(skipped, reason)
-                        continue
-                    for doc_id, group, doc in cut:
-                        docs.append(DomainDocument(doc_id, doc, domain, group))
-                        total += len(doc)
-                        bar.update(len(doc))
+                    break  # stops the reading: at most one batch was read ahead
+                if digest is not None and digest in seen_text:
+                    count_skip(skipped, "duplicate_file")
+                    continue
+                if digest is not None:
+                    seen_text.add(digest)
+                if reason:
+                    count_skip(skipped, reason)
+                    continue
+                for doc_id, group, doc in cut:
+                    docs.append(DomainDocument(doc_id, doc, domain, group))
+                    total += len(doc)
+                    bar.update(len(doc))
             bar.close()
     finally:
         if pool is not None:
