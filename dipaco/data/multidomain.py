@@ -72,10 +72,10 @@ from dipaco.data.python_sources import list_source_files, pack_pieces, split_sou
 from dipaco.data.readers import count_skip, read_text_head
 
 __all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
-           "is_generated", "load_multidomain", "requirement_closure"]
+           "is_generated", "load_multidomain", "record_text", "requirement_closure"]
 
 # Bump when the classification or cutting changes: old caches are then rebuilt.
-BUILDER_VERSION = 2  # 2: generated code files left out
+BUILDER_VERSION = 3  # 2: generated code files left out; 3: RECORD without the installer's lines
 DOMAINS = ("python", "c_cpp", "prose", "reference_docs", "structured_data")
 # One file gives at most this many characters (a 5 MB JSON table must not fill a domain).
 MAX_FILE_CHARS = 400_000
@@ -86,6 +86,13 @@ _PROSE_SUFFIXES = (".txt", ".md")
 _LICENSE_PREFIXES = ("license", "licence", "copying", "notice", "authors", "copyright")
 _TEST_DIRS = frozenset({"test", "tests", "testing"})
 _TOPICS = "pydoc_data/topics.py"
+# The lines of a RECORD that the installer writes rather than the wheel ships: console
+# scripts ("../../../bin/x": their shebang, hence hash and size, names this interpreter's
+# path), byte code compiled at install time (pip compiles, uv does not), and the
+# installer's own dist-info files (INSTALLER, REQUESTED only for what was named on the
+# command line, direct_url.json). With them, two installs of the same versions in two
+# places built different corpora (25 RECORD documents differed).
+_INSTALLER_RECORD = re.compile(r"^(?:\.\./|[^,]*__pycache__/|[^,/]*\.dist-info/(?:INSTALLER|REQUESTED|direct_url\.json),)")
 # Machine-generated code (torchgen's thousands of ATen/ops headers, protobuf stubs, ...)
 # is near-duplicate text: 31% of c_cpp's documents in builder version 1, and one
 # cluster that the router split off before any domain. Left out by the markers generators
@@ -107,7 +114,7 @@ class Candidate:
     origin: str  # "stdlib", "include" or the normalised distribution name
     rel: str  # path inside its origin, with "/"
     path: str  # absolute path on this machine
-    kind: str  # "python", "text", "prose", "metadata", "docstrings" or "topics"
+    kind: str  # "python", "text", "prose", "metadata", "record", "docstrings" or "topics"
 
     @property
     def key(self) -> str:
@@ -195,7 +202,7 @@ def _classify_dist(rel: str) -> Optional[Tuple[str, str]]:
         if base == "METADATA":
             return "prose", "metadata"
         if base == "RECORD":
-            return "structured_data", "text"
+            return "structured_data", "record"
         return ("prose", "text") if _is_license(base) else None
     if base.endswith(".py"):
         return None if _TEST_DIRS & set(parts[:-1]) else ("reference_docs", "docstrings")
@@ -302,11 +309,19 @@ def _cut(c: Candidate, text: str, target: int, max_chars: int) -> List[Tuple[str
     elif c.kind == "metadata":  # e-mail headers, a blank line, the long description
         body = text.split("\n\n", 1)[1] if "\n\n" in text else ""
         docs = split_text(body, target, max_chars) if len(body.strip()) >= 200 else []
+    elif c.kind == "record":
+        docs = split_text(record_text(text), target, max_chars)
     elif c.kind == "prose" and not _reads_as_prose(text):
         docs = []
     else:
         docs = split_text(text, target, max_chars)
     return [(f"{c.key}#{i}", c.key, doc) for i, doc in enumerate(docs)]
+
+
+def record_text(text: str) -> str:
+    """A distribution's ``RECORD`` without the lines its installer wrote (see
+    ``_INSTALLER_RECORD``): what the wheel ships, the same for every install of it."""
+    return "".join(line for line in text.splitlines(keepends=True) if not _INSTALLER_RECORD.match(line))
 
 
 def _order(key: str) -> bytes:
