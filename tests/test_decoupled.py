@@ -223,6 +223,19 @@ def test_momentum_is_delayed_in_the_synchroniser() -> None:
     assert fired == [False, True, False, True]
 
 
+
+def test_run_decoupled_delays_momentum_whatever_the_config_mode() -> None:
+    """run_decoupled is decoupled mode even on a config composed in sync mode (tests and
+    notebooks call it directly): its synchronisers must get delayed Nesterov too."""
+    from dipaco.config import compose_config
+    from dipaco.decoupled.run import outer_settings
+
+    cfg = compose_config(["experiment=smoke"])
+    assert cfg.diloco.mode == "sync"
+    outer = outer_settings(cfg, DecoupledConfig(momentum_every=4))
+    assert outer["name"] == "delayed_nesterov" and outer["every"] == 4
+    assert outer_settings(cfg, DecoupledConfig(momentum_every=1))["name"] == "sgd"
+
 # ------------------------------------------------------------------ store and leases
 
 
