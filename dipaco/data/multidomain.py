@@ -28,7 +28,7 @@ The domains (``label``; labels only evaluate routing, they never route):
                     ``pydoc_data/topics.py`` (one group per topic), ``.rst`` files, and the
                     docstrings of the dependencies' modules, classes and functions
 ``structured_data`` JSON / CSV / YAML / TOML / INI files and the ``RECORD`` CSVs of the
-                    distributions
+                    distributions (the lines the installer wrote left out: :func:`record_text`)
 =================== =======================================================================
 
 How it is built. Files are classified by name into a domain; within a domain they are
