@@ -64,8 +64,11 @@ class DataConfig:
     group_field: Optional[str] = None
     # a sample of documents by id hash (not by group: splits stay keyed by group either way)
     max_documents: Optional[int] = None
-    # data scaled with paths: max_documents = documents_per_path × number of paths (set one
-    # of the two). DiPaCo's gain needs data that grows with the paths; with a fixed corpus
+    # a sample of the *training* split by id hash: validation, test and the tokenizer's
+    # text stay whole, so runs on more or less training data are scored on the same documents
+    max_train_documents: Optional[int] = None
+    # data scaled with paths: max_train_documents = documents_per_path × number of paths (set
+    # one of the two). DiPaCo's gain needs data that grows with the paths; with a fixed corpus
     # 16 paths read the same documents as 4, each path a quarter as many.
     documents_per_path: Optional[int] = None
     # python_sources, multidomain: top-level stdlib packages left out. `test` alone is ~55% of the
@@ -353,9 +356,9 @@ def resolve_derived(cfg: Config) -> Config:
                 f"must be >= 1, got {d.documents_per_path}", "e.g. data.documents_per_path=500")
         want = int(d.documents_per_path) * math.prod(cfg.grid.levels)
         # (idempotent: a config resolved before, e.g. the saved one of a resumed run, passes)
-        require(d.max_documents in (None, want), "data.documents_per_path",
-                f"set together with data.max_documents={d.max_documents}", "drop one of the two")
-        d.max_documents = want
+        require(d.max_train_documents in (None, want), "data.documents_per_path",
+                f"set together with data.max_train_documents={d.max_train_documents}", "drop one of the two")
+        d.max_train_documents = want
     if math.prod(cfg.grid.levels) == 1 and cfg.router.top_k > 1:
         # One routed path takes every document whatever top_k says: the default top_k=2
         # must not make grid=dense or the flat-DiLoCo baseline a config error.

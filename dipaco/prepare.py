@@ -134,17 +134,19 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     corpus = load_corpus(cfg.data, progress=bars_enabled(t.progress))
     if corpus.skipped:
         _log(f"skipped documents: {dict(corpus.skipped)}")
-    _require_documents_per_path(cfg, corpus.num_documents)
+    _require_documents_per_path(cfg, len(corpus.split("train", whole=True)))
     train_ds = corpus.split("train")
     val_ds = corpus.split("validation")
     _require_splits(cfg, corpus.num_documents, len(train_ds), len(val_ds))
     timings["load_s"] = time.perf_counter() - t0
-    _log(f"corpus: {corpus.num_documents} documents ({len(train_ds)} train, {len(val_ds)} validation)")
+    sample = "" if corpus.max_train_documents is None else \
+        f" of {len(corpus.split('train', whole=True))} (data.max_train_documents={corpus.max_train_documents})"
+    _log(f"corpus: {corpus.num_documents} documents ({len(train_ds)} train{sample}, {len(val_ds)} validation)")
 
     t0 = time.perf_counter()
     fps = Fingerprints(run, cfg, _log)
     data_fp = dataset_content_hash(train_ds) + ":" + dataset_content_hash(val_ds)
-    tokenizer = _tokenizer(cfg, run, train_ds, fps, data_fp)
+    tokenizer = _tokenizer(cfg, run, corpus, fps, data_fp)
     cache_dir = cfg.data.cache_dir or str(run.cache)
     # memory-mapped: from here on documents are read by offset, never held in memory
     train_ids = tokenize_to_docs(train_ds, tokenizer, cache_dir=cache_dir, progress=t.progress)
@@ -232,12 +234,17 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
                     train_labels=train_labels, timings=timings)
 
 
-def _tokenizer(cfg: Config, run: RunDir, train_ds: Any, fps: Fingerprints, data_fp: str) -> Tokenizer:
+def _tokenizer(cfg: Config, run: RunDir, corpus: Any, fps: Fingerprints, data_fp: str) -> Tokenizer:
     """The run's tokenizer: reused when its fingerprint matches (resume), else
-    ``data.tokenizer``, else a byte-level BPE trained on the training split."""
+    ``data.tokenizer``, else a byte-level BPE trained on the whole training split (not the
+    ``data.max_train_documents`` sample: the runs of a paths sweep share their tokenizer)."""
     given = Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    whole = corpus.split("train", whole=True)
+    # the text the BPE is trained on is part of what the run's tokenizer is made from
+    source = dataset_content_hash(whole) if corpus.max_train_documents is not None else None
     # a given tokenizer is part of what the run's tokenizer is made from
-    want = fps.want("tokenizer", data=data_fp, given=given.sha256 if given is not None else None)
+    want = fps.want("tokenizer", data=data_fp, given=given.sha256 if given is not None else None,
+                    **({"bpe_text": source} if source is not None else {}))
     if fps.reusable("tokenizer", want, run.tokenizer.exists(), "tokenizer.json"):
         tokenizer = Tokenizer.load(run.tokenizer)
         if given is not None and given.sha256 != tokenizer.sha256:
@@ -245,7 +252,7 @@ def _tokenizer(cfg: Config, run: RunDir, train_ds: Any, fps: Fingerprints, data_
                               "its tokenizer. Fix: drop data.tokenizer or use a new run directory")
     else:
         tokenizer = given if given is not None else Tokenizer.train(
-            _capped_texts(train_ds, TOKENIZER_TRAIN_CHARS), vocab_size=cfg.model.vocab_size)
+            _capped_texts(whole, TOKENIZER_TRAIN_CHARS), vocab_size=cfg.model.vocab_size)
         tokenizer.save(run.tokenizer)
         fps.record("tokenizer", want)
     if tokenizer.vocab_size > cfg.model.vocab_size:  # data.tokenizer is checked earlier, in validate_config
@@ -264,13 +271,15 @@ def shards_fingerprint(fps: Fingerprints, run: RunDir) -> dict:
 def _require_documents_per_path(cfg: Config, num_documents: int) -> None:
     """Data scaled with paths is the point of ``data.documents_per_path``: a corpus too
     small for it would silently give every path fewer documents than asked (and skew a
-    paths sweep), so it is one line naming the most the corpus allows."""
+    paths sweep), so it is one line naming the most the corpus allows. ``num_documents``:
+    the whole training split, which the sample is drawn from."""
     per_path = cfg.data.documents_per_path
     if per_path is None:
         return
     paths = math.prod(cfg.grid.levels)
     require(num_documents >= per_path * paths, "data.documents_per_path",
-            f"{per_path} x {paths} paths asks for {per_path * paths:,} documents; the corpus has {num_documents:,}",
+            f"{per_path} x {paths} paths asks for {per_path * paths:,} training documents; "
+            f"the corpus's training split has {num_documents:,}",
             f"use data.documents_per_path<={num_documents // paths} or a larger corpus (e.g. data=multidomain)")
 
 

@@ -51,6 +51,8 @@ def validate_config(cfg: Config) -> None:
              f"data.source={d.source} needs a path", "pass data.path=FILE (or a hub dataset name)")
     require(d.max_documents is None or d.max_documents > 0, "data.max_documents",
              f"must be positive, got {d.max_documents}", "pass a positive number or null")
+    require(d.max_train_documents is None or d.max_train_documents > 0, "data.max_train_documents",
+            f"must be positive, got {d.max_train_documents}", "pass a positive number or null")
     require(0 <= d.val_fraction < 1 and 0 <= d.test_fraction < 1
              and d.val_fraction + d.test_fraction < 1, "data.val_fraction",
              "validation + test fractions must lie in [0, 1)", "use e.g. 0.05 each")

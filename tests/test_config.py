@@ -60,23 +60,27 @@ def test_total_steps_sets_rounds_and_must_divide() -> None:
 
 
 @pytest.mark.parametrize(("grid", "paths"), [("dense", 1), ("2x2", 4), ("4x4", 16)])
-def test_documents_per_path_scales_the_corpus_with_the_paths(grid: str, paths: int) -> None:
+def test_documents_per_path_scales_the_training_data_with_the_paths(grid: str, paths: int) -> None:
     cfg = compose_config([f"grid={grid}", "data.documents_per_path=250"])
     validate_config(cfg)
     validate_config(cfg)  # idempotent: a resolved config (a resumed run's) validates again
-    assert cfg.data.max_documents == 250 * paths
+    assert cfg.data.max_train_documents == 250 * paths
+    assert cfg.data.max_documents is None  # validation and test stay whole
 
 
-def test_documents_per_path_and_max_documents_are_exclusive() -> None:
+def test_documents_per_path_and_max_train_documents_are_exclusive() -> None:
     with pytest.raises(ConfigError, match="documents_per_path.*drop one"):
-        validate_config(compose_config(["data.documents_per_path=250", "data.max_documents=100"]))
+        validate_config(compose_config(["data.documents_per_path=250", "data.max_train_documents=100"]))
+    with pytest.raises(ConfigError, match="max_train_documents.*positive"):
+        validate_config(compose_config(["data.max_train_documents=0"]))
 
 
 def test_a_corpus_too_small_for_documents_per_path_is_one_line_naming_the_most_it_allows() -> None:
     cfg = compose_config(["grid=4x4", "data.documents_per_path=1000"])
     validate_config(cfg)
     _require_documents_per_path(cfg, 16_000)  # exactly enough
-    with pytest.raises(ConfigError, match=r"16,000 documents; the corpus has 5,212.*documents_per_path<=325"):
+    with pytest.raises(ConfigError, match=r"16,000 training documents; the corpus's training split has 5,212"
+                                          r".*documents_per_path<=325"):
         _require_documents_per_path(cfg, 5_212)
 
 

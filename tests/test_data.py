@@ -187,6 +187,30 @@ def test_max_documents_caps_deterministically(stdlib_corpus: Corpus) -> None:
     assert len(a.labels) >= 20  # a hash sample, not the alphabetically first files
 
 
+def test_max_train_documents_samples_training_only(stdlib_corpus: Corpus) -> None:
+    """data.max_train_documents (what documents_per_path sets) samples the training split
+    alone: validation and test are those of the whole corpus, the whole training split is
+    still there for the tokenizer, and a larger sample contains a smaller one (so more
+    paths add data to what fewer paths saw)."""
+    cfg = _cfg(source="python_sources", target_doc_chars=TARGET_FOR_5K)
+    small = load_corpus(replace(cfg, max_train_documents=300), progress=False)
+    large = load_corpus(replace(cfg, max_train_documents=1200), progress=False)
+    whole_train = stdlib_corpus.split("train")["id"]
+    for c, n in ((small, 300), (large, 1200)):
+        assert c.num_documents == stdlib_corpus.num_documents and "capped_by_max_documents" not in c.skipped
+        assert c.split("validation")["id"] == stdlib_corpus.split("validation")["id"]
+        assert c.split("test")["id"] == stdlib_corpus.split("test")["id"]
+        assert c.split("train", whole=True)["id"] == whole_train
+        ids = c.split("train")["id"]
+        kept = set(ids)
+        assert len(ids) == n and kept <= set(whole_train)
+        assert ids == [i for i in whole_train if i in kept]  # corpus order kept
+        assert c.summary()["train_sample"] == n
+    assert set(small.split("train")["id"]) < set(large.split("train")["id"])
+    everything = load_corpus(replace(cfg, max_train_documents=10**9), progress=False)
+    assert everything.split("train")["id"] == whole_train  # a cap above the split takes all of it
+
+
 # --------------------------------------------------------------------------- bad input
 
 

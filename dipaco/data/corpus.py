@@ -22,6 +22,10 @@ Skip reasons counted in :attr:`Corpus.skipped`:
 ``truncated``        *kept*, cut to ``data.max_doc_chars``
 ``capped_by_max_documents`` left out by ``data.max_documents``
 ==================== ===========================================================
+
+``data.max_train_documents`` (and ``data.documents_per_path``, which sets it) is not a skip:
+every document stays in the corpus and :meth:`Corpus.split` hands out a hash sample of the
+training split, so validation, test and the tokenizer's text do not depend on it.
 """
 from __future__ import annotations
 
@@ -65,23 +69,38 @@ class Corpus:
     ``dataset`` has the columns ``id``, ``text``, ``label`` (string or None), ``group``
     and ``split`` (``train`` / ``validation`` / ``test``: :func:`split_of` of the group, so
     no group has documents in two splits).
+
+    ``max_train_documents``: :meth:`split` returns that many training documents, the ones
+    with the smallest id hash (``data.max_train_documents``); None: all of them.
     """
 
     dataset: datasets.Dataset
     skipped: Dict[str, int] = field(default_factory=dict)
     num_documents: int = 0
     source: str = ""
+    max_train_documents: Optional[int] = None
     _split_cache: Dict[str, datasets.Dataset] = field(default_factory=dict, repr=False)
 
-    def split(self, name: str) -> datasets.Dataset:
-        """The documents of one split (``train``, ``validation`` or ``test``), in corpus order."""
+    def split(self, name: str, *, whole: bool = False) -> datasets.Dataset:
+        """The documents of one split (``train``, ``validation`` or ``test``), in corpus order.
+
+        ``train`` is the ``max_train_documents`` sample unless ``whole=True`` (what the
+        tokenizer is trained on: runs that train on samples of different sizes, as a paths
+        sweep does, then share one tokenizer, so their perplexities are per the same tokens).
+        """
         if name not in SPLITS:
             raise ValueError(f"unknown split {name!r}: use one of {', '.join(SPLITS)}")
-        if name not in self._split_cache:
+        sampled = name == "train" and not whole and self.max_train_documents is not None
+        key = "train_sample" if sampled else name
+        if key not in self._split_cache:
             column = self.dataset["split"]
             indices = [i for i, s in enumerate(column) if s == name]
-            self._split_cache[name] = self.dataset.select(indices)
-        return self._split_cache[name]
+            if sampled and len(indices) > int(self.max_train_documents):  # type: ignore[arg-type]
+                ids = self.dataset["id"]
+                order = sorted(indices, key=lambda i: (id_unit_interval(ids[i], "max_train_documents"), i))
+                indices = sorted(order[: int(self.max_train_documents)])  # type: ignore[arg-type]
+            self._split_cache[key] = self.dataset.select(indices)
+        return self._split_cache[key]
 
     @property
     def labels(self) -> List[str]:
@@ -98,6 +117,7 @@ class Corpus:
             "num_groups": len(set(self.dataset["group"])),
             "num_chars": sum(len(t) for t in self.dataset["text"]),
             "split_sizes": {s: splits.count(s) for s in SPLITS},
+            "train_sample": len(self.split("train")) if self.max_train_documents is not None else None,
             "skipped": dict(self.skipped),
         }
 
@@ -335,4 +355,5 @@ def load_corpus(cfg: DataConfig, *, progress: bool = True) -> Corpus:
         raise DataError(f"{e}. Fix: use e.g. data.val_fraction=0.05 data.test_fraction=0.05") from None
     dataset = datasets.Dataset.from_dict(rows, features=DOCUMENT_FEATURES)
     return Corpus(dataset=dataset, skipped=dict(sorted(skipped.items())),
-                  num_documents=len(dataset), source=source)
+                  num_documents=len(dataset), source=source,
+                  max_train_documents=getattr(cfg, "max_train_documents", None))
