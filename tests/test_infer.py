@@ -195,6 +195,27 @@ def test_score_equals_trainer_routed_evaluation(trained_run, corpus_texts, tmp_p
     assert np.isclose(json.loads(stdout)["ppl"], summary["routed_ppl"], rtol=1e-9)
 
 
+def test_score_dense_equals_the_trainers_dense_baseline(tmp_path, capsys):
+    """`score --dense` scores the run's saved dense baseline with the routed rule: on the
+    run's own evaluation documents it gives summary.json's dense_ppl and ratio_vs_dense;
+    a run without a baseline is one line naming the fix."""
+    from dipaco.config import compose_config
+    from dipaco.train import train
+
+    cfg = compose_config(["experiment=smoke", "grid.levels=[2,1]", "trainer.rounds=1", "trainer.plots=false",
+                          "trainer.progress=false", "data.max_documents=120"], tmp_path / "run")
+    summary = train(cfg)
+    capsys.readouterr()  # the training log
+    code, stdout, err = _cli(capsys, "score", tmp_path / "run", "--validation", "--dense")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert np.isclose(report["dense_ppl"], summary["dense_ppl"], rtol=1e-9)
+    assert np.isclose(report["ratio_vs_dense"], summary["ratio_vs_dense"], rtol=1e-9)
+    shutil.rmtree(tmp_path / "run" / "baseline")
+    code, _, err = _cli(capsys, "score", tmp_path / "run", "--validation", "--dense")
+    assert code != 0 and "no dense baseline" in err and "drop --dense" in err
+
+
 @pytest.mark.slow
 def test_greedy_generation_same_tokens_with_and_without_kv_cache(trained_run):
     run = InferenceRun.open(trained_run)

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=_positive("--seq-len"), default=None, metavar="L",
                    help="tokens scored per document, per window with --long (default: trainer.seq_len)")
     s.add_argument("--long", action="store_true", help="score whole documents in windows (docs/evaluation.md)")
+    s.add_argument("--dense", action="store_true",
+                   help="also score the run's same-size dense baseline on the same documents: "
+                        "adds dense_ppl and ratio_vs_dense")
     s.add_argument("--out", default=None, metavar="F", help="write the JSON here instead of stdout")
 
     e = sub.add_parser("export", help="write one path as a standalone model directory", epilog=(
@@ -289,6 +292,10 @@ def cmd_score(args: argparse.Namespace) -> None:
         docs = [run.encode(t) for t in texts]
     report = run.score(docs, reroute_every=args.reroute_every, batch_size=args.batch_size, seq_len=args.seq_len,
                        whole_documents=args.long)
+    if args.dense:
+        dense = run.score_dense(docs, batch_size=args.batch_size, seq_len=args.seq_len, whole_documents=args.long)
+        report.update({"dense_ppl": dense["ppl"], "dense_loss": dense["loss"],
+                       "ratio_vs_dense": report["ppl"] / dense["ppl"] if dense["num_tokens"] else None})
     report.update({"skipped_malformed_lines": skipped, "num_input_documents": len(docs),
                    "checkpoint": str(run.checkpoint), "best_paths": run.best_paths, "run_dir": str(run.run.root)})
     if report["num_tokens"] == 0:

@@ -21,7 +21,7 @@ from dipaco.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, loa
 from dipaco.data import Tokenizer
 from dipaco.dense import dense_grid, load_dense_state
 from dipaco.early_stopping import load_best_path
-from dipaco.evaluate import evaluate_routed
+from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.inference.generate import Generation, generate_routed
 from dipaco.prepare import lm_featurizer
 from dipaco.run_dir import RunDir, RunDirError
@@ -177,6 +177,24 @@ class InferenceRun:
             [np.asarray(d, dtype=np.int64) for d in docs], loader.get, seq_len=seq_len,
             prefix_tokens=self.prefix_tokens, route_batch=self.router.route_batch,
             reroute_windows=self.router.reroute_windows, reroute_every=reroute_every,
+            batch_size=t.eval_batch_size if batch_size is None else int(batch_size), whole_documents=whole_documents)
+
+
+    def score_dense(self, docs: Sequence[Sequence[int]], *, batch_size: Optional[int] = None,
+                    seq_len: Optional[int] = None, whole_documents: bool = False) -> dict:
+        """Perplexity of the run's same-size dense baseline (``baseline/``) on ``docs``,
+        with the rule of :meth:`score`: the routed ÷ dense ratio on any set of documents."""
+        t = self.cfg.trainer
+        if not (self.run.baseline / "modules.safetensors").is_file():
+            raise RunDirError(f"{self.run.root} has no dense baseline ({self.run.baseline}): the run was made "
+                              "with trainer.dense_baseline=false or stopped before it. Fix: drop --dense")
+        grid = dense_grid(self.cfg)
+        for mid, sd in load_dense_state(self.run.baseline).items():
+            grid.load_module_state_dict(mid, sd)
+        default = eval_window(self.cfg) if whole_documents else t.seq_len
+        return evaluate_single(
+            [np.asarray(d, dtype=np.int64) for d in docs], PathModel(grid, 0).eval(),
+            seq_len=default if seq_len is None else int(seq_len), prefix_tokens=self.prefix_tokens,
             batch_size=t.eval_batch_size if batch_size is None else int(batch_size), whole_documents=whole_documents)
 
 
