@@ -116,12 +116,13 @@ def _evaluated(cfg: Config, val_ids: TokenDocs) -> TokenDocs:
     return val_ids.select(evaluated_rows(len(val_ids), cfg.trainer.eval_max_documents))
 
 
-def validation_ids(cfg: Config, run: RunDir) -> TokenDocs:
+def validation_ids(cfg: Config, run: RunDir, split: Optional[str] = None) -> TokenDocs:
     """A finished run's evaluated documents (``trainer.eval_split``) as token ids, exactly
-    as its evaluation saw them (same corpus split, the run's tokenizer and token cache)."""
+    as its evaluation saw them (same corpus split, the run's tokenizer and token cache).
+    ``split``: the documents its evaluation would have scored on that split instead."""
     run.require(run.tokenizer, "tokenizer")
     corpus = load_corpus(cfg.data, progress=False)
-    val_tok = tokenize_to_docs(corpus.split(cfg.trainer.eval_split), Tokenizer.load(run.tokenizer),
+    val_tok = tokenize_to_docs(corpus.split(split or cfg.trainer.eval_split), Tokenizer.load(run.tokenizer),
                                cache_dir=cfg.data.cache_dir or str(run.cache), progress=False)
     return _evaluated(cfg, val_tok)
 

@@ -195,10 +195,11 @@ def test_score_equals_trainer_routed_evaluation(trained_run, corpus_texts, tmp_p
     assert np.isclose(json.loads(stdout)["ppl"], summary["routed_ppl"], rtol=1e-9)
 
 
-def test_score_dense_equals_the_trainers_dense_baseline(tmp_path, capsys):
+def test_score_dense_and_split(tmp_path, capsys):
     """`score --dense` scores the run's saved dense baseline with the routed rule: on the
     run's own evaluation documents it gives summary.json's dense_ppl and ratio_vs_dense;
-    a run without a baseline is one line naming the fix."""
+    `--split test` scores the test documents of a run evaluated on validation; a run
+    without a baseline is one line naming the fix."""
     from dipaco.config import compose_config
     from dipaco.train import train
 
@@ -211,6 +212,13 @@ def test_score_dense_equals_the_trainers_dense_baseline(tmp_path, capsys):
     report = json.loads(stdout)
     assert np.isclose(report["dense_ppl"], summary["dense_ppl"], rtol=1e-9)
     assert np.isclose(report["ratio_vs_dense"], summary["ratio_vs_dense"], rtol=1e-9)
+    # --split test: the test documents the evaluation would pick, here with the same model
+    code, stdout, err = _cli(capsys, "score", tmp_path / "run", "--split", "test", "--dense")
+    assert code == 0, err
+    on_test = json.loads(stdout)
+    assert on_test["num_tokens"] > 0 and on_test["num_tokens"] != report["num_tokens"]
+    code, stdout, _ = _cli(capsys, "score", tmp_path / "run", "--split", "validation")
+    assert np.isclose(json.loads(stdout)["ppl"], summary["routed_ppl"], rtol=1e-9)
     shutil.rmtree(tmp_path / "run" / "baseline")
     code, _, err = _cli(capsys, "score", tmp_path / "run", "--validation", "--dense")
     assert code != 0 and "no dense baseline" in err and "drop --dense" in err

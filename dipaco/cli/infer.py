@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument("--validation", action="store_true",
                            help="the run's own validation documents (as its evaluation scored them)")
+            g.add_argument("--split", choices=("validation", "test"), default=None,
+                           help="the documents the run's evaluation would score on this split of its corpus "
+                                "(e.g. test, for a run evaluated on validation)")
         g.add_argument("--file", metavar="F.jsonl", help="one JSON object per line")
         sp.add_argument("--text-field", default="text", help="field holding the text in --file (default: text); "
                         "malformed lines are skipped and counted on stderr")
@@ -283,11 +286,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_score(args: argparse.Namespace) -> None:
     run = _open(args)
-    texts, skipped = ([], 0) if args.validation else _texts(args)
+    from_corpus = args.validation or args.split is not None
+    texts, skipped = ([], 0) if from_corpus else _texts(args)
     if args.seq_len is not None and args.seq_len > run.cfg.model.max_seq_len:
         fail(f"--seq-len {args.seq_len} exceeds model.max_seq_len {run.cfg.model.max_seq_len}")
-    if args.validation:
-        docs = validation_ids(run.cfg, run.run)
+    if from_corpus:
+        docs = validation_ids(run.cfg, run.run, split=args.split)
     else:
         docs = [run.encode(t) for t in texts]
     report = run.score(docs, reroute_every=args.reroute_every, batch_size=args.batch_size, seq_len=args.seq_len,
