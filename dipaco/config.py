@@ -117,8 +117,8 @@ class RouterConfig:
     feature_dim: int = 64
     top_k: int = 1
     capacity_factor: float = 1.25
-    # hard: every shard capped at capacity_factor x the mean; soft: a path keeps its natural
-    # cluster up to soft_capacity_factor x the mean (router/assign.py)
+    # hard: every shard in [0.5, capacity_factor] x the mean; soft: a path keeps its natural
+    # cluster within [1 / soft_capacity_factor, soft_capacity_factor] x the mean (router/assign.py)
     balance: str = "hard"
     soft_capacity_factor: float = 2.0
     niter: int = 20

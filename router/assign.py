@@ -10,7 +10,10 @@ excess onto other clusters' paths, while overflow never pushes a path above the 
 unless its own documents already did. Mirroring the ceiling, a soft shard also holds at
 least ``floor(N * top_k / P / soft_capacity_factor)`` documents: a path that no cluster
 prefers (a k-means leaf of 10 documents out of 7,000, seen on the multidomain corpus)
-still gets enough data to train.
+still gets enough data to train. A hard shard holds at least ``floor(HARD_FLOOR * N * top_k / P)``
+(half the mean): product k-means on a [4, 4] grid left cells that no document's two level
+clusters both prefer with 1, 2 and 4 documents of 16,000, paths that then train as many
+steps as the others on one document and serve whatever prompt lands there.
 
 1. Assignment runs in ``top_k`` rounds; round r gives each document its r-th path. Doing
    everyone's first choice before anyone's second keeps overflow out of the shards
@@ -20,9 +23,9 @@ still gets enough data to train.
    best path that still has room and that they do not already hold. Overflow therefore
    lands on the uncertain documents, which lose least by moving.
 3. When ``N >= P`` (top_k = 1) or generally when enough documents exist, no shard is left
-   empty (soft: below its floor): each empty path takes its nearest document (lowest cost for that path) from a
-   shard that keeps at least one document, replacing that document's path from the
-   largest such shard.
+   below its floor: each such path takes its nearest documents (lowest cost for that path)
+   from shards that stay at or above their own floor, replacing that document's path from
+   the largest such shard.
 
 With ``capacity_factor >= 1`` the total room ``P * capacity >= N * top_k``, so step 2
 always finds a path: directly, or (top_k > 1, when the only room left is on paths the
@@ -38,6 +41,10 @@ import numpy as np
 
 # "hard": one capacity for every path; "soft": a path keeps its natural load up to a ceiling
 BALANCES = ("hard", "soft")
+# hard balance: no shard below this fraction of the mean shard (soft: 1 / soft_capacity_factor).
+# A structural guard against near-empty shards, far below what a natural cluster holds: the
+# smallest shards of the [2, 2] runs in docs/results.md §13-14 sit at 0.58-0.92 of the mean.
+HARD_FLOOR = 0.5
 
 
 def capacity_per_path(num_docs: int, num_paths: int, top_k: int, capacity_factor: float) -> int:
@@ -103,11 +110,10 @@ def balanced_assign(costs: np.ndarray, *, top_k: int = 1, capacity_factor: float
                     break
             else:
                 _make_room(costs, pref[i], chosen, load, i, cap)
-    # no empty shard (hard); soft: no shard below mean / soft_capacity_factor either, the
-    # mirror of its ceiling: a cluster nobody prefers must still get enough data to train
-    floor = np.ones(p, np.int64)
-    if balance == "soft":
-        floor[:] = max(1, math.floor(n * top_k / p / soft_capacity_factor))
+    # No shard below half the mean (hard) or mean / soft_capacity_factor (soft, the mirror
+    # of its ceiling): a cell nobody prefers must still get enough data to train.
+    fraction = HARD_FLOOR if balance == "hard" else 1.0 / soft_capacity_factor
+    floor = np.full(p, max(1, math.floor(n * top_k / p * fraction + 1e-9)), np.int64)
     _fill_to_floor(costs, chosen, load, floor)
     # Report paths best first by cost, whatever order the rounds produced.
     return [sorted(h, key=lambda q, row=costs[i]: (row[q], q)) for i, h in enumerate(chosen)]
@@ -167,4 +173,4 @@ def _fill_to_floor(costs: np.ndarray, chosen: list[list[int]], load: np.ndarray,
             load[path] += 1
 
 
-__all__ = ["BALANCES", "balanced_assign", "capacity_per_path", "path_capacities"]
+__all__ = ["BALANCES", "HARD_FLOOR", "balanced_assign", "capacity_per_path", "path_capacities"]

@@ -194,16 +194,31 @@ def test_balanced_assignment_keeps_confident_documents_and_orders_paths():
         balanced_assign(costs, top_k=4)
 
 
-def test_no_shard_left_empty_when_enough_documents():
+def test_no_shard_below_half_the_mean_when_enough_documents():
+    """Hard balance has a floor too: half the mean shard (here 40 / 8 / 2 = 2 documents),
+    filled with the documents nearest to the unwanted path."""
     rng = np.random.default_rng(0)
     costs = rng.random((40, 8))
     costs[:, 0] -= 10.0  # everyone prefers path 0 ...
     costs[:, 7] += 10.0  # ... and nobody wants path 7
     out = balanced_assign(costs, top_k=1, capacity_factor=8.0)  # cap 40: no balancing pressure
     sizes = np.bincount([s[0] for s in out], minlength=8)
-    assert sizes.min() >= 1, sizes
+    assert sizes.min() == 2 and sizes.sum() == 40, sizes
     moved = [i for i, s in enumerate(out) if s == [7]]
-    assert moved == [int(np.argmin(costs[:, 7]))]  # filled from the nearest document
+    assert moved == sorted(np.argsort(costs[:, 7], kind="stable")[:2].tolist())  # its nearest documents
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_hard_floor_leaves_shards_above_it_alone(seed):
+    """The floor only lifts shards below half the mean: natural clusters above it keep
+    their documents exactly (property test, fixed seeds)."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(6, 4)) * 4
+    sizes = [90, 80, 70, 60, 55, 45]  # every cluster above half the mean (400 / 6 / 2 = 33)
+    pts = np.concatenate([c + rng.normal(size=(n, 4)) for c, n in zip(centres, sizes)])
+    costs = ((pts[:, None, :] - centres[None]) ** 2).sum(-1)
+    out = balanced_assign(costs, top_k=1, capacity_factor=2.0)
+    assert [s[0] for s in out] == np.argmin(costs, axis=1).tolist()
 
 
 # ----------------------------------------------------------------------------- persistence
