@@ -78,3 +78,11 @@ def save_dense(directory: Path, grid: ModuleGrid, info: dict) -> None:
 def load_dense_state(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Module state dicts saved by :func:`save_dense`."""
     return load_state(directory / "modules.safetensors")
+
+
+def load_dense_grid(cfg: Config, directory: Path) -> ModuleGrid:
+    """The dense grid saved by :func:`save_dense` in ``directory`` (warm-up or baseline)."""
+    grid = dense_grid(cfg)
+    for mid, sd in load_dense_state(directory).items():
+        grid.load_module_state_dict(mid, sd)
+    return grid

@@ -17,7 +17,7 @@ import torch
 from dipaco.checkpoint import sha256_file, write_json
 from dipaco.config import Config, ConfigError, require
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, progress_bars, tokenize_to_docs
-from dipaco.dense import WARMUP_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
+from dipaco.dense import WARMUP_STREAM_ID, load_dense_grid, save_dense, train_dense
 from dipaco.device import model_device, to_device
 from dipaco.early_stopping import write_validation_shards
 from dipaco.fingerprint import Fingerprints
@@ -135,13 +135,14 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     corpus = load_corpus(cfg.data, progress=bars_enabled(t.progress))
     if corpus.skipped:
         _log(f"skipped documents: {dict(corpus.skipped)}")
-    _require_documents_per_path(cfg, len(corpus.split("train", whole=True)))
+    num_train_whole = len(corpus.split("train", whole=True))
+    _require_documents_per_path(cfg, num_train_whole)
     train_ds = corpus.split("train")
     val_ds = corpus.split("validation")
     _require_splits(cfg, corpus.num_documents, len(train_ds), len(val_ds))
     timings["load_s"] = time.perf_counter() - t0
     sample = "" if corpus.max_train_documents is None else \
-        f" of {len(corpus.split('train', whole=True))} (data.max_train_documents={corpus.max_train_documents})"
+        f" of {num_train_whole} (data.max_train_documents={corpus.max_train_documents})"
     _log(f"corpus: {corpus.num_documents} documents ({len(train_ds)} train{sample}, {len(val_ds)} validation)")
 
     t0 = time.perf_counter()
@@ -172,9 +173,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     if n_warm > 0:
         t0 = time.perf_counter()
         if fps.reusable("warmup", want_warm, (run.warmup / "modules.safetensors").exists(), "warmup/"):
-            warm_grid = dense_grid(cfg)
-            for mid, sd in load_dense_state(run.warmup).items():
-                warm_grid.load_module_state_dict(mid, sd)
+            warm_grid = load_dense_grid(cfg, run.warmup)
         else:
             _log(f"dense warm-up: {n_warm} steps")
             warm_grid, stats = train_dense(cfg, train_ids, tokenizer.eos_id, steps=n_warm,
@@ -241,11 +240,11 @@ def _tokenizer(cfg: Config, run: RunDir, corpus: Any, fps: Fingerprints, data_fp
     ``data.max_train_documents`` sample: the runs of a paths sweep share their tokenizer)."""
     given = Tokenizer.load(cfg.data.tokenizer) if cfg.data.tokenizer else None
     whole = corpus.split("train", whole=True)
-    # the text the BPE is trained on is part of what the run's tokenizer is made from
-    source = dataset_content_hash(whole) if corpus.max_train_documents is not None else None
-    # a given tokenizer is part of what the run's tokenizer is made from
-    want = fps.want("tokenizer", data=data_fp, given=given.sha256 if given is not None else None,
-                    **({"bpe_text": source} if source is not None else {}))
+    # A given tokenizer, and the text the BPE is trained on, are part of what the run's
+    # tokenizer is made from. Without a sample that text is the training split data_fp
+    # already covers; the key is then left out so older runs' fingerprints still match.
+    extra = {"bpe_text": dataset_content_hash(whole)} if corpus.max_train_documents is not None else {}
+    want = fps.want("tokenizer", data=data_fp, given=given.sha256 if given is not None else None, **extra)
     if fps.reusable("tokenizer", want, run.tokenizer.exists(), "tokenizer.json"):
         tokenizer = Tokenizer.load(run.tokenizer)
         if given is not None and given.sha256 != tokenizer.sha256:

@@ -21,7 +21,7 @@ from dipaco.build import build_comm_plan, build_grid
 from dipaco.checkpoint import atomic_write_text, write_json
 from dipaco.config import Config, ConfigError, eval_window
 from dipaco.decoupled.run import run_decoupled
-from dipaco.dense import BASELINE_STREAM_ID, dense_grid, load_dense_state, save_dense, train_dense
+from dipaco.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.evaluate import evaluate_single
 from dipaco.job_eval import evaluate_run
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
@@ -197,9 +197,7 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
     saved = run.baseline / "info.json"
     if (run.baseline / "modules.safetensors").exists() and saved.is_file() \
             and run.read_json(saved).get("steps") == steps + prep.warmup_steps:  # not from fewer rounds
-        grid = dense_grid(cfg)
-        for mid, sd in load_dense_state(run.baseline).items():
-            grid.load_module_state_dict(mid, sd)
+        grid = load_dense_grid(cfg, run.baseline)
         info = run.read_json(run.baseline / "info.json")
     else:
         _log(f"dense baseline: {steps} steps (+{prep.warmup_steps} warm-up)")

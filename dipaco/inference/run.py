@@ -19,7 +19,7 @@ from dipaco.device import cuda_count
 from dipaco.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, load_state, round_dir_name,
                                sha256_file)
 from dipaco.data import Tokenizer
-from dipaco.dense import dense_grid, load_dense_state
+from dipaco.dense import load_dense_grid
 from dipaco.early_stopping import load_best_path
 from dipaco.evaluate import evaluate_routed, evaluate_single
 from dipaco.inference.generate import Generation, generate_routed
@@ -157,6 +157,16 @@ class InferenceRun:
         """Routed generation; see :func:`generate_routed` for the arguments."""
         return generate_routed(self, prompt_ids, **kwargs)
 
+    def _eval_settings(self, seq_len: Optional[int], batch_size: Optional[int],
+                       whole_documents: bool) -> tuple[int, int]:
+        """``seq_len`` and ``batch_size`` as the job's evaluation uses them, unless given."""
+        t = self.cfg.trainer
+        default = eval_window(self.cfg) if whole_documents else t.seq_len
+        seq_len = default if seq_len is None else int(seq_len)
+        if not 1 <= seq_len < self.cfg.model.max_seq_len + 1:
+            raise ValueError(f"seq_len must be in [1, {self.cfg.model.max_seq_len}] (model.max_seq_len), got {seq_len}")
+        return seq_len, t.eval_batch_size if batch_size is None else int(batch_size)
+
     def score(self, docs: Sequence[Sequence[int]], *, reroute_every: Optional[int] = None,
               batch_size: Optional[int] = None, seq_len: Optional[int] = None,
               loader: Optional["PathLoader"] = None, whole_documents: bool = False) -> dict:
@@ -167,35 +177,26 @@ class InferenceRun:
         (``routed_ppl_long`` with ``whole_documents``: windows of ``seq_len``, default
         :func:`dipaco.config.eval_window`).
         """
-        t = self.cfg.trainer
-        default = eval_window(self.cfg) if whole_documents else t.seq_len
-        seq_len = default if seq_len is None else int(seq_len)
-        if not 1 <= seq_len < self.cfg.model.max_seq_len + 1:
-            raise ValueError(f"seq_len must be in [1, {self.cfg.model.max_seq_len}] (model.max_seq_len), got {seq_len}")
+        seq_len, batch_size = self._eval_settings(seq_len, batch_size, whole_documents)
         loader = loader or self.loader()
         return evaluate_routed(
             [np.asarray(d, dtype=np.int64) for d in docs], loader.get, seq_len=seq_len,
             prefix_tokens=self.prefix_tokens, route_batch=self.router.route_batch,
             reroute_windows=self.router.reroute_windows, reroute_every=reroute_every,
-            batch_size=t.eval_batch_size if batch_size is None else int(batch_size), whole_documents=whole_documents)
-
+            batch_size=batch_size, whole_documents=whole_documents)
 
     def score_dense(self, docs: Sequence[Sequence[int]], *, batch_size: Optional[int] = None,
                     seq_len: Optional[int] = None, whole_documents: bool = False) -> dict:
         """Perplexity of the run's same-size dense baseline (``baseline/``) on ``docs``,
         with the rule of :meth:`score`: the routed ÷ dense ratio on any set of documents."""
-        t = self.cfg.trainer
         if not (self.run.baseline / "modules.safetensors").is_file():
             raise RunDirError(f"{self.run.root} has no dense baseline ({self.run.baseline}): the run was made "
                               "with trainer.dense_baseline=false or stopped before it. Fix: drop --dense")
-        grid = dense_grid(self.cfg)
-        for mid, sd in load_dense_state(self.run.baseline).items():
-            grid.load_module_state_dict(mid, sd)
-        default = eval_window(self.cfg) if whole_documents else t.seq_len
-        return evaluate_single(
-            [np.asarray(d, dtype=np.int64) for d in docs], PathModel(grid, 0).eval(),
-            seq_len=default if seq_len is None else int(seq_len), prefix_tokens=self.prefix_tokens,
-            batch_size=t.eval_batch_size if batch_size is None else int(batch_size), whole_documents=whole_documents)
+        seq_len, batch_size = self._eval_settings(seq_len, batch_size, whole_documents)
+        model = PathModel(load_dense_grid(self.cfg, self.run.baseline), 0).eval()
+        return evaluate_single([np.asarray(d, dtype=np.int64) for d in docs], model, seq_len=seq_len,
+                               prefix_tokens=self.prefix_tokens, batch_size=batch_size,
+                               whole_documents=whole_documents)
 
 
 def _load_router(run: RunDir, cfg: Any) -> Any:
@@ -205,10 +206,7 @@ def _load_router(run: RunDir, cfg: Any) -> Any:
         # The router was fitted on the warm-up model's hidden states: it needs that model
         # (one path's size) to featurize prefixes.
         run.require(run.warmup / "modules.safetensors", "warm-up model (router.featurizer=lm)")
-        warm = dense_grid(cfg)
-        for mid, sd in load_dense_state(run.warmup).items():
-            warm.load_module_state_dict(mid, sd)
-        featurizer_fn = lm_featurizer(warm)
+        featurizer_fn = lm_featurizer(load_dense_grid(cfg, run.warmup))
     try:
         return Router.load(run.router, featurizer_fn=featurizer_fn, expected_grid=list(cfg.grid.levels))
     except (ValueError, OSError) as e:
