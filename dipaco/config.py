@@ -222,6 +222,9 @@ class TrainerConfig:
     activation_checkpointing: bool = False
     # gradient accumulation: each inner step's batch in this many slices (same update)
     micro_batches: int = 1
+    # deterministic kernels (dipaco/device.py: set_deterministic): on CUDA, bit-identical
+    # reruns and resumes at some speed cost; off, atomics in backward vary in the last bits
+    deterministic: bool = False
     plots: bool = True
     progress: bool = True  # tqdm bars, drawn only when stderr is a terminal (dipaco/progress.py)
 

@@ -32,7 +32,8 @@ import torch
 
 __all__ = ["DEVICES", "PRECISIONS", "RankDevice", "autocast", "choose_backend", "choose_device",
            "compile_enabled", "config_problems", "cuda_count", "grad_scaler", "local_rank_env",
-           "maybe_compile", "model_device", "peak_memory_bytes", "rank_device", "reset_peak_memory", "to_device"]
+           "maybe_compile", "model_device", "peak_memory_bytes", "rank_device", "reset_peak_memory",
+           "set_deterministic", "to_device"]
 
 DEVICES = ("auto", "cuda", "cpu")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -86,7 +87,9 @@ class RankDevice:
     def describe(self) -> str:
         """One line for the start-of-run log."""
         if self.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.device) if torch.cuda.is_available() else "cuda"
+            # a placement computed for a fake GPU count (tests, plans) may name a GPU this host lacks
+            real = torch.cuda.is_available() and (self.device.index or 0) < torch.cuda.device_count()
+            name = torch.cuda.get_device_name(self.device) if real else "cuda"
             where = f"{self.device} ({name}; {self.gpus} GPU(s), {self.local_world} rank(s) on this host)"
         else:
             where = f"cpu ({self.local_world} rank(s) on this host)"
@@ -127,6 +130,28 @@ def grad_scaler(device: torch.device, precision: str) -> Optional[torch.amp.Grad
     if precision == "fp16" and device.type == "cuda":
         return torch.amp.GradScaler("cuda")
     return None
+
+
+# ------------------------------------------------------------------ determinism
+
+
+def set_deterministic(enabled: bool) -> None:
+    """``trainer.deterministic``: bit-identical reruns and resumes on CUDA too.
+
+    On the CPU the kernels this project uses are already deterministic for a fixed thread
+    count. On CUDA some backward kernels accumulate with atomics (the embedding's gradient,
+    scatter-adds), so two runs differ in the last bits and, through AdamW, visibly after a
+    few hundred steps. Enabled: deterministic kernels (an error names any op without one),
+    cuDNN without autotuning, and the cuBLAS workspace setting that makes its GEMMs
+    repeatable. Call it in every process before its first CUDA work: cuBLAS reads
+    ``CUBLAS_WORKSPACE_CONFIG`` when it starts, and spawned ranks inherit the env.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(bool(enabled))
+    torch.backends.cudnn.deterministic = bool(enabled)
+    if enabled:
+        torch.backends.cudnn.benchmark = False
 
 
 # ------------------------------------------------------------------ speed options

@@ -24,7 +24,7 @@ from dipaco.checkpoint import CheckpointManager, atomic_write_text
 from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
-from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory
+from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory, set_deterministic
 from dipaco.early_stopping import PathEarlyStopping
 from dipaco.launch import stop_requested
 from dipaco.learner import PathLearner
@@ -65,6 +65,7 @@ def _barrier(distributed: bool) -> None:
 def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> RoundsResult:
     """Train the DiPaCo rounds; ``rank=None`` is the local backend (all groups here)."""
     distributed = rank is not None
+    set_deterministic(cfg.trainer.deterministic)  # spawned ranks are fresh interpreters
     # this rank's device (GPU LOCAL_RANK % count; the local backend: every path on one)
     placement = rank_device(cfg.trainer.device, cfg.launcher.backend)
     device = placement.device

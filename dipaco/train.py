@@ -22,6 +22,7 @@ from dipaco.checkpoint import atomic_write_text, write_json
 from dipaco.config import Config, ConfigError, eval_window
 from dipaco.decoupled.run import run_decoupled
 from dipaco.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_state, save_dense, train_dense
+from dipaco.device import set_deterministic
 from dipaco.evaluate import evaluate_single
 from dipaco.job_eval import evaluate_run
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
@@ -69,6 +70,7 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
         _log(f"resume=true: {run.root} holds no run yet (no config.yaml); starting a new run from round 0")
     else:
         check_fresh(run)
+    set_deterministic(cfg.trainer.deterministic)  # before any CUDA work (the warm-up, the features)
     if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
         os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
     if cfg.launcher.name in ("torchrun", "slurm"):

@@ -62,7 +62,9 @@ def _cfg(**kw) -> DataConfig:
 
 def test_python_sources_size_labels_and_no_third_party(stdlib_corpus: Corpus) -> None:
     ds = stdlib_corpus.dataset
-    assert stdlib_corpus.num_documents == len(ds) >= 5000
+    # a corpus, not a handful of files; the count depends on the interpreter's stdlib
+    # (5,000+ documents from CPython 3.11 here, 3,994 from the CUDA image's 3.12)
+    assert stdlib_corpus.num_documents == len(ds) >= 2000
     labels = stdlib_corpus.labels
     assert len(labels) >= 20
     for pkg in ("json", "email", "asyncio", "argparse", "xml", "unittest"):

@@ -5,11 +5,14 @@ so the one-GPU/many-ranks cases that crashed on a real H100 are checked on any m
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from dipaco.config import ConfigError, LauncherConfig, TrainerConfig, compose_config
-from dipaco.device import choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device, to_device
+from dipaco.device import (choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device,
+                           set_deterministic, to_device)
 from dipaco.validate import validate_config
 
 
@@ -93,6 +96,25 @@ def test_validate_config_refuses_in_one_line() -> None:
     cfg = compose_config(["model=tiny", "trainer=tiny", "trainer.precision=fp16", "trainer.device=cpu"])
     with pytest.raises(ConfigError, match=r"^config error: trainer.precision: .*Fix: use trainer.precision=bf16"):
         validate_config(cfg)
+
+
+def test_set_deterministic_switches_torch_and_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        set_deterministic(True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # read by cuBLAS at its start
+        set_deterministic(False)
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_rank_device_describes_a_gpu_this_host_lacks() -> None:
+    """A placement for a fake GPU count (plans, tests) must not ask CUDA about a missing GPU."""
+    p = rank_device("auto", "auto", local_rank=5, local_world=8, device_count=8)
+    assert str(p.device) == "cuda:5" and "cuda:5 (cuda; 8 GPU(s)" in p.describe()
 
 
 def test_to_device_and_peak_memory_on_cpu() -> None:

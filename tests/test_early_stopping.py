@@ -42,7 +42,7 @@ def _noisy(grid) -> None:
     with torch.no_grad():
         for m in grid.module_ids:
             for p in grid.module(m).parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 3.0)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device) * 3.0)
 
 
 def test_a_bad_round_does_not_replace_the_kept_weights(setup) -> None:

@@ -102,7 +102,7 @@ def _reference_model(run_dir: Path, path_id: int):
     from dipaco.job_eval import load_grid_from_checkpoint
     from modules import PathModel
 
-    run = InferenceRun.open(run_dir)
+    run = InferenceRun.open(run_dir, device="cpu")  # the tests feed it CPU tensors, on a GPU host too
     grid = load_grid_from_checkpoint(run.cfg, run.checkpoint)
     return PathModel(grid, path_id).eval()
 
@@ -241,7 +241,8 @@ def test_reroute_path_sequence_and_tokens_follow_the_window_rule(trained_run, ca
     run = InferenceRun.open(trained_run)
     W = 4
     code, out, err = _cli(capsys, "generate", trained_run, "--prompt", PROMPT, "--max-new-tokens", "40",
-                          "--temperature", "0", "--reroute-every", W, "--ignore-eos", "--json")
+                          "--temperature", "0", "--reroute-every", W, "--ignore-eos", "--json",
+                          "--device", "cpu")  # greedy ties must break as in the CPU reference below
     assert code == 0, err
     rec = json.loads(out.strip().splitlines()[-1])
     seq = rec["prompt_ids"] + rec["tokens"]

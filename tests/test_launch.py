@@ -95,7 +95,10 @@ def test_two_torchrun_agents_on_localhost_train_one_run(tmp_path: Path) -> None:
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
            "-m", "dipaco.cli.train", "launcher=torchrun", "data=python_sources", "model=tiny", "trainer=tiny",
            "data.max_documents=120", "router.prefix_tokens=16", "diloco.inner_steps=2",
-           "trainer.rounds=1", "trainer.dense_baseline=false", f"hydra.run.dir={tmp_path}/run"]
+           "trainer.rounds=1", "trainer.dense_baseline=false", f"hydra.run.dir={tmp_path}/run",
+           # two "hosts" on one machine: each agent sees one local rank and would take nccl, but on a
+           # GPU host both ranks land on GPU 0, which nccl refuses; real hosts have their own GPUs
+           "launcher.backend=gloo"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     agents = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True) for _ in range(2)]

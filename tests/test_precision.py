@@ -63,6 +63,21 @@ def _params(learner: PathLearner) -> list[torch.Tensor]:
     return [p.detach().cpu().clone() for p in learner.model.parameters()]
 
 
+def _assert_same_update(start: list[torch.Tensor], a: list[torch.Tensor], b: list[torch.Tensor],
+                        rel: float = 1e-2) -> None:
+    """Two learners from the same start took the same steps: their updates agree to ``rel``.
+
+    For another device or kernel (fused AdamW, inductor) elementwise closeness is the wrong
+    yardstick: AdamW's first steps are about ``lr·sign(g)``, so a gradient element near zero
+    whose sign a different summation order flips moves by up to 2·lr. The whole update,
+    compared in norm, is what must not change.
+    """
+    da = torch.cat([(x - s).flatten() for x, s in zip(a, start)])
+    db = torch.cat([(y - s).flatten() for y, s in zip(b, start)])
+    ratio = float((da - db).norm() / da.norm())
+    assert ratio <= rel, f"updates differ by {ratio:.2e} of their norm (> {rel:.0e})"
+
+
 def _assert_close(a: list[torch.Tensor], b: list[torch.Tensor], atol: float) -> None:
     assert len(a) == len(b)
     worst = max(float((x - y).abs().max()) for x, y in zip(a, b))
@@ -146,9 +161,10 @@ def test_cpu_defaults_fp32_no_compile_no_scaler() -> None:
 def test_cuda_learner_places_everything_on_the_gpu_and_matches_cpu() -> None:
     cpu, gpu = _learner(), _learner("cuda", compile=False)
     assert gpu.optimizer.defaults.get("fused") and gpu.device.type == "cuda"
+    start = _params(cpu)
     cpu.train_steps(2)
     gpu.train_steps(2)
-    _assert_close(_params(cpu), _params(gpu), atol=1e-4)  # TF32 off by default: close
+    _assert_same_update(start, _params(cpu), _params(gpu))
 
 
 @pytest.mark.gpu
@@ -168,6 +184,7 @@ def test_cuda_low_precision_trains_with_fp32_masters(precision: str) -> None:
 def test_cuda_compile_with_inductor_matches_eager() -> None:
     plain, compiled = _learner("cuda", compile=False), _learner("cuda")  # compile defaults on
     assert compiled.forward is not compiled.model
+    start = _params(plain)
     plain.train_steps(2)
     compiled.train_steps(2)
-    _assert_close(_params(plain), _params(compiled), atol=1e-3)
+    _assert_same_update(start, _params(plain), _params(compiled))

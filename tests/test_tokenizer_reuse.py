@@ -107,5 +107,5 @@ def test_route_train_score_with_a_reused_tokenizer(tmp_path: Path, capsys) -> No
     ids = torch.tensor([hf_tok(TEXTS[3], add_special_tokens=False)["input_ids"]])
     assert ids.tolist()[0] == run_tok.encode(TEXTS[3])
     with torch.no_grad():
-        ours = InferenceRun.open(run_dir).loader().get(routed["path_id"])(ids)
+        ours = InferenceRun.open(run_dir, device="cpu").loader().get(routed["path_id"])(ids)
         torch.testing.assert_close(llama(ids).logits, ours, atol=2e-5, rtol=1e-4)
