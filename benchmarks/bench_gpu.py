@@ -11,7 +11,9 @@ Per model size, two sides, each in a fresh process (peak memory is a high-water 
 * **dipaco**: the trainer's loop body in the local backend for a ``[2, 2]`` grid on the
   one device: for each of the 4 paths, ``begin_path`` → ``PathLearner.train_steps(H)``
   (its own AdamW, schedule, clipping, ``TokenStream`` batches copied to the device) →
-  ``end_path``; then ``finish_round`` (per-module DiLoCo outer step) every H steps.
+  ``end_path``; then ``finish_round`` (per-module DiLoCo outer step) every H steps. The
+  outer state is where ``diloco.outer_device`` (default ``auto``) puts it;
+  ``--compare-outer`` adds the side ``dipaco_cpu_outer`` with ``diloco.outer_device=cpu``.
 
 Reported: tokens/s, MFU and the peak memory next to :mod:`dipaco.memory`'s model of it.
 MFU counts ``6·N + 12·L·d·T`` FLOPs per token (N parameters, L blocks, d width, T
@@ -129,6 +131,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, m.vocab_size, size=int(n)) for n in rng.integers(T, 4 * T, size=200)]
     levels = [1, 1] if side == "bare" else [2, 2]
+    outer_device = "cpu" if side == "dipaco_cpu_outer" else cfg.diloco.outer_device
     warm_runtime(device)
     rss0 = rss_now()
     reset_peak_memory(device)
@@ -155,7 +158,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
             return n * B * T
     else:
         topo = Topology.from_grid(grid, len(paths), 1)
-        sync = DiLoCoSync(topo, {mid: grid.module(mid) for mid in grid.module_ids})
+        sync = DiLoCoSync(topo, {mid: grid.module(mid) for mid in grid.module_ids}, outer_device=outer_device)
         learners = {p: PathLearner(p, PathModel(grid, p), TokenStream(docs, seq_len=T, batch_size=B, seed=0,
                                                                       path_id=p, eos_id=0), t, 10**9)
                     for p in paths}
@@ -171,7 +174,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
                 sync.finish_round()
             return tokens
 
-    run(H if side == "dipaco" else 2)  # warm-up: allocator, kernels, compilation
+    run(2 if side == "bare" else H)  # warm-up: allocator, kernels, compilation
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -181,8 +184,9 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
     seconds = time.perf_counter() - t0
     peak = peak_memory_bytes(device) - (rss0 if device.type == "cpu" else 0)
     held = sum(grid.param_count(mid) for mid in grid.module_ids)
+    on_device = side != "bare" and device.type == "cuda" and outer_device == "auto"
     plan = rank_memory(m, len(levels), held, [path_params] * len(paths), sequences=B, seq_len=T,
-                       low_precision=precision != "fp32")
+                       low_precision=precision != "fp32", outer_on_device=on_device)
     planned = plan.total if device.type == "cpu" else plan.device  # CPU: outer state in the same RSS
     flops = _flops_per_token(path_params, len(levels) * m.layers_per_level, m.d_model, T)
     peak_fl, peak_src = peak_flops(device, precision)
@@ -210,6 +214,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap.add_argument("--tiny", dest="mode", action="store_const", const="tiny", help="seconds: wiring check only")
     ap.add_argument("--precision", default=None, help="fp32 | bf16 | fp16 (default: bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--compile", default=None, choices=["on", "off"], help="default: on for CUDA, off for CPU")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated model presets instead of the mode's (e.g. paper)")
+    ap.add_argument("--compare-outer", action="store_true",
+                    help="also time the DiPaCo loop with the outer state on the CPU (diloco.outer_device=cpu)")
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)  # one measuring process
     args = ap.parse_args(argv)
     if args.child:
@@ -224,12 +232,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     compile_ = (args.compile or ("on" if cuda else "off")) == "on"
     load0 = load_average()
     rows = []
-    for model in SIZES[args.mode]["cuda" if cuda else "cpu"]["models"]:
-        for side in ("bare", "dipaco"):
+    models = args.models.split(",") if args.models else SIZES[args.mode]["cuda" if cuda else "cpu"]["models"]
+    for model in models:
+        for side in ("bare", "dipaco") + (("dipaco_cpu_outer",) if args.compare_outer else ()):
             rows.append(_in_child(model, side, args.mode, precision, compile_))
     for model in {r["model"] for r in rows}:
-        bare, full = (next(r for r in rows if r["model"] == model and r["side"] == s) for s in ("bare", "dipaco"))
-        full["vs_bare"] = full["tokens_per_s"] / bare["tokens_per_s"]
+        bare = next(r for r in rows if r["model"] == model and r["side"] == "bare")
+        for r in rows:
+            if r["model"] == model and r["side"] != "bare":
+                r["vs_bare"] = r["tokens_per_s"] / bare["tokens_per_s"]
     device = rows[0]["device_name"]
     table = [{**r, "peak_MiB": r["peak_memory_bytes"] / 2**20, "planned_MiB": r["planned_memory_bytes"] / 2**20}
              for r in rows]

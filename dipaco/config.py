@@ -166,6 +166,10 @@ class DiLoCoConfig:
     # this round: equal for every path in sync mode, a uniform mean) or shard_size
     # (tokens × the path's shard size / the mean shard size, as in the DiPaCo paper)
     alpha: str = "tokens"
+    # where each module's θ_global, outer momentum and round buffers live: auto = the
+    # module's own device (a GPU: no PCIe round trip per path and round) for the
+    # synchronous, unsharded sync with codec none; cpu otherwise, or when set to cpu
+    outer_device: str = "auto"
     # diloco.mode=decoupled: learners, synchronisers, quorum, grace, staleness (docs/decoupled.md)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
 

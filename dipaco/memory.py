@@ -18,10 +18,12 @@ Per rank (a worker group's rank; the local backend is one process playing every 
   autocast, since the loss upcasts). Low precision halves the block terms. With
   activation checkpointing a block keeps only its input, and one block's activations
   are rebuilt at a time during backward;
-* **outer state** (host memory: the sync keeps it on the CPU, :mod:`dipaco.sync`): per
-  held module its fp32 global weights, outer momentum, outer gradient and round buffer
-  (4 × 4 bytes per parameter), plus one fp32 pseudo-gradient per path and module kept
-  for the round's cosine-similarity report (4 bytes per parameter of each path).
+* **outer state**: per held module its fp32 global weights, outer momentum, outer
+  gradient and round buffer (4 × 4 bytes per parameter), plus one fp32 pseudo-gradient
+  per path and module kept for the round's cosine-similarity report (4 bytes per
+  parameter of each path). It is on the device (``outer_on_device``) where the sync keeps
+  it next to the modules (``diloco.outer_device=auto``, codec ``none``, not sharded: see
+  :func:`outer_on_device`), otherwise in host memory.
 
 With ``launcher.group_parallel=fsdp`` (``shards`` = G) each rank keeps 1/G of the
 parameters, gradients, AdamW moments and outer state (:mod:`dipaco.sync.fsdp`), plus one
@@ -51,16 +53,19 @@ class RankMemory:
     optimizer: int
     activations: int
     outer: int
+    outer_on_device: bool = False  # diloco.outer_device=auto on a GPU: the outer state is there too
 
     @property
     def device(self) -> int:
-        """Parameters, gradients, AdamW state and activations: the rank's device memory."""
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        """Parameters, gradients, AdamW state and activations (and the outer state when it
+        lives on the device): the rank's device memory."""
+        inner = self.parameters + self.gradients + self.optimizer + self.activations
+        return inner + (self.outer if self.outer_on_device else 0)
 
     @property
     def total(self) -> int:
-        """Device plus the host-side outer state (the whole footprint of a CPU run)."""
-        return self.device + self.outer
+        """Device plus any host-side outer state (the whole footprint of a CPU run)."""
+        return self.device + (0 if self.outer_on_device else self.outer)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly view, with the two totals."""
@@ -84,9 +89,18 @@ def activation_bytes(model: ModelConfig, num_levels: int, sequences: int, seq_le
     return int(embed + kept + head)
 
 
+def outer_on_device(cfg: Any) -> bool:
+    """Whether a GPU run of ``cfg`` keeps the outer state on the GPU (the rule of
+    :meth:`dipaco.sync.diloco.DiLoCoSync._state_device`, for a rank on a GPU)."""
+    d = cfg.diloco
+    return (d.outer_device == "auto" and d.codec == "none" and d.mode == "sync"
+            and cfg.launcher.group_parallel != "fsdp")
+
+
 def rank_memory(model: ModelConfig, num_levels: int, held_params: int, path_params: list[int], *,
                 sequences: int, seq_len: int, low_precision: bool = False,
-                checkpointing: bool = False, shards: int = 1, gathered_params: int = 0) -> RankMemory:
+                checkpointing: bool = False, shards: int = 1, gathered_params: int = 0,
+                outer_on_device: bool = False) -> RankMemory:
     """The :class:`RankMemory` of a rank holding ``held_params`` parameters and training
     paths of ``path_params`` parameters each, ``sequences`` per micro-batch.
 
@@ -100,4 +114,5 @@ def rank_memory(model: ModelConfig, num_levels: int, held_params: int, path_para
         activations=activation_bytes(model, num_levels, sequences, seq_len, low_precision=low_precision,
                                      checkpointing=checkpointing),
         outer=(4 * FP32 * held_params + FP32 * sum(path_params)) // shards,
+        outer_on_device=outer_on_device,
     )

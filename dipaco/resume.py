@@ -26,7 +26,8 @@ from dipaco.run_dir import RunDir, RunDirError
 # DiLoCo, the inner schedule) and must stay as saved.
 ALLOWED_ON_RESUME = (
     "launcher", "trainer.progress", "trainer.plots", "trainer.threads", "trainer.checkpoint_every",
-    "trainer.keep_last", "trainer.eval_batch_size", "trainer.stop_after_rounds", "trainer.rounds",
+    "trainer.keep_last", "trainer.eval_batch_size", "trainer.deterministic",
+    "diloco.outer_device", "trainer.stop_after_rounds", "trainer.rounds",
     "trainer.total_steps", "data.cache_dir", "tag", "logging",
 )
 # May only grow: a resume adds rounds, it cannot un-train them.

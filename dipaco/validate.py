@@ -74,6 +74,8 @@ def validate_config(cfg: Config) -> None:
              f"use one of {', '.join(CODECS)}")
     require(dl.lossy_exchange in ("auto", "reduce_scatter", "all_gather"), "diloco.lossy_exchange",
              f"unknown exchange {dl.lossy_exchange!r}", "use auto, reduce_scatter or all_gather")
+    require(dl.outer_device in ("auto", "cpu"), "diloco.outer_device",
+             f"unknown place {dl.outer_device!r}", "use auto (the module's device) or cpu")
     require(dl.outer.lr > 0, "diloco.outer.lr", f"must be > 0, got {dl.outer.lr}", "e.g. 0.7")
     require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
              "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")

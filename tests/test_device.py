@@ -98,6 +98,12 @@ def test_validate_config_refuses_in_one_line() -> None:
         validate_config(cfg)
 
 
+def test_unknown_outer_device_is_refused_in_one_line() -> None:
+    cfg = compose_config(["model=tiny", "trainer=tiny", "diloco.outer_device=gpu"])
+    with pytest.raises(ConfigError, match=r"^config error: diloco.outer_device: .*Fix: use auto"):
+        validate_config(cfg)
+
+
 def test_set_deterministic_switches_torch_and_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled()

@@ -459,3 +459,49 @@ def test_shared_parameter_between_modules_rejected() -> None:
     mods["head"].weight = mods["embed"].weight
     with pytest.raises(ValueError, match="share a parameter"):
         DiLoCoSync(topo, mods)
+
+
+# --------------------------------------------------------------------------- where the outer state lives
+
+
+def _rounds_on(device: str, outer_device: str, codec: str = "none") -> tuple[DiLoCoSync, dict[str, nn.Module]]:
+    """Three rounds of Nesterov over the 2x2 grid, the paths moving to uneven targets."""
+    topo = Topology(IDS, PATHS, world_size=1)
+    mods = {m: lin.to(device) for m, lin in const_modules(0.0, n=5).items()}
+    sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=0.7, momentum=0.9, nesterov=True),
+                      outer_device=outer_device, codec=codec)
+    for r, target in enumerate([1.0, 2.0, -0.5]):
+        for p in range(4):
+            sync.begin_path(p)
+            set_path(mods, PATHS[p], target + 0.25 * p)
+            sync.end_path(p, tokens=1 + p + r)
+        sync.finish_round()
+    return sync, mods
+
+
+def test_outer_state_stays_on_the_cpu_for_cpu_modules_and_lossy_codecs() -> None:
+    """auto = the modules' device; a lossy codec's residuals and the CPU keep it on the CPU."""
+    for outer_device, codec in [("auto", "none"), ("cpu", "none"), ("auto", "int8")]:
+        sync, _ = _rounds_on("cpu", outer_device, codec)
+        assert all(s.global_weights.device.type == "cpu" for s in sync.syncs.values())
+    with pytest.raises(ValueError, match="diloco.outer_device='gpu' must be one of auto, cpu"):
+        DiLoCoSync(Topology(IDS, PATHS, world_size=1), const_modules(), outer_device="gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_outer_state_on_the_gpu_gives_the_rounds_of_the_cpu_state() -> None:
+    """diloco.outer_device=auto on a GPU: θ_global, momentum and Σα·Δ on the GPU, same numbers,
+    and a checkpoint written from it loads into a CPU-state sync (and back)."""
+    on_gpu, gpu_mods = _rounds_on("cuda", "auto")
+    on_cpu, cpu_mods = _rounds_on("cuda", "cpu")
+    for m in IDS:
+        assert on_gpu.syncs[m].global_weights.device.type == "cuda"
+        assert on_cpu.syncs[m].global_weights.device.type == "cpu"
+        torch.testing.assert_close(gpu_mods[m].weight.cpu(), cpu_mods[m].weight.cpu(), atol=1e-6, rtol=1e-6)
+        state = on_gpu.syncs[m].state_dict()
+        on_cpu.syncs[m].load_state_dict(state)
+        assert torch.equal(on_cpu.syncs[m].global_weights.detach(), state["global"].cpu())
+        on_gpu.syncs[m].load_state_dict(on_cpu.syncs[m].state_dict())
+        sync = on_gpu.syncs[m]
+        assert sync.outer_optimizer.state[sync.global_weights]["momentum_buffer"].device.type == "cuda"

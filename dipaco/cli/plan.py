@@ -20,7 +20,7 @@ from dipaco.build import build_comm_plan, build_grid, build_topology
 from dipaco.cli.errors import report_user_errors
 from dipaco.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, compose_config
-from dipaco.memory import RankMemory, rank_memory
+from dipaco.memory import RankMemory, outer_on_device, rank_memory
 from dipaco.validate import validate_config
 
 
@@ -52,7 +52,7 @@ def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
                           [sum(counts[m] for m in topo.path_modules[p]) for p in paths],
                           sequences=sequences, seq_len=t.seq_len, low_precision=t.precision != "fp32",
                           checkpointing=t.activation_checkpointing, shards=shards,
-                          gathered_params=max(counts[m] for m in held))
+                          gathered_params=max(counts[m] for m in held), outer_on_device=outer_on_device(cfg))
         rows.setdefault(mem, []).append(-1 if g is None else g)
     out = []
     for mem, gs in sorted(rows.items(), key=lambda kv: -kv[0].total):
@@ -68,12 +68,13 @@ def format_memory(cfg: Config, rows: list[tuple[str, RankMemory]]) -> str:
     head = (f"memory per rank (model in docs/gpu.md): precision={t.precision} "
             f"activation_checkpointing={str(t.activation_checkpointing).lower()} "
             f"micro-batch {t.batch_size // max(1, cfg.launcher.group_size) // max(1, t.micro_batches)} x {t.seq_len}")
-    cols = ("params", "grads", "AdamW", "activations", "device", "outer (host)")
-    lines = [head, f"{'rank of':<20}" + "".join(f"{c:>13}" for c in cols), "-" * (20 + 13 * len(cols))]
+    where = "(device)" if rows and rows[0][1].outer_on_device else "(host)"
+    cols = ("params", "grads", "AdamW", "activations", "device", f"outer {where}")
+    lines = [head, f"{'rank of':<20}" + "".join(f"{c:>15}" for c in cols), "-" * (20 + 15 * len(cols))]
     mib = 2.0 ** 20
     for label, m in rows:
         vals = (m.parameters, m.gradients, m.optimizer, m.activations, m.device, m.outer)
-        lines.append(f"{label:<20}" + "".join(f"{v / mib:>9.1f} MiB" for v in vals))
+        lines.append(f"{label:<20}" + "".join(f"{v / mib:>11.1f} MiB" for v in vals))
     return "\n".join(lines)
 
 

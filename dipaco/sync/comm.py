@@ -123,7 +123,7 @@ class Communicator:
 
 
 def _ordered_sum(decoded: list[torch.Tensor], numel: int) -> torch.Tensor:
-    out = torch.zeros(numel, dtype=torch.float32)
+    out = torch.zeros(numel, dtype=torch.float32, device=decoded[0].device if decoded else "cpu")
     for d in decoded:  # ascending group order, in both backends
         out += d
     return out
@@ -266,7 +266,7 @@ class TorchComm(Communicator):
         if ex.kind == "all_reduce":
             reduced = mine[0][0].to(self.device, torch.float32, copy=True)
             dist.all_reduce(reduced, group=sub)
-            reduced = reduced.cpu()
+            reduced = reduced.to(mine[0][0].device)  # back where the caller keeps its state
             nbytes.cross = ring_allreduce_bytes(k, 4 * s)
             self.trace.append((module_id, "all_reduce", sub_ranks, nbytes.cross))
         elif ex.kind == "reduce_scatter":

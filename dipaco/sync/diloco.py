@@ -40,7 +40,10 @@ from dipaco.sync.outer import outer_options
 from dipaco.sync.sharded import ShardedModuleSync
 from dipaco.topology import Topology
 
-__all__ = ["DiLoCoSync", "RoundStats"]
+__all__ = ["DiLoCoSync", "OUTER_DEVICES", "RoundStats"]
+
+#: diloco.outer_device choices (see DiLoCoSync._state_device)
+OUTER_DEVICES = ("auto", "cpu")
 
 
 @dataclass
@@ -113,6 +116,7 @@ class DiLoCoSync:
         track_cosine: bool = True,
         lossy_exchange: str = "reduce_scatter",
         sharded: bool = False,
+        outer_device: str = "cpu",
     ) -> None:
         self.topology = topology
         self.sharded = bool(sharded)
@@ -148,6 +152,7 @@ class DiLoCoSync:
                     )
                 owner[id(q)] = m
         kind = ShardedModuleSync if self.sharded else ModuleSync
+        extra = {} if self.sharded else {"state_device": self._state_device(outer_device, modules, held)}
         self.syncs: dict[str, ModuleSync] = {
             m: kind(
                 m,
@@ -158,12 +163,23 @@ class DiLoCoSync:
                 outer=outer,
                 sharing_rescale=sharing_rescale,
                 track_cosine=track_cosine,
+                **extra,
             )
             for m in held
         }
         self.round = 0
         self._active: int | None = None
         self._ended: set[int] = set()
+
+    def _state_device(self, outer_device: str, modules: dict[str, nn.Module], held: list[str]) -> torch.device:
+        """``diloco.outer_device``: ``auto`` keeps the outer state on the modules' device
+        when the exchange is exact (lossy codecs and their residuals stay on the CPU)."""
+        if outer_device not in OUTER_DEVICES:
+            raise ValueError(f"diloco.outer_device={outer_device!r} must be one of {', '.join(OUTER_DEVICES)}")
+        first = next((p for m in held for p in modules[m].parameters()), None)
+        if outer_device == "cpu" or first is None or self.codec.lossy:
+            return torch.device("cpu")
+        return first.device
 
     @classmethod
     def from_config(cls, d: DiLoCoConfig, topology: Topology, modules: dict[str, nn.Module], *,
@@ -174,7 +190,7 @@ class DiLoCoSync:
         return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d), error_feedback=d.error_feedback,
                    outer=outer_options(d), sharing_rescale=d.sharing_rescale, process_groups=process_groups,
                    backend=backend, track_cosine=track_cosine, lossy_exchange=d.lossy_exchange,
-                   sharded=sharded)
+                   sharded=sharded, outer_device=d.outer_device)
 
     # ----------------------------------------------------------------- who trains what
     def paths_to_train(self) -> list[int]:

@@ -64,11 +64,16 @@ class ModuleState:
         module_id: the module's id.
         weights: initial global weights, flat (copied to fp32).
         outer: keyword arguments of :func:`make_outer_optimizer`.
+        device: where θ_global, the outer optimiser's state and the residuals live (default
+            the CPU: host memory is plentiful; a GPU keeps the per-round arithmetic next to
+            the live module, ``diloco.outer_device``).
     """
 
-    def __init__(self, module_id: str, weights: torch.Tensor, outer: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, module_id: str, weights: torch.Tensor, outer: Optional[dict[str, Any]] = None,
+                 device: Optional[torch.device | str] = None) -> None:
         self.module_id = module_id
-        flat = weights.detach().to("cpu", torch.float32).reshape(-1).clone()
+        self.device = torch.device(device or "cpu")
+        flat = weights.detach().to(self.device, torch.float32).reshape(-1).clone()
         self.global_weights = nn.Parameter(flat, requires_grad=True)
         self.outer_optimizer = make_outer_optimizer([self.global_weights], **(outer or {}))
         self.residuals: dict[int, torch.Tensor] = {}
@@ -131,7 +136,9 @@ class ModuleState:
                 f"module {self.module_id!r}: checkpoint has {g.numel()} parameters, the model has {self.numel}"
             )
         self.global_weights.copy_(g)
-        opt_state = {k[len("outer."):]: v.clone() for k, v in state.items() if k.startswith("outer.")}
+        # per-element state (momentum) goes where θ_global is; scalars (a step count) stay put
+        opt_state = {k[len("outer."):]: (v.to(self.device) if v.numel() == self.numel else v.clone())
+                     for k, v in state.items() if k.startswith("outer.")}
         self.outer_optimizer.state.clear()
         if opt_state:
             self.outer_optimizer.state[self.global_weights] = opt_state
@@ -144,4 +151,4 @@ class ModuleState:
             c = int(name[: -len(".owner")] if owner else name)
             if keep_residual is not None and not keep_residual(c, owner, val):
                 continue
-            (self.owner_residuals if owner else self.residuals)[c] = val.to(torch.float32).reshape(-1).clone()
+            (self.owner_residuals if owner else self.residuals)[c] = val.to(self.device, torch.float32).reshape(-1).clone()

@@ -48,11 +48,11 @@ def pseudo_gradient(global_flat: torch.Tensor, path_flat: torch.Tensor) -> torch
     return global_flat - path_flat
 
 
-def flatten_params(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate parameters into one flat fp32 CPU tensor (a copy)."""
+def flatten_params(params: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Concatenate parameters into one flat fp32 tensor on ``device`` (a copy)."""
     if not params:
-        return torch.zeros(0, dtype=torch.float32)
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    return torch.cat([p.detach().reshape(-1).to(device, torch.float32) for p in params])
 
 
 def params_hash(params: Sequence[torch.Tensor]) -> str:
@@ -104,6 +104,10 @@ class ModuleSync:
             without it modules shared by many paths move slower than private ones.
         track_cosine: keep this round's Δs (one copy per contribution) to report their
             mean pairwise cosine similarity.
+        state_device: where θ_global, the outer state and the round's Σα·Δ live: the CPU
+            (default) or the live parameters' device (``diloco.outer_device=auto`` on a
+            GPU: Δ, the outer step and the restore then never cross PCIe; costs about
+            3 copies of the module in GPU memory, more with ``track_cosine``).
     """
 
     def __init__(
@@ -117,9 +121,11 @@ class ModuleSync:
         outer: dict[str, Any] | None = None,
         sharing_rescale: bool = False,
         track_cosine: bool = True,
+        state_device: torch.device | str = "cpu",
     ) -> None:
         self.module_id = module_id
         self.params = list(params)
+        self.state_device = torch.device(state_device)
         self.comm = comm
         topo = comm.topology
         self.shared = len(topo.groups_of_module(module_id)) > 1
@@ -138,7 +144,7 @@ class ModuleSync:
         self.exchange = comm.exchange_for(module_id, self.numel, self._wire_codec)
         self.contributors = list(comm.contributors(module_id))
         # θ_global, outer optimiser, residuals: the core shared with decoupled mode
-        self.state = ModuleState(module_id, flat, outer)
+        self.state = ModuleState(module_id, flat, outer, device=self.state_device)
         self.dropped_total = 0
         self._reset_round()
 
@@ -168,7 +174,7 @@ class ModuleSync:
 
     def _live_flat(self) -> torch.Tensor:
         """The live parameters as one flat fp32 vector (the layout of θ_global)."""
-        return flatten_params(self.params)
+        return flatten_params(self.params, self.state_device)
 
     def restore(self) -> None:
         """Copy the global weights into the live parameters (before each path's turn)."""
@@ -198,7 +204,8 @@ class ModuleSync:
             return False
         acc = self._acc.get(contributor)
         if acc is None:
-            acc = self._acc[contributor] = torch.zeros(self.padded_numel, dtype=torch.float32)
+            acc = self._acc[contributor] = torch.zeros(self.padded_numel, dtype=torch.float32,
+                                                       device=self.state_device)
         acc[: self.numel].add_(delta, alpha=alpha)
         self._alpha[contributor] += alpha
         self._count[contributor] += 1
@@ -228,7 +235,7 @@ class ModuleSync:
         # contributes in (re-encoding a lone residual would overwrite it with its error)
         feedback = self.error_feedback and value is not None
         if value is None:
-            value = torch.zeros(self.padded_numel, dtype=torch.float32)
+            value = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.state_device)
         if feedback:
             res = self.residuals.get(contributor)
             if res is not None:
@@ -293,7 +300,7 @@ class ModuleSync:
         stepped = count > 0 and alpha_sum > 0
         norm = 0.0
         if stepped:
-            avg = total[: self.numel] / alpha_sum
+            avg = total[: self.numel].to(self.state_device) / alpha_sum  # the torch comm may return it on the CPU
             norm = float(avg.norm())
             if self.sharing_rescale:
                 avg = avg * math.sqrt(count)
