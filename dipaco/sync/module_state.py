@@ -137,7 +137,7 @@ class ModuleState:
             )
         self.global_weights.copy_(g)
         # per-element state (momentum) goes where θ_global is; scalars (a step count) stay put
-        opt_state = {k[len("outer."):]: (v.to(self.device) if v.numel() == self.numel else v.clone())
+        opt_state = {k[len("outer."):]: (v.to(self.device) if v.dim() and v.numel() == self.numel else v.clone())
                      for k, v in state.items() if k.startswith("outer.")}
         self.outer_optimizer.state.clear()
         if opt_state:
