@@ -149,6 +149,10 @@ def set_deterministic(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(bool(enabled))
+    # deterministic mode would also fill every torch.empty with NaN (a guard against
+    # reading uninitialised memory, which correct code never does): a write over every
+    # new buffer, for no change in the numbers
+    torch.utils.deterministic.fill_uninitialized_memory = not enabled
     torch.backends.cudnn.deterministic = bool(enabled)
     if enabled:
         torch.backends.cudnn.benchmark = False

@@ -110,9 +110,11 @@ def test_set_deterministic_switches_torch_and_cublas(monkeypatch: pytest.MonkeyP
     try:
         set_deterministic(True)
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.utils.deterministic.fill_uninitialized_memory  # no NaN fill of new buffers
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # read by cuBLAS at its start
         set_deterministic(False)
         assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory  # torch's default again
     finally:
         torch.use_deterministic_algorithms(before)
 
