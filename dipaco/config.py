@@ -110,6 +110,10 @@ class RouterConfig:
     """How documents are assigned to paths (router/ package)."""
 
     prefix_tokens: int = 32
+    # tokens of each training document the router is fitted on and the shards assigned on
+    # (null: prefix_tokens); prompts are still routed on prefix_tokens, and a re-route
+    # every W tokens looks at up to this many tokens before the window
+    cluster_tokens: Optional[int] = None
     # product (k-means per level) | tree (hierarchical k-means) | flat (one k-means of P) |
     # grouped (flat, clusters laid so that paths sharing a module get near clusters) | random (control)
     method: str = "product"

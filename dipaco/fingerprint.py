@@ -26,7 +26,7 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "warmup": ("model", "seed", "trainer.batch_size", "trainer.seq_len", "trainer.lr", "trainer.min_lr_ratio",
                "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1", "trainer.beta2",
                "trainer.grad_clip"),
-    "router": ("grid.levels", "router.prefix_tokens", "router.method", "router.featurizer",
+    "router": ("grid.levels", "router.prefix_tokens", "router.cluster_tokens", "router.method", "router.featurizer",
                "router.feature_dim", "router.top_k", "router.capacity_factor", "router.balance",
                "router.soft_capacity_factor", "router.niter", "seed"),
     "shards": ("grid.replicas", "seed"),
@@ -69,7 +69,7 @@ class Fingerprints:
         if not present:
             return False
         recorded = self.saved.get(artefact)
-        if recorded == want:
+        if _matches(recorded, want):
             return True
         if self.legacy:
             self.log(f"{what}: no fingerprints recorded (a run directory from an older dipaco); reusing it")
@@ -85,6 +85,17 @@ class Fingerprints:
         """Record that ``artefact`` on disk was made from ``want`` (atomic rewrite)."""
         self.saved[artefact] = want
         write_json(self.path, self.saved)
+
+
+def _matches(recorded: Optional[dict], want: dict) -> bool:
+    """``recorded == want``, except that a config key the recording dipaco did not know yet
+    matches when this run leaves it null (an option added since is off there: the run
+    directory of an older dipaco stays resumable)."""
+    if recorded is None:
+        return False
+    if set(recorded) - set(want):
+        return False
+    return all(recorded[k] == v if k in recorded else v is None for k, v in want.items())
 
 
 def _difference(recorded: Optional[dict], want: dict) -> str:

@@ -298,16 +298,18 @@ def _require_splits(cfg: Config, num_documents: int, num_train: int, num_val: in
 
 def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Callable]) -> Any:
     r = cfg.router
-    docs = train_ids.prefixes(r.prefix_tokens)  # views: no document is copied whole
+    n_tokens = r.cluster_tokens or r.prefix_tokens
+    docs = train_ids.prefixes(n_tokens)  # views: no document is copied whole
     if len(docs) > ROUTER_FIT_MAX_DOCUMENTS:
         docs = docs.select(np.linspace(0, len(docs) - 1, ROUTER_FIT_MAX_DOCUMENTS).astype(np.int64))
-    docs = docs.in_memory()  # at most ROUTER_FIT_MAX_DOCUMENTS x prefix_tokens tokens
+    docs = docs.in_memory()  # at most ROUTER_FIT_MAX_DOCUMENTS x cluster_tokens tokens
     featurizer = None
     if featurizer_fn is not None:
         featurizer = CallableFeaturizer(featurizer_fn, dim=cfg.model.d_model)
     else:
         featurizer = TokenTfidfFeaturizer(dim=r.feature_dim, seed=cfg.seed)
-    return Router.fit(docs, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, method=r.method,
+    return Router.fit(docs, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, cluster_tokens=n_tokens,
+                      method=r.method,
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,
                       balance=r.balance, soft_capacity_factor=r.soft_capacity_factor,
                       featurizer=featurizer, niter=r.niter)

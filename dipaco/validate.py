@@ -83,6 +83,9 @@ def validate_config(cfg: Config) -> None:
     require(r.prefix_tokens < t.seq_len, "router.prefix_tokens",
              f"the routing prefix ({r.prefix_tokens}) must be shorter than trainer.seq_len ({t.seq_len})",
              "lower router.prefix_tokens or raise trainer.seq_len")
+    require(r.cluster_tokens is None or r.cluster_tokens >= r.prefix_tokens, "router.cluster_tokens",
+            f"must be >= router.prefix_tokens ({r.prefix_tokens}) or null",
+            f"e.g. router.cluster_tokens={max(128, r.prefix_tokens)}")
     require(r.method in ROUTER_METHODS, "router.method", f"unknown method {r.method!r}",
              f"use one of {ROUTER_METHODS}")
     require(r.featurizer in FEATURIZERS, "router.featurizer", f"unknown featurizer {r.featurizer!r}",

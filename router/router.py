@@ -68,11 +68,15 @@ class Router:
         head: DiscriminativeHead | None = None,
         balance: str = "hard",
         soft_capacity_factor: float = 2.0,
+        cluster_tokens: int | None = None,
     ) -> None:
         self.grid = check_grid(grid)
         self.num_paths = int(np.prod(self.grid))
         self.method = method
         self.prefix_tokens = int(prefix_tokens)
+        # training documents are clustered and sharded on their first cluster_tokens tokens
+        # (the whole document is known then); a prompt is routed on prefix_tokens
+        self.cluster_tokens = int(cluster_tokens) if cluster_tokens else self.prefix_tokens
         self.top_k = int(top_k)
         self.capacity_factor = float(capacity_factor)
         self.balance = balance
@@ -103,12 +107,18 @@ class Router:
         niter: int = 20,
         balance: str = "hard",
         soft_capacity_factor: float = 2.0,
+        cluster_tokens: int | None = None,
     ) -> "Router":
         """Fit featurizer and k-means on the prefixes of ``docs`` for ``grid``.
 
         Args:
             docs: token-id documents (lists or int arrays); only the first
-                ``prefix_tokens`` tokens of each are used.
+                ``cluster_tokens`` tokens of each are used.
+            prefix_tokens: tokens a prompt is routed on (:meth:`route`).
+            cluster_tokens: tokens of each training document the featurizer and k-means
+                are fitted on and the training shards assigned on (:meth:`assign`);
+                None: ``prefix_tokens``. Training documents are whole when they are
+                sharded, so a longer view clusters them by more than their opening.
             grid: modules per level, e.g. ``[4, 4]`` → 16 paths.
             method: one of :data:`METHODS` (see the module docstring).
             top_k, capacity_factor, balance, soft_capacity_factor: defaults for
@@ -123,6 +133,10 @@ class Router:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if int(prefix_tokens) < 1:
             raise ValueError(f"prefix_tokens must be >= 1, got {prefix_tokens}")
+        cluster_tokens = int(cluster_tokens) if cluster_tokens else int(prefix_tokens)
+        if cluster_tokens < int(prefix_tokens):
+            raise ValueError(f"cluster_tokens ({cluster_tokens}) must be >= prefix_tokens ({prefix_tokens}): "
+                             "documents are clustered on at least the tokens they are routed on")
         if not 1 <= int(top_k) <= p:
             raise ValueError(f"top_k must be in [1, {p}] (paths of grid {list(g)}), got {top_k}")
         if not capacity_factor >= 1.0:
@@ -132,7 +146,7 @@ class Router:
         if balance == "soft" and not soft_capacity_factor >= capacity_factor:
             raise ValueError(f"soft_capacity_factor ({soft_capacity_factor}) must be >= capacity_factor "
                              f"({capacity_factor})")
-        prefixes = [as_token_array(d)[: int(prefix_tokens)] for d in docs]
+        prefixes = [as_token_array(d)[:cluster_tokens] for d in docs]
         nonempty = [x for x in prefixes if x.size]
         need = p if method in ("flat", "grouped") else max(g)
         if len(nonempty) < need:
@@ -172,6 +186,7 @@ class Router:
             fallback_order=np.arange(p),
             balance=balance,
             soft_capacity_factor=soft_capacity_factor,
+            cluster_tokens=cluster_tokens,
         )
         fit_costs = router._random_costs(prefixes) if method == "random" else router._kmeans_costs(feats)
         counts = np.bincount(fit_costs.argmin(axis=1), minlength=p)
@@ -197,11 +212,12 @@ class Router:
         return self.head is not None
 
     # ------------------------------------------------------------------ features & costs
-    def prefixes(self, docs: Docs) -> list[np.ndarray]:
-        """The routing prefix (first ``prefix_tokens`` token ids) of each document."""
+    def prefixes(self, docs: Docs, tokens: int | None = None) -> list[np.ndarray]:
+        """The routing prefix (first ``tokens``, default ``prefix_tokens``, token ids) of each document."""
         if isinstance(docs, np.ndarray) and docs.ndim == 1 and docs.dtype.kind in "iu":
             raise ValueError("docs must be a batch of documents; for one document use route(token_ids)")
-        return [as_token_array(d)[: self.prefix_tokens] for d in docs]
+        n = self.prefix_tokens if tokens is None else int(tokens)
+        return [as_token_array(d)[:n] for d in docs]
 
     def features(self, docs: Docs) -> np.ndarray:
         """Routing features ``[N, dim]`` of the prefixes of ``docs``."""
@@ -242,8 +258,12 @@ class Router:
             out[i] = np.random.default_rng(key).random(self.num_paths)
         return out
 
-    def _costs(self, docs: Docs, *, use_head: bool) -> np.ndarray:
-        prefixes = self.prefixes(docs)
+    def shard_costs(self, docs: Docs) -> np.ndarray:
+        """:meth:`costs` on the first ``cluster_tokens`` tokens: what training shards are assigned on."""
+        return self._costs(docs, use_head=True, tokens=self.cluster_tokens)
+
+    def _costs(self, docs: Docs, *, use_head: bool, tokens: int | None = None) -> np.ndarray:
+        prefixes = self.prefixes(docs, tokens)
         feats = self.featurizer.transform(prefixes)
         out = self._random_costs(prefixes) if self.method == "random" else self._kmeans_costs(feats)
         if use_head and self.head is not None:
@@ -278,8 +298,9 @@ class Router:
         self, docs: Docs, *, top_k: int | None = None, capacity_factor: float | None = None,
         balance: str | None = None,
     ) -> list[list[int]]:
-        """Training shards: each document's ``top_k`` distinct paths, balanced (see router.assign)."""
-        return self.assign_costs(self.costs(docs), top_k=top_k, capacity_factor=capacity_factor, balance=balance)
+        """Training shards: each document's ``top_k`` distinct paths, balanced (see router.assign),
+        on the first ``cluster_tokens`` tokens of each document."""
+        return self.assign_costs(self.shard_costs(docs), top_k=top_k, capacity_factor=capacity_factor, balance=balance)
 
     def assign_costs(
         self, costs: np.ndarray, *, top_k: int | None = None, capacity_factor: float | None = None,
@@ -300,16 +321,25 @@ class Router:
         Window j covers tokens ``[j*W, (j+1)*W)``. Window 0 is routed by tokens
         ``[0, prefix_tokens)`` (the usual routing prefix, which may reach past the window
         when ``prefix_tokens > W``). Window j ≥ 1 is routed by the tokens right before it,
-        ``[max(0, j*W - prefix_tokens), j*W)`` — all already seen when generation reaches
-        the window. An empty document has no windows and returns ``[]``.
+        ``[max(0, j*W - cluster_tokens), j*W)`` — all already seen when generation reaches
+        the window, and as many as the clusters were fitted on (``cluster_tokens``, which is
+        ``prefix_tokens`` unless set longer). An empty document has no windows and returns ``[]``.
         """
         if int(W) < 1:
             raise ValueError(f"W (re-routing window) must be >= 1 token, got {W}")
         toks = as_token_array(token_ids, name="token_ids")
         n_windows = -(-toks.size // int(W))
         ctx = [toks[: self.prefix_tokens]]
-        ctx += [toks[max(0, j * W - self.prefix_tokens) : j * W] for j in range(1, n_windows)]
-        return self.route_batch(ctx).tolist() if n_windows else []
+        ctx += [toks[max(0, j * W - self.cluster_tokens) : j * W] for j in range(1, n_windows)]
+        return self.route_contexts(ctx).tolist() if n_windows else []
+
+    def route_contexts(self, contexts: Docs) -> np.ndarray:
+        """Best path of each context (tokens already seen), int64 ``[N]``, on up to its first
+        ``cluster_tokens`` tokens: the re-routing rule of :meth:`reroute_windows`, whose
+        callers cut each context themselves (:meth:`route_batch` would keep ``prefix_tokens``)."""
+        if len(contexts) == 0:
+            return np.zeros(0, np.int64)
+        return self._costs(contexts, use_head=True, tokens=self.cluster_tokens).argmin(axis=1).astype(np.int64)
 
     # ------------------------------------------------------------------ discriminative
     def fit_discriminative(
@@ -351,6 +381,7 @@ class Router:
             "num_paths": self.num_paths,
             "method": self.method,
             "prefix_tokens": self.prefix_tokens,
+            "cluster_tokens": self.cluster_tokens,
             "top_k": self.top_k,
             "capacity_factor": self.capacity_factor,
             "balance": self.balance,

@@ -115,6 +115,7 @@ def read_router(d: Path, featurizer_fn: Callable[[list[np.ndarray]], Any] | None
         grid=grid,
         method=m["method"],
         prefix_tokens=m["prefix_tokens"],
+        cluster_tokens=m.get("cluster_tokens"),  # absent before it existed: prefix_tokens
         top_k=m["top_k"],
         capacity_factor=m["capacity_factor"],
         seed=m["seed"],

@@ -202,19 +202,19 @@ def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int
 
     Featurization memory is bounded by the batch; what is kept for all documents is the
     cost matrix ``[N, P]`` (the balanced assignment needs every document's costs at once
-    to order them by confidence). Token documents are cut to their routing prefix as a
+    to order them by confidence). Token documents are cut to the router's ``cluster_tokens`` as a
     view first and each batch of prefixes is read into memory, so no document is copied
     whole and no page of the memmap stays mapped.
     """
     n = len(docs)
     if isinstance(docs, TokenDocs):
-        docs = docs.prefixes(router.prefix_tokens)
+        docs = docs.prefixes(router.cluster_tokens)
     if n == 0:
         return []
     costs = None
     for lo in range(0, n, batch_size):
         chunk = docs[lo : lo + batch_size]
-        batch = router.costs(chunk.in_memory() if isinstance(chunk, TokenDocs) else chunk)
+        batch = router.shard_costs(chunk.in_memory() if isinstance(chunk, TokenDocs) else chunk)
         if costs is None:  # the router's dtype: a cast could reorder near-ties
             costs = np.empty((n, batch.shape[1]), batch.dtype)
         costs[lo : lo + batch_size] = batch

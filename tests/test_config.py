@@ -93,3 +93,10 @@ def test_setup_cfg_lists_every_package() -> None:
              for p in (ROOT / top).rglob("__init__.py")}
     assert found - listed == set(), f"add to setup.cfg [options] packages: {sorted(found - listed)}"
     assert "dipaco.conf" in listed
+
+
+def test_cluster_tokens_shorter_than_the_routing_prefix_is_refused() -> None:
+    validate_config(compose_config(["router.cluster_tokens=128"]))
+    validate_config(compose_config(["router.cluster_tokens=null"]))
+    with pytest.raises(ConfigError, match=r"router.cluster_tokens: must be >= router.prefix_tokens \(32\)"):
+        validate_config(compose_config(["router.cluster_tokens=16"]))

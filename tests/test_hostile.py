@@ -201,6 +201,24 @@ def test_resume_refuses_artefacts_made_from_other_data(sigterm_stopped, tmp_path
 
 
 @pytest.mark.slow
+def test_resume_of_a_run_from_before_a_new_null_option(sigterm_stopped, tmp_path):
+    """Resume a run directory recorded by a dipaco that did not know `router.cluster_tokens`
+    (simulated: the key is absent from its router fingerprint) — resumes and finishes; a
+    run that recorded another value is still refused."""
+    run_dir = copy_run(sigterm_stopped[0], tmp_path / "run")
+    fps = json.loads((run_dir / "fingerprints.json").read_text())
+    del fps["router"]["router.cluster_tokens"]
+    (run_dir / "fingerprints.json").write_text(json.dumps(fps))
+    other = copy_run(run_dir, tmp_path / "other")
+    summary = train(compose_config(["resume=true"], run_dir), overrides=["resume=true"])
+    assert "routed_ppl" in summary and "stopped_at_round" not in summary  # finished
+    fps["router"]["router.cluster_tokens"] = 64
+    (other / "fingerprints.json").write_text(json.dumps(fps))
+    with pytest.raises(RunDirError, match="router.cluster_tokens: made with 64"):
+        train(compose_config(["resume=true"], other), overrides=["resume=true"])
+
+
+@pytest.mark.slow
 def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint(sigterm_stopped, tmp_path,
                                                                                    monkeypatch):
     """Disk full (`OSError: [Errno 28]`, or safetensors' `StorageFull`) while writing a checkpoint

@@ -236,6 +236,26 @@ def test_greedy_generation_same_tokens_with_and_without_kv_cache(trained_run):
     assert with_cache.switches == without.switches
 
 
+def test_generation_reroutes_on_cluster_tokens_like_evaluation(trained_run, corpus_texts):
+    """With router.cluster_tokens longer than the prefix, generation re-routes each window
+    on the cluster_tokens tokens before it, exactly as Router.reroute_windows (evaluation)."""
+    run = InferenceRun.open(trained_run, device="cpu")
+    P = run.prefix_tokens
+    run.router.cluster_tokens = 3 * P  # as a router fitted with it would be
+    W = 5
+    train, _ = corpus_texts
+    # a prompt that changes document every few windows; windows inside it are routed by the
+    # same rule as generated ones (Generation.window_paths fills them in)
+    prompt = [t for text in train[::7][:12] for t in run.encode(text)[:3 * W]][: run.cfg.model.max_seq_len - 4]
+    gen = run.generate(prompt, max_new_tokens=3, temperature=0.0, reroute_every=W, stop_at_eos=False)
+    seq = gen.sequence
+    assert gen.window_paths == run.router.reroute_windows(np.asarray(seq), W)
+    # the test can tell the two rules apart: windows routed on prefix_tokens differ somewhere
+    prefix_rule = [run.route(seq[:P])] + [run.route(seq[max(0, j * W - P): j * W])
+                                          for j in range(1, len(gen.window_paths))]
+    assert prefix_rule != gen.window_paths, "both rules agree here; pick another prompt"
+
+
 @pytest.mark.slow
 def test_reroute_path_sequence_and_tokens_follow_the_window_rule(trained_run, capsys):
     run = InferenceRun.open(trained_run)

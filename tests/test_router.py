@@ -288,3 +288,62 @@ def test_random_routing_control_ignores_content() -> None:
     from sklearn.metrics import normalized_mutual_info_score
 
     assert normalized_mutual_info_score(topics, paths) < 0.1
+
+
+# ----------------------------------------------------------------------------- cluster_tokens
+def _boilerplate_corpus(seed: int, topics: int = 4, per_topic: int = 40, head: int = 16):
+    """Documents that all open with the same ``head`` tokens (a licence header, say),
+    then carry their topic: a router fitted on the opening alone sees no topics."""
+    docs, labels = topic_corpus(topics, docs_per_topic=per_topic, length=(48, 80), shared_vocab=8, seed=seed)
+    opening = np.arange(head, dtype=np.int64) % 8
+    order = np.random.default_rng(seed).permutation(len(docs))  # ties must not follow topic order
+    return [np.concatenate([opening, docs[i]]) for i in order], labels[order]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cluster_tokens_clusters_on_more_than_the_routing_prefix(seed):
+    from sklearn.metrics import normalized_mutual_info_score as nmi
+
+    docs, labels = _boilerplate_corpus(seed)
+    short = Router.fit(docs, [4], method="flat", prefix_tokens=16, seed=seed)
+    long = Router.fit(docs, [4], method="flat", prefix_tokens=16, cluster_tokens=64, seed=seed)
+    assert long.cluster_tokens == 64 and short.cluster_tokens == 16
+    first = lambda assignment: [p[0] for p in assignment]  # noqa: E731
+    # every opening is the same 16 tokens: shards on them carry no topic, shards on 64 do
+    assert nmi(labels, first(short.assign(docs))) < 0.1
+    assert nmi(labels, first(long.assign(docs))) > 0.9
+    # a prompt is still routed on prefix_tokens: tokens after them change nothing
+    d = docs[0]
+    assert long.route(d) == long.route(d[:16]) == long.route(np.concatenate([d[:16], docs[-1]]))
+
+
+def test_cluster_tokens_reroutes_on_the_longer_context():
+    docs, labels = _boilerplate_corpus(0)
+    r = Router.fit(docs, [4], method="flat", prefix_tokens=16, cluster_tokens=64, seed=0)
+    doc = np.concatenate([docs[0], docs[-1]])
+    W = 24
+    expected = [r.route(doc[:16])] + [
+        int(r.route_contexts([doc[max(0, j * W - 64) : j * W]])[0]) for j in range(1, math.ceil(len(doc) / W))
+    ]
+    assert r.reroute_windows(doc, W) == expected
+    # the context is read whole, not cut to the 16-token routing prefix
+    ctx = doc[: 64]
+    assert r.route_contexts([ctx])[0] == r.shard_costs([ctx]).argmin()
+    # the last window's context lies inside the second document: it routes to its topic
+    assert r.reroute_windows(doc, W)[-1] == r.shard_costs([docs[-1]]).argmin()
+
+
+def test_cluster_tokens_is_saved_and_checked(tmp_path):
+    docs, _ = _boilerplate_corpus(0)
+    r = Router.fit(docs, [2, 2], method="product", prefix_tokens=16, cluster_tokens=48, seed=0)
+    r.save(tmp_path / "r")
+    loaded = Router.load(tmp_path / "r")
+    assert loaded.cluster_tokens == 48 and loaded.prefix_tokens == 16
+    assert loaded.assign(docs) == r.assign(docs)
+    # a manifest written before cluster_tokens existed clusters on the routing prefix
+    m = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    del m["cluster_tokens"]
+    (tmp_path / "r" / "manifest.json").write_text(json.dumps(m))
+    assert Router.load(tmp_path / "r").cluster_tokens == 16
+    with pytest.raises(ValueError, match="cluster_tokens"):
+        Router.fit(docs, [2, 2], prefix_tokens=32, cluster_tokens=16)

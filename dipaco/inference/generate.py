@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -124,7 +125,7 @@ def generate_routed(
     eos = run.tokenizer.eos_id
     out = Generation(prompt=prompt)
     seq = list(prompt)
-    P = run.prefix_tokens
+    P, C = run.prefix_tokens, run.router.cluster_tokens
     window_path: dict[int, int] = {}
 
     def path_at(pos: int) -> int:
@@ -132,12 +133,12 @@ def generate_routed(
         j = 0 if reroute_every is None else pos // reroute_every
         if j not in window_path:
             if reroute_every is None:
-                ctx = prompt
+                window_path[j] = run.route(prompt)
             elif j == 0:
-                ctx = seq[:P]
-            else:
-                ctx = seq[max(0, j * reroute_every - P): j * reroute_every]
-            window_path[j] = run.route(ctx)
+                window_path[j] = run.route(seq[:P])
+            else:  # the C tokens before the window, routed whole
+                ctx = seq[max(0, j * reroute_every - C): j * reroute_every]
+                window_path[j] = int(run.router.route_contexts([np.asarray(ctx, np.int64)])[0])
         return window_path[j]
 
     decoder: Optional[_PathDecoder] = None
