@@ -43,6 +43,7 @@ class ScoredDoc:
 
     tokens: np.ndarray  # [n] int64, n ≤ seq_len + 1
     token_paths: np.ndarray  # [n] path scoring each target position (−1 inside the prefix)
+    window: Optional[int] = None  # long protocol: which window of its document (0 = first)
 
 
 def plan_documents(
@@ -91,7 +92,8 @@ def split_windows(planned: Sequence[ScoredDoc], window: int) -> list[ScoredDoc]:
             paths = d.token_paths[start : start + window + 1].copy()
             paths[0] = -1
             if (paths >= 0).any():
-                out.append(ScoredDoc(tokens=d.tokens[start : start + window + 1], token_paths=paths))
+                out.append(ScoredDoc(tokens=d.tokens[start : start + window + 1], token_paths=paths,
+                                     window=start // window))
     return out
 
 
@@ -134,6 +136,9 @@ def score_documents(
     nll = defaultdict(float)
     ntok = defaultdict(int)
     ndoc = defaultdict(int)
+    # long protocol: the first window of each document (where its routing prefix is) apart
+    # from the later ones, which a path routed once sees far from what chose it
+    wnll, wtok = defaultdict(float), defaultdict(int)
     items = sorted(by_path.items())
     bar = progress_bar(progress, sum(len(v) for _, v in items), "evaluate", "doc")
     for path_id, idxs in items:
@@ -149,6 +154,13 @@ def score_documents(
             losses = lm_loss(model(x), y, reduction="none")  # [B·T], 0 where ignored
             nll[path_id] += float(losses.double().sum())
             ntok[path_id] += int((y != -100).sum())
+            if chunk[0].window is not None:
+                doc_nll = losses.double().view(y.shape).sum(1).cpu()  # [B]
+                doc_tok = (y != -100).sum(1).cpu()
+                for b, d in enumerate(chunk):
+                    key = "first_window" if d.window == 0 else "later_windows"
+                    wnll[key] += float(doc_nll[b])
+                    wtok[key] += int(doc_tok[b])
             if bar is not None:
                 bar.update(len(chunk))
     if bar is not None:
@@ -160,13 +172,17 @@ def score_documents(
                  "num_tokens": ntok[p], "num_documents": ndoc[p]}
         for p in sorted(ntok)
     }
-    return {
+    report = {
         "ppl": _ppl(total_nll, total_tok),
         "loss": total_nll / max(1, total_tok),
         "num_tokens": total_tok,
         "num_documents": len(planned),
         "per_path": per_path,
     }
+    if wtok:
+        report["by_window"] = {k: {"ppl": _ppl(wnll[k], wtok[k]), "loss": wnll[k] / max(1, wtok[k]),
+                                   "num_tokens": wtok[k]} for k in ("first_window", "later_windows") if k in wtok}
+    return report
 
 
 def _ppl(nll: float, n: int) -> float:

@@ -58,6 +58,21 @@ def test_windows_cover_every_target_after_the_prefix_once() -> None:
     assert report["num_windows"] == len(pieces) > len(docs)
 
 
+def test_long_protocol_reports_the_first_window_apart_from_the_later_ones() -> None:
+    docs = _docs()
+    long = evaluate_single(docs, _Bigram(), seq_len=16, prefix_tokens=PREFIX, whole_documents=True)
+    first, later = long["by_window"]["first_window"], long["by_window"]["later_windows"]
+    # the first window is exactly what the short protocol scores at the same length
+    short = evaluate_single(docs, _Bigram(), seq_len=16, prefix_tokens=PREFIX)
+    assert "by_window" not in short
+    assert first["num_tokens"] == short["num_tokens"]
+    assert first["loss"] == pytest.approx(short["loss"], rel=1e-9)
+    # and the two parts add up to the whole
+    assert first["num_tokens"] + later["num_tokens"] == long["num_tokens"]
+    total = first["loss"] * first["num_tokens"] + later["loss"] * later["num_tokens"]
+    assert total == pytest.approx(long["loss"] * long["num_tokens"], rel=1e-9)
+
+
 def test_prefix_loss_does_not_change_the_score() -> None:
     docs = _docs()
     # one window per document: a model terrible on the prefix targets scores the same

@@ -219,6 +219,13 @@ def test_score_dense_and_split(tmp_path, capsys):
     assert on_test["num_tokens"] > 0 and on_test["num_tokens"] != report["num_tokens"]
     code, stdout, _ = _cli(capsys, "score", tmp_path / "run", "--split", "validation")
     assert np.isclose(json.loads(stdout)["ppl"], summary["routed_ppl"], rtol=1e-9)
+    # --long --dense: the first window and the later ones, each against dense on the same tokens
+    code, stdout, err = _cli(capsys, "score", tmp_path / "run", "--validation", "--long", "--dense", "--seq-len", "24")
+    assert code == 0, err
+    parts = json.loads(stdout)["by_window"]
+    for part in parts.values():
+        assert np.isclose(part["ratio_vs_dense"], part["ppl"] / part["dense_ppl"])
+    assert parts["later_windows"]["num_tokens"] > 0
     shutil.rmtree(tmp_path / "run" / "baseline")
     code, _, err = _cli(capsys, "score", tmp_path / "run", "--validation", "--dense")
     assert code != 0 and "no dense baseline" in err and "drop --dense" in err

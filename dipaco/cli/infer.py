@@ -300,6 +300,9 @@ def cmd_score(args: argparse.Namespace) -> None:
         dense = run.score_dense(docs, batch_size=args.batch_size, seq_len=args.seq_len, whole_documents=args.long)
         report.update({"dense_ppl": dense["ppl"], "dense_loss": dense["loss"],
                        "ratio_vs_dense": report["ppl"] / dense["ppl"] if dense["num_tokens"] else None})
+        for key, part in report.get("by_window", {}).items():  # --long: the same split for dense
+            d = dense["by_window"][key]
+            part.update({"dense_ppl": d["ppl"], "ratio_vs_dense": part["ppl"] / d["ppl"]})
     report.update({"skipped_malformed_lines": skipped, "num_input_documents": len(docs),
                    "checkpoint": str(run.checkpoint), "best_paths": run.best_paths, "run_dir": str(run.run.root)})
     if report["num_tokens"] == 0:
