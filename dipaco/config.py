@@ -206,7 +206,7 @@ class TrainerConfig:
     eval_split: str = "validation"
     eval_batch_size: int = 16
     # also score each validation document whole, in consecutive windows of eval_seq_len
-    # tokens (None: model.max_seq_len), prefix excluded: summary.json's *_long keys
+    # tokens (None: trainer.seq_len, the trained length), prefix excluded: summary.json's *_long keys
     eval_long: bool = False
     eval_seq_len: Optional[int] = None
     # keep each path's weights with the best loss on its own validation shard (checked
@@ -379,9 +379,11 @@ def resolve_derived(cfg: Config) -> Config:
 
 def eval_window(cfg: Config) -> int:
     """Window length of the long evaluation protocol: ``trainer.eval_seq_len`` or, unset,
-    the model's whole positional range (``model.max_seq_len``)."""
+    the training sequence length (``trainer.seq_len``): positions past it were never
+    trained, and scoring them measures length extrapolation, not the paths
+    (docs/evaluation.md: the grid lost to dense there)."""
     t = cfg.trainer
-    return cfg.model.max_seq_len if t.eval_seq_len is None else int(t.eval_seq_len)
+    return int(t.seq_len) if t.eval_seq_len is None else int(t.eval_seq_len)
 
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:

@@ -150,3 +150,11 @@ def test_config_errors_name_the_key_and_the_fix(overrides: list[str], key: str) 
 def test_eval_seq_len_within_the_model_range_is_accepted() -> None:
     validate_config(compose_config(["model=tiny", "trainer=tiny", "trainer.eval_long=true",
                                     "model.max_seq_len=512", "trainer.eval_seq_len=512"]))
+
+
+def test_long_windows_default_to_the_trained_length_not_the_rotary_range() -> None:
+    from dipaco.config import eval_window
+
+    cfg = compose_config(["trainer.seq_len=96", "model.max_seq_len=256"])
+    assert eval_window(cfg) == 96  # positions 96..255 were never trained
+    assert eval_window(compose_config(["trainer.seq_len=96", "trainer.eval_seq_len=200"])) == 200

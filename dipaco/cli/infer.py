@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "summary.json's routed_ppl): documents are cut to trainer.seq_len+1 tokens, the "
         "routing prefix carries no loss, documents with nothing after it are skipped and "
         "counted. With --long, the long protocol (summary.json's routed_ppl_long): whole "
-        "documents in windows of --seq-len (default trainer.eval_seq_len or model.max_seq_len). "
+        "documents in windows of --seq-len (default trainer.eval_seq_len or trainer.seq_len). "
         "Prints JSON with ppl, loss, num_tokens, per_path. " + _COMMON_EPILOG))
     common(s)
     inputs(s, allow_text=False)
