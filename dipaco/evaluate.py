@@ -152,11 +152,11 @@ def score_documents(
             x, y = padded_batch([d.tokens for d in chunk], [d.token_paths[1:] == path_id for d in chunk])
             x, y = to_device(x, device), to_device(y, device)
             losses = lm_loss(model(x), y, reduction="none")  # [B·T], 0 where ignored
-            nll[path_id] += float(losses.double().sum())
-            ntok[path_id] += int((y != -100).sum())
+            doc_nll = losses.double().view(y.shape).sum(1).cpu()  # [B]
+            doc_tok = (y != -100).sum(1).cpu()
+            nll[path_id] += float(doc_nll.sum())
+            ntok[path_id] += int(doc_tok.sum())
             if chunk[0].window is not None:
-                doc_nll = losses.double().view(y.shape).sum(1).cpu()  # [B]
-                doc_tok = (y != -100).sum(1).cpu()
                 for b, d in enumerate(chunk):
                     key = "first_window" if d.window == 0 else "later_windows"
                     wnll[key] += float(doc_nll[b])

@@ -329,9 +329,15 @@ class Router:
             raise ValueError(f"W (re-routing window) must be >= 1 token, got {W}")
         toks = as_token_array(token_ids, name="token_ids")
         n_windows = -(-toks.size // int(W))
-        ctx = [toks[: self.prefix_tokens]]
-        ctx += [toks[max(0, j * W - self.cluster_tokens) : j * W] for j in range(1, n_windows)]
-        return self.route_contexts(ctx).tolist() if n_windows else []
+        return self.route_contexts([self.window_context(toks, j, W) for j in range(n_windows)]).tolist()
+
+    def window_context(self, token_ids: Doc, j: int, W: int) -> np.ndarray:
+        """The tokens that route window ``j`` of ``W`` tokens (:meth:`reroute_windows`'s rule;
+        generation calls it one window at a time)."""
+        toks = np.asarray(token_ids, dtype=np.int64)
+        if j == 0:
+            return toks[: self.prefix_tokens]
+        return toks[max(0, j * W - self.cluster_tokens) : j * W]
 
     def route_contexts(self, contexts: Docs) -> np.ndarray:
         """Best path of each context (tokens already seen), int64 ``[N]``, on up to its first

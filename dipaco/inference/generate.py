@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -125,7 +124,6 @@ def generate_routed(
     eos = run.tokenizer.eos_id
     out = Generation(prompt=prompt)
     seq = list(prompt)
-    P, C = run.prefix_tokens, run.router.cluster_tokens
     window_path: dict[int, int] = {}
 
     def path_at(pos: int) -> int:
@@ -134,11 +132,9 @@ def generate_routed(
         if j not in window_path:
             if reroute_every is None:
                 window_path[j] = run.route(prompt)
-            elif j == 0:
-                window_path[j] = run.route(seq[:P])
-            else:  # the C tokens before the window, routed whole
-                ctx = seq[max(0, j * reroute_every - C): j * reroute_every]
-                window_path[j] = int(run.router.route_contexts([np.asarray(ctx, np.int64)])[0])
+            else:
+                ctx = run.router.window_context(seq, j, reroute_every)
+                window_path[j] = int(run.router.route_contexts([ctx])[0])
         return window_path[j]
 
     decoder: Optional[_PathDecoder] = None
