@@ -277,6 +277,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "grid": list(cfg.grid.levels),
         "path_parameters": sum(counts[m] for m in grid.module_ids_of_path(0)),
         "total_parameters": sum(counts.values()),
+        # of path 0: what routing can specialise (modules not every path shares)
+        "specialised_parameters": grid.specialised_param_count(0),
         "routing": {k: prep.report.get(k) for k in ("shard_sizes", "imbalance", "nmi", "purity")},
         # EM re-shard phases (routing_report.json has each in full)
         "reshards": [{k: p.get(k) for k in ("round", "assign", "reassigned", "shard_sizes", "nmi")}

@@ -280,6 +280,16 @@ class ModuleGrid:
         """Parameters of the whole grid (every module once)."""
         return sum(self.param_count(mid) for mid in self.module_ids)
 
+    def specialised_param_count(self, path_id: int) -> int:
+        """Parameters of one path in modules that not every path shares.
+
+        These are what routing can specialise: a level module with K > 1, a private embed
+        or head. The shared embed and head (and K = 1 levels) are trained by every path
+        alike, so the more of a path they hold, the less a wrong path can cost.
+        """
+        return sum(self.param_count(mid) for mid in self.module_ids_of_path(path_id)
+                   if len(self.paths_of_module(mid)) < self.num_paths)
+
     # ------------------------------------------------------------------ state
 
     def module_state_dict(self, module_id: str) -> dict[str, torch.Tensor]:

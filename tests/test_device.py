@@ -167,6 +167,23 @@ def test_memory_plan_per_rank() -> None:
     assert acts["trainer.micro_batches=4"] == pytest.approx(acts["trainer.precision=fp32"] / 4, rel=0.01)
 
 
+def test_plan_capacity_line() -> None:
+    """dipaco-plan's capacity line: the share of a path that routing can specialise."""
+    from dipaco.cli.plan import format_capacity
+
+    def line(*overrides: str) -> str:
+        cfg = compose_config(["model=tiny", *overrides])
+        validate_config(cfg)
+        return format_capacity(cfg)
+
+    assert " 0 (0%) in modules not every path shares" in line("grid=dense")
+    assert "(1.00x a path)" in line("grid=dense")
+    two, four = line("model.layers_per_level=1"), line("model.layers_per_level=2")
+    share = lambda text: int(text.split("(")[1].split("%")[0])  # noqa: E731
+    assert 0 < share(two) < share(four) < 100  # deeper levels: more of a path is routed
+    assert "x a path)" in four and "(1.00x" not in four
+
+
 def test_infer_refuses_cuda_without_a_gpu(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: --device cuda is valid here")

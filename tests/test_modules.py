@@ -297,6 +297,24 @@ def test_param_counts():
     assert all(g.param_count(m) == sum(x.numel() for x in g.module(m).parameters()) for m in g.module_ids)
 
 
+def test_specialised_param_counts():
+    """What routing can specialise: modules not every path shares (contract of dipaco-plan)."""
+    cfg = tiny(layers_per_level=2)
+    h = cfg.hidden_dim
+    block = 2 * D + 4 * D * D + 3 * D * h
+    assert ModuleGrid(cfg, [4, 3]).specialised_param_count(5) == 2 * 2 * block
+    # a K = 1 level is shared by every path: nothing to specialise there
+    assert ModuleGrid(cfg, [4, 1]).specialised_param_count(2) == 2 * block
+    assert ModuleGrid(cfg, [1, 1]).specialised_param_count(0) == 0
+    # a private head is trained by its path alone
+    g = ModuleGrid(cfg, [2, 2], private_head=True)
+    assert g.specialised_param_count(3) == 2 * 2 * block + D + D * V
+    # tying moves the output projection into the shared embed: the head is a norm
+    tied = ModuleGrid(tiny(layers_per_level=2, tie_embeddings=True), [2, 2])
+    assert tied.specialised_param_count(0) == 2 * 2 * block
+    assert tied.path_param_count(0) == V * D + 2 * 2 * block + D
+
+
 # ------------------------------------------------------------------ KV cache
 
 

@@ -29,6 +29,20 @@ def plan_for(cfg: Config) -> CommPlan:
     return build_comm_plan(cfg, cfg.launcher.nproc)
 
 
+def format_capacity(cfg: Config) -> str:
+    """One line: a path's parameters, the share routing can specialise, the grid's total.
+
+    Modules every path shares (the embed and head unless private) are trained alike by all
+    paths; only the rest can specialise. When that share is small a routed path is nearly
+    the dense model, whatever the router does (docs/results.md).
+    """
+    grid = build_grid(cfg, torch.device("cpu"))
+    path, total = grid.path_param_count(0), grid.total_param_count()
+    spec = grid.specialised_param_count(0)
+    return (f"capacity: a path has {path:,} parameters, {spec:,} ({spec / path:.0%}) in modules "
+            f"not every path shares; the grid has {total:,} ({total / path:.2f}x a path)")
+
+
 def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
     """Each kind of rank's memory (:mod:`dipaco.memory`): ``(label, RankMemory)`` rows.
 
@@ -88,6 +102,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         cfg = compose_config(overrides)
         validate_config(cfg)
         print(format_plan(plan_for(cfg)))
+        print(format_capacity(cfg))
         print()
         print(format_memory(cfg, memory_for(cfg)))
 
