@@ -114,6 +114,9 @@ class RouterConfig:
     # (null: prefix_tokens); prompts are still routed on prefix_tokens, and a re-route
     # every W tokens looks at up to this many tokens before the window
     cluster_tokens: Optional[int] = None
+    # a re-route (reroute_every) reads the last reroute_context tokens before its window;
+    # null: everything read so far (docs/evaluation.md)
+    reroute_context: Optional[int] = None
     # product (k-means per level) | tree (hierarchical k-means) | flat (one k-means of P) |
     # grouped (flat, clusters laid so that paths sharing a module get near clusters) | random (control)
     method: str = "product"

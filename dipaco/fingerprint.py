@@ -26,7 +26,7 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "warmup": ("model", "seed", "trainer.batch_size", "trainer.seq_len", "trainer.lr", "trainer.min_lr_ratio",
                "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1", "trainer.beta2",
                "trainer.grad_clip"),
-    "router": ("grid.levels", "router.prefix_tokens", "router.cluster_tokens", "router.method", "router.featurizer",
+    "router": ("grid.levels", "router.prefix_tokens", "router.cluster_tokens", "router.reroute_context", "router.method", "router.featurizer",
                "router.feature_dim", "router.top_k", "router.capacity_factor", "router.balance",
                "router.soft_capacity_factor", "router.niter", "seed"),
     "shards": ("grid.replicas", "seed"),

@@ -71,6 +71,7 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
     """Mean final hidden state of each prefix under the dense model (the paper's features)."""
     model = PathModel(grid, 0).eval()
     device = model_device(model)
+    max_len = int(grid.cfg.max_seq_len)
     captured: list[torch.Tensor] = []
     # The head's input is the last hidden state; a hook reads it without a second API.
     model.head.register_forward_hook(lambda _m, inp, _out: captured.append(inp[0].detach()))
@@ -79,7 +80,8 @@ def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]
     def featurize(prefixes: list[np.ndarray]) -> np.ndarray:
         out = []
         for start in range(0, len(prefixes), batch_size):
-            chunk = prefixes[start : start + batch_size]
+            # a re-route's context can be longer than the model's positions: its last ones
+            chunk = [np.asarray(p)[-max_len:] for p in prefixes[start : start + batch_size]]
             T = max(1, max(len(p) for p in chunk))
             x = torch.zeros(len(chunk), T, dtype=torch.long)
             mask = torch.zeros(len(chunk), T)
@@ -312,7 +314,7 @@ def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Calla
                       method=r.method,
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,
                       balance=r.balance, soft_capacity_factor=r.soft_capacity_factor,
-                      featurizer=featurizer, niter=r.niter)
+                      featurizer=featurizer, niter=r.niter, reroute_context=r.reroute_context)
 
 
 def _capped_texts(ds: Any, max_chars: int) -> list[str]:

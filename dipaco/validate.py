@@ -100,6 +100,8 @@ def validate_config(cfg: Config) -> None:
     require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
             f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
     _validate_reshard(cfg)
+    require(r.reroute_context is None or r.reroute_context > 0, "router.reroute_context",
+            "must be positive or null (everything read so far)", "e.g. router.reroute_context=128")
     require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",
              "must be positive or null", "e.g. router.reroute_every=64")
     require(t.rounds > 0, "trainer.rounds", f"must be > 0, got {t.rounds}", "e.g. trainer.rounds=8")

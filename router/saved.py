@@ -116,6 +116,9 @@ def read_router(d: Path, featurizer_fn: Callable[[list[np.ndarray]], Any] | None
         method=m["method"],
         prefix_tokens=m["prefix_tokens"],
         cluster_tokens=m.get("cluster_tokens"),  # absent before it existed: prefix_tokens
+        # absent before it existed: re-routes then read the cluster_tokens before the window
+        reroute_context=(m["reroute_context"] if "reroute_context" in m
+                         else (m.get("cluster_tokens") or m["prefix_tokens"])),
         top_k=m["top_k"],
         capacity_factor=m["capacity_factor"],
         seed=m["seed"],

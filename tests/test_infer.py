@@ -40,7 +40,10 @@ def trained_run(tmp_path_factory) -> Path:
         c = compose("config", overrides=[
             "experiment=smoke", "launcher=local", "grid.levels=[2,2]", "trainer.rounds=1",
             "trainer.dense_baseline=false", "trainer.plots=false", "trainer.progress=false",
-            "data.max_documents=160"])
+            "data.max_documents=160",
+            # re-route on the 16 tokens before each window (the smoke prefix): a prompt of
+            # this size then changes path, which the generation tests need to see
+            "router.reroute_context=16"])
     cfg = to_config(c)
     cfg.run_dir = str(tmp_path_factory.mktemp("infer") / "run")
     train(cfg)
@@ -243,12 +246,13 @@ def test_greedy_generation_same_tokens_with_and_without_kv_cache(trained_run):
     assert with_cache.switches == without.switches
 
 
-def test_generation_reroutes_on_cluster_tokens_like_evaluation(trained_run, corpus_texts):
-    """With router.cluster_tokens longer than the prefix, generation re-routes each window
-    on the cluster_tokens tokens before it, exactly as Router.reroute_windows (evaluation)."""
+@pytest.mark.parametrize("context", ["3P", "all"])
+def test_generation_reroutes_on_the_context_like_evaluation(trained_run, corpus_texts, context):
+    """Generation re-routes each window on the router.reroute_context tokens before it (or
+    everything read so far), exactly as Router.reroute_windows (evaluation)."""
     run = InferenceRun.open(trained_run, device="cpu")
     P = run.prefix_tokens
-    run.router.cluster_tokens = 3 * P  # as a router fitted with it would be
+    run.router.reroute_context = 3 * P if context == "3P" else None  # as a router fitted with it
     W = 5
     train, _ = corpus_texts
     # a prompt that changes document every few windows; windows inside it are routed by the

@@ -1,6 +1,7 @@
 """Router: fitting, path ids, routing, balanced/top-k assignment, re-routing, save/load."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -148,14 +149,23 @@ def test_reroute_windows_follows_a_topic_change(corpus, flat8):
     doc = np.concatenate([a, b])
     pa, pb = flat8.route(a), flat8.route(b)
     assert pa != pb
-    # W=32, prefix 32: window 2 (tokens 64..95) is routed by tokens 32..63 (still topic 1).
-    assert flat8.reroute_windows(doc, 32) == [pa, pa, pa, pb]
+    # Re-routing on the last 32 tokens before each window (reroute_context=32) follows the
+    # change one window late: window 2 (tokens 64..95) is routed by tokens 32..63 (topic 1).
+    sliding = copy.copy(flat8)
+    sliding.reroute_context = P = flat8.prefix_tokens
+    assert sliding.reroute_windows(doc, 32) == [pa, pa, pa, pb]
     # The documented rule, token for token.
-    W, P = 24, flat8.prefix_tokens
+    W = 24
     expected = [flat8.route(doc[:P])] + [
         flat8.route(doc[max(0, j * W - P) : j * W]) for j in range(1, math.ceil(len(doc) / W))
     ]
-    assert flat8.reroute_windows(doc, W) == expected
+    assert sliding.reroute_windows(doc, W) == expected
+    # The default reads everything before the window: window 3 still sees 64 tokens of
+    # topic 1 beside 32 of topic 6, so it follows the change later, if at all.
+    assert flat8.reroute_context is None
+    assert flat8.reroute_windows(doc, 32)[:3] == [pa, pa, pa]
+    assert flat8.reroute_windows(doc, 32) == [flat8.route(doc[:P])] + [
+        int(flat8.route_contexts([doc[: j * 32]])[0]) for j in range(1, 4)]
     assert flat8.reroute_windows([], 32) == []
     with pytest.raises(ValueError, match="W"):
         flat8.reroute_windows(doc, 0)
@@ -317,9 +327,9 @@ def test_cluster_tokens_clusters_on_more_than_the_routing_prefix(seed):
     assert long.route(d) == long.route(d[:16]) == long.route(np.concatenate([d[:16], docs[-1]]))
 
 
-def test_cluster_tokens_reroutes_on_the_longer_context():
+def test_reroute_context_reads_the_last_tokens_before_the_window():
     docs, labels = _boilerplate_corpus(0)
-    r = Router.fit(docs, [4], method="flat", prefix_tokens=16, cluster_tokens=64, seed=0)
+    r = Router.fit(docs, [4], method="flat", prefix_tokens=16, cluster_tokens=64, seed=0, reroute_context=64)
     doc = np.concatenate([docs[0], docs[-1]])
     W = 24
     expected = [r.route(doc[:16])] + [
@@ -333,6 +343,20 @@ def test_cluster_tokens_reroutes_on_the_longer_context():
     assert r.reroute_windows(doc, W)[-1] == r.shard_costs([docs[-1]]).argmin()
 
 
+def test_reroute_context_default_is_everything_read_so_far():
+    docs, _ = _boilerplate_corpus(0)
+    r = Router.fit(docs, [4], method="flat", prefix_tokens=16, seed=0)
+    assert r.reroute_context is None
+    doc = np.concatenate([docs[0], docs[-1]])
+    W = 24
+    n = math.ceil(len(doc) / W)
+    assert [len(r.window_context(doc, j, W)) for j in range(n)] == [16] + [j * W for j in range(1, n)]
+    expected = [r.route(doc[:16])] + [int(r.route_contexts([doc[: j * W]])[0]) for j in range(1, n)]
+    assert r.reroute_windows(doc, W) == expected
+    with pytest.raises(ValueError, match="reroute_context must be >= 1"):
+        Router.fit(docs, [4], method="flat", prefix_tokens=16, seed=0, reroute_context=0)
+
+
 def test_cluster_tokens_is_saved_and_checked(tmp_path):
     docs, _ = _boilerplate_corpus(0)
     r = Router.fit(docs, [2, 2], method="product", prefix_tokens=16, cluster_tokens=48, seed=0)
@@ -340,10 +364,15 @@ def test_cluster_tokens_is_saved_and_checked(tmp_path):
     loaded = Router.load(tmp_path / "r")
     assert loaded.cluster_tokens == 48 and loaded.prefix_tokens == 16
     assert loaded.assign(docs) == r.assign(docs)
+    assert loaded.reroute_context is None  # everything read so far, saved as such
+    Router.fit(docs, [2, 2], prefix_tokens=16, seed=0, reroute_context=40).save(tmp_path / "r40")
+    assert Router.load(tmp_path / "r40").reroute_context == 40
     # a manifest written before cluster_tokens existed clusters on the routing prefix
     m = json.loads((tmp_path / "r" / "manifest.json").read_text())
-    del m["cluster_tokens"]
+    del m["cluster_tokens"], m["reroute_context"]
     (tmp_path / "r" / "manifest.json").write_text(json.dumps(m))
     assert Router.load(tmp_path / "r").cluster_tokens == 16
+    # ... and re-routed on the cluster_tokens before each window, as it did then
+    assert Router.load(tmp_path / "r").reroute_context == 16
     with pytest.raises(ValueError, match="cluster_tokens"):
         Router.fit(docs, [2, 2], prefix_tokens=32, cluster_tokens=16)
