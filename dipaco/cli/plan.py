@@ -34,7 +34,7 @@ def format_capacity(cfg: Config) -> str:
 
     Modules every path shares (the embed and head unless private) are trained alike by all
     paths; only the rest can specialise. When that share is small a routed path is nearly
-    the dense model, whatever the router does (docs/results.md).
+    the dense model, whatever the router does (docs/results.md §17).
     """
     grid = build_grid(cfg, torch.device("cpu"))
     path, total = grid.path_param_count(0), grid.total_param_count()
