@@ -22,8 +22,8 @@ Rules, written once here and referred to by ``dipaco-infer --help``:
   it has (an empty one would go to the router's fallback path, but the CLI refuses it).
 * **Re-routing** (``reroute_every=W``): the token at sequence position ``j`` is generated
   by the path of window ``j // W``, chosen by exactly :meth:`router.Router.reroute_windows`'s
-  rule (window 0 by the first ``prefix_tokens`` tokens, window ``j ≥ 1`` by the
-  ``prefix_tokens`` tokens before it). When a window's path differs from the current one,
+  rule (window 0 by the first ``prefix_tokens`` tokens, window ``j ≥ 1`` by every token
+  before it, or the last ``router.reroute_context`` of them). When a window's path differs from the current one,
   the new path is loaded and its KV cache is rebuilt from the context (a cache belongs to
   one path). Caveat: when the prompt is shorter than the prefix, window 0's path is chosen
   from the prompt alone — generation cannot see tokens it has not produced yet.
