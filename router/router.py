@@ -338,7 +338,7 @@ class Router:
         Why everything read so far: a path's shard is whole documents grouped by how they
         open, so the best evidence for which path models a document is as much of it as is
         known. Re-routing on the 32 tokens right before each window cost 1.9% on the default
-        run; on the whole context it is within ±0.4% of routing once (docs/results.md §17).
+        run; on the whole context it is within ±0.5% of routing once (docs/results.md §17).
         """
         if int(W) < 1:
             raise ValueError(f"W (re-routing window) must be >= 1 token, got {W}")
