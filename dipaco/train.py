@@ -228,7 +228,6 @@ def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str,
 def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
              baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
     grid = build_grid(cfg)
-    counts = {m: grid.param_count(m) for m in grid.module_ids}
     plan = build_comm_plan(cfg, result.world_size)
     rounds_done = result.rounds - result.start_round
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
@@ -275,8 +274,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "warmup_steps": prep.warmup_steps,
         "num_paths": grid.num_paths,
         "grid": list(cfg.grid.levels),
-        "path_parameters": sum(counts[m] for m in grid.module_ids_of_path(0)),
-        "total_parameters": sum(counts.values()),
+        "path_parameters": grid.path_param_count(0),
+        "total_parameters": grid.total_param_count(),
         # of path 0: what routing can specialise (modules not every path shares)
         "specialised_parameters": grid.specialised_param_count(0),
         "routing": {k: prep.report.get(k) for k in ("shard_sizes", "imbalance", "nmi", "purity")},

@@ -26,6 +26,7 @@ shard first, ties by lower id). Its cost row is that rank (0.0, 1.0, ...).
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -47,6 +48,9 @@ METHODS = ("product", "tree", "flat", "grouped", "random")
 Doc = Sequence[int]
 Docs = Sequence[Sequence[int]]
 
+
+# ``tokens=_WHOLE`` reads a document whole: a slice past its end stops at the end
+_WHOLE = sys.maxsize
 
 class Router:
     """Routes token-id documents to paths of a grid. Build with :meth:`Router.fit` or :meth:`Router.load`."""
@@ -361,8 +365,7 @@ class Router:
         would keep only ``prefix_tokens``)."""
         if len(contexts) == 0:
             return np.zeros(0, np.int64)
-        longest = max(len(as_token_array(c)) for c in contexts)
-        return self._costs(contexts, use_head=True, tokens=max(1, longest)).argmin(axis=1).astype(np.int64)
+        return self._costs(contexts, use_head=True, tokens=_WHOLE).argmin(axis=1).astype(np.int64)
 
     # ------------------------------------------------------------------ discriminative
     def fit_discriminative(

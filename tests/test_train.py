@@ -252,3 +252,22 @@ def test_default_top_k_is_two_and_one_path_grids_route_each_document_once() -> N
         one = compose_config(grid)
         validate_config(one)  # not a config error: a single path takes every document
         assert one.router.top_k == 1
+
+
+def test_lm_featurizer_reads_the_last_positions_of_a_long_context() -> None:
+    """A re-route's context can outgrow the warm-up model: the LM features then read its
+    last max_seq_len tokens, as if the context were cut there (no positional error)."""
+    import numpy as np
+
+    from dipaco.prepare import lm_featurizer
+    from modules import ModelConfig, ModuleGrid
+
+    grid = ModuleGrid(ModelConfig(vocab_size=64, d_model=16, n_heads=2, layers_per_level=1, max_seq_len=16), [1, 1])
+    featurize = lm_featurizer(grid)
+    long = np.random.default_rng(0).integers(0, 64, size=40)
+    short = long[:10]
+    out = featurize([long, short])
+    assert out.shape == (2, 16) and np.isfinite(out).all()
+    np.testing.assert_allclose(out[0], featurize([long[-16:]])[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[1], featurize([short])[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(out[0], featurize([long[:16]])[0])  # the last tokens, not the first
