@@ -21,7 +21,7 @@ from modules.config import ModelConfig
 DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub")
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 GROUP_PARALLEL = ("replicate", "fsdp")  # launcher.group_parallel
-ROUTER_METHODS = ("product", "tree", "flat", "grouped", "random")
+ROUTER_METHODS = ("product", "tree", "flat", "grouped", "merge", "random")
 ROUTER_BALANCES = ("hard", "soft")
 RESHARD_ASSIGNS = ("classifier", "loss")  # router.em.RESHARD_ASSIGNS
 FEATURIZERS = ("tfidf", "lm")
@@ -118,8 +118,14 @@ class RouterConfig:
     # null: everything read so far (docs/evaluation.md)
     reroute_context: Optional[int] = None
     # product (k-means per level) | tree (hierarchical k-means) | flat (one k-means of P) |
-    # grouped (flat, clusters laid so that paths sharing a module get near clusters) | random (control)
+    # grouped (flat, clusters laid so that paths sharing a module get near clusters) |
+    # merge (fine k-means merged bottom-up onto the grid's tree) | random (control)
     method: str = "product"
+    # merge: fine k-means clusters; null: max(64, 8 x paths)
+    fine_clusters: Optional[int] = None
+    # a classifier learns each training document's shard from its first prefix_tokens
+    # tokens and routes prompts (and shards, and re-routes) from then on (router/router.py)
+    prompt_classifier: bool = False
     featurizer: str = "tfidf"  # tfidf (sklearn) | lm (mean hidden state of the warm-up model)
     feature_dim: int = 64
     top_k: int = 1

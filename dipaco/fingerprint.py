@@ -28,13 +28,16 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
                "trainer.grad_clip"),
     "router": ("grid.levels", "router.prefix_tokens", "router.cluster_tokens", "router.reroute_context",
                "router.method", "router.featurizer", "router.feature_dim", "router.top_k", "router.capacity_factor", "router.balance",
-               "router.soft_capacity_factor", "router.niter", "seed"),
+               "router.soft_capacity_factor", "router.niter", "router.fine_clusters", "router.prompt_classifier", "seed"),
     "shards": ("grid.replicas", "seed"),
     "checkpoints": ("model", "grid", "diloco", "seed", "trainer.batch_size", "trainer.seq_len", "trainer.lr",
                     "trainer.min_lr_ratio", "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1",
                     "trainer.beta2", "trainer.grad_clip", "trainer.warmup_fraction"),
 }
 _IGNORED = ("data.cache_dir", "data.max_doc_chars")  # where the cache lives does not change the data
+# Keys added since fingerprints exist whose "off" value is not null: a run directory
+# recorded before them matches when this run leaves them at this value.
+_ADDED_OFF = {"router.prompt_classifier": False}
 
 
 def config_keys(cfg: Config, artefact: str) -> dict[str, Any]:
@@ -89,13 +92,14 @@ class Fingerprints:
 
 def _matches(recorded: Optional[dict], want: dict) -> bool:
     """``recorded == want``, except that a config key the recording dipaco did not know yet
-    matches when this run leaves it null (an option added since is off there: the run
-    directory of an older dipaco stays resumable)."""
+    matches when this run leaves it null, or at its :data:`_ADDED_OFF` value (an option
+    added since is off there: the run directory of an older dipaco stays resumable)."""
     if recorded is None:
         return False
     if set(recorded) - set(want):
         return False
-    return all(recorded[k] == v if k in recorded else v is None for k, v in want.items())
+    return all(recorded[k] == v if k in recorded else v is _ADDED_OFF.get(k) or v is None
+               for k, v in want.items())
 
 
 def _difference(recorded: Optional[dict], want: dict) -> str:

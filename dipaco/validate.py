@@ -100,6 +100,10 @@ def validate_config(cfg: Config) -> None:
     require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
             f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
     _validate_reshard(cfg)
+    require(r.fine_clusters is None or r.fine_clusters >= num_paths, "router.fine_clusters",
+            f"must be >= the number of paths ({num_paths}) or null", f"e.g. router.fine_clusters={max(64, 8 * num_paths)}")
+    require(not (r.prompt_classifier and r.method == "random"), "router.prompt_classifier",
+            "learns content-based shards, which the random control does not have", "router.prompt_classifier=false")
     require(r.reroute_context is None or r.reroute_context > 0, "router.reroute_context",
             "must be positive or null (everything read so far)", "e.g. router.reroute_context=128")
     require(r.reroute_every is None or r.reroute_every > 0, "router.reroute_every",

@@ -15,6 +15,17 @@ Ways to turn features into paths (``method``):
   faiss cluster ids carry no meaning, so which clusters share a module is arbitrary.
 * ``"grouped"``: the flat k-means, with clusters laid onto cells so that the clusters
   sharing a level-0 module are near each other (``router.tree.grouped_layout``).
+* ``"merge"``: many fine k-means clusters merged bottom-up (Ward) into the grid's tree:
+  level-0 groups, their sub-groups, ..., a path is a leaf; path cost is the distance to
+  the path's nearest fine centroid (``router.merge``).
+
+With ``prompt_classifier`` a logistic-regression head is fitted at the end of
+:meth:`Router.fit`: it learns, from each training document's first ``prefix_tokens``
+tokens, the path its balanced assignment on ``cluster_tokens`` gave it, and from then on
+scores every view (prompts, shards, re-routing contexts). Centroids fitted on 128-token
+views place a 32-token prompt less surely than the document it opens: on held-out
+documents of the built-in corpus the head sent the prompt to its document's path more
+often than nearest-centroid routing did (docs/results.md §18).
 
 After :meth:`Router.fit_discriminative` the costs come from a logistic-regression head
 (−log p(path | prefix)); the k-means state stays and is the fallback.
@@ -39,11 +50,12 @@ from .features import CallableFeaturizer, TokenTfidfFeaturizer, as_token_array
 from .kmeans import fit_kmeans, squared_distances
 from .product import fit_product, level_blocks, product_level_costs
 from .saved import ROUTER_FORMAT_VERSION, check_grid, read_router, write_router
+from .merge import fit_merge, merge_costs
 from .tree import fit_tree, grouped_layout, tree_costs
 
 # "random" is a control: a path drawn from a hash of the prefix tokens, so routing is
 # deterministic but carries no information about the document's content.
-METHODS = ("product", "tree", "flat", "grouped", "random")
+METHODS = ("product", "tree", "flat", "grouped", "merge", "random")
 
 Doc = Sequence[int]
 Docs = Sequence[Sequence[int]]
@@ -74,6 +86,9 @@ class Router:
         soft_capacity_factor: float = 2.0,
         cluster_tokens: int | None = None,
         reroute_context: int | None = None,
+        cluster_paths: np.ndarray | None = None,
+        fine_clusters: int | None = None,
+        prompt_classifier: bool = False,
     ) -> None:
         self.grid = check_grid(grid)
         self.num_paths = int(np.prod(self.grid))
@@ -100,6 +115,16 @@ class Router:
         self.head = head
         if method == "product":
             level_blocks(featurizer.dim, self.grid)  # refuses a feature dim too small for the levels
+        # merge: the path of each fine centroid (sorted, every path present); None otherwise
+        self.cluster_paths = None if cluster_paths is None else np.asarray(cluster_paths, np.int64)
+        if method == "merge":
+            cp = self.cluster_paths
+            if cp is None or cp.shape != (self.centroids[0].shape[0],) or (np.diff(cp) < 0).any() \
+                    or not np.array_equal(np.unique(cp), np.arange(self.num_paths)):
+                raise ValueError("method 'merge' needs cluster_paths: one sorted path id per fine centroid, "
+                                 f"covering all {self.num_paths} paths; refit the router (dipaco-route)")
+        self.fine_clusters = None if fine_clusters is None else int(fine_clusters)
+        self.prompt_classifier = bool(prompt_classifier)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -119,6 +144,8 @@ class Router:
         soft_capacity_factor: float = 2.0,
         cluster_tokens: int | None = None,
         reroute_context: int | None = None,
+        fine_clusters: int = 64,
+        prompt_classifier: bool = False,
     ) -> "Router":
         """Fit featurizer and k-means on the prefixes of ``docs`` for ``grid``.
 
@@ -139,6 +166,10 @@ class Router:
             featurizer: default ``TokenTfidfFeaturizer(dim=64, seed=seed)``; an unfitted
                 token featurizer is fitted here; a :class:`CallableFeaturizer` is used as is.
             niter: k-means iterations.
+            fine_clusters: fine k-means clusters of ``method="merge"`` (at least P).
+            prompt_classifier: fit a head that routes a document's first
+                ``prefix_tokens`` tokens to the path its shard assignment gave it (see the
+                module docstring); it then scores every view: prompts, shards, re-routes.
         """
         g = check_grid(grid)
         p = int(np.prod(g))
@@ -152,6 +183,9 @@ class Router:
                              "documents are clustered on at least the tokens they are routed on")
         if not 1 <= int(top_k) <= p:
             raise ValueError(f"top_k must be in [1, {p}] (paths of grid {list(g)}), got {top_k}")
+        if prompt_classifier and method == "random":
+            raise ValueError("prompt_classifier learns content-based shards; the random control has none: "
+                             "use prompt_classifier=False with method='random'")
         if not capacity_factor >= 1.0:
             raise ValueError(f"capacity_factor must be >= 1.0, got {capacity_factor}")
         if balance not in BALANCES:
@@ -161,7 +195,7 @@ class Router:
                              f"({capacity_factor})")
         prefixes = [as_token_array(d)[:cluster_tokens] for d in docs]
         nonempty = [x for x in prefixes if x.size]
-        need = p if method in ("flat", "grouped") else max(g)
+        need = {"flat": p, "grouped": p, "merge": int(fine_clusters)}.get(method, max(g))
         if len(nonempty) < need:
             raise ValueError(
                 f"docs: {len(nonempty)} non-empty documents cannot be clustered into "
@@ -174,6 +208,7 @@ class Router:
             featurizer.fit(nonempty)
         feats = featurizer.transform(nonempty)
         rotation = None
+        cluster_paths = None
         if method == "random":
             centroids = [np.zeros((1, featurizer.dim), np.float32)]
         elif method == "flat":
@@ -183,6 +218,9 @@ class Router:
             centroids = [flat[grouped_layout(flat, g, niter=niter, seed=seed)]]
         elif method == "tree":
             centroids = fit_tree(feats, g, niter=niter, seed=seed)
+        elif method == "merge":
+            fine, cluster_paths = fit_merge(feats, g, int(fine_clusters), niter=niter, seed=seed)
+            centroids = [fine]
         else:
             centroids, rotation = fit_product(feats, g, niter=niter, seed=seed)
         router = cls(
@@ -201,10 +239,18 @@ class Router:
             soft_capacity_factor=soft_capacity_factor,
             cluster_tokens=cluster_tokens,
             reroute_context=reroute_context,
+            cluster_paths=cluster_paths,
+            fine_clusters=int(fine_clusters) if method == "merge" else None,
+            prompt_classifier=prompt_classifier,
         )
         fit_costs = router._random_costs(prefixes) if method == "random" else router._kmeans_costs(feats)
         counts = np.bincount(fit_costs.argmin(axis=1), minlength=p)
         router.fallback_order = np.lexsort((np.arange(p), -counts))
+        if prompt_classifier and p > 1:
+            # the label of a document is the best path of its balanced shard assignment
+            shard = np.array([h[0] for h in router.assign_costs(fit_costs)], np.int64)
+            short = featurizer.transform([x[: router.prefix_tokens] for x in nonempty])
+            router.fit_discriminative(fit_costs, features=short, labels=shard)
         return router
 
     # ------------------------------------------------------------------ ids
@@ -244,6 +290,8 @@ class Router:
         return product_level_costs(features, self.grid, self.centroids, self.rotation)
 
     def _kmeans_costs(self, features: np.ndarray) -> np.ndarray:
+        if self.method == "merge":
+            return merge_costs(features, self.centroids[0], self.cluster_paths, self.num_paths)
         if self.method in ("flat", "grouped"):
             return squared_distances(features, self.centroids[0])
         if self.method == "tree":
@@ -415,6 +463,8 @@ class Router:
             "soft_capacity_factor": self.soft_capacity_factor,
             "seed": self.seed,
             "niter": self.niter,
+            "fine_clusters": self.fine_clusters,
+            "prompt_classifier": self.prompt_classifier,
             "featurizer": {"kind": self.featurizer.kind, "params": self.featurizer.params()},
             "discriminative": self.head is not None,
         }
@@ -425,6 +475,8 @@ class Router:
         km["fallback_order"] = self.fallback_order
         if self.rotation is not None:
             km["rotation"] = self.rotation
+        if self.cluster_paths is not None:
+            km["cluster_paths"] = self.cluster_paths
         head = self.head.state_arrays() if self.head is not None else None
         return write_router(Path(directory), self.manifest(), km, self.featurizer.state_arrays(), head)
 

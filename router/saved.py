@@ -21,9 +21,10 @@ from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
 __all__ = ["ROUTER_FORMAT_VERSION", "check_grid", "read_router", "write_router"]
 
 # 2: methods "tree" (per-level node centroids) and "grouped", keys "balance" and
-# "soft_capacity_factor". Version 1 directories (product/flat/random, hard balance) still load.
-ROUTER_FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
+# "soft_capacity_factor". 3: method "merge" (array cluster_paths), keys "fine_clusters" and
+# "prompt_classifier". Directories of versions 1 and 2 still load.
+ROUTER_FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
 _MANIFEST = "manifest.json"
 _FILES = {"kmeans": "kmeans.npz", "featurizer": "featurizer.npz", "discriminative": "discriminative.npz"}
 
@@ -106,7 +107,7 @@ def read_router(d: Path, featurizer_fn: Callable[[list[np.ndarray]], Any] | None
         if h is None:
             raise ValueError(f"{mpath} says discriminative but lists no {_FILES['discriminative']}")
         head = DiscriminativeHead(h["coef"], h["intercept"], h["classes"], int(np.prod(grid)))
-    n_cent = 1 if m["method"] in ("flat", "grouped", "random") else len(grid)
+    n_cent = 1 if m["method"] in ("flat", "grouped", "merge", "random") else len(grid)
     try:
         centroids = [km[f"centroids_{l}"] for l in range(n_cent)]
     except KeyError as e:
@@ -130,4 +131,7 @@ def read_router(d: Path, featurizer_fn: Callable[[list[np.ndarray]], Any] | None
         rotation=km.get("rotation"),
         fallback_order=km["fallback_order"],
         head=head,
+        cluster_paths=km.get("cluster_paths"),
+        fine_clusters=m.get("fine_clusters"),
+        prompt_classifier=m.get("prompt_classifier", False),  # absent before version 3
     )

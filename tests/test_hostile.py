@@ -202,12 +202,14 @@ def test_resume_refuses_artefacts_made_from_other_data(sigterm_stopped, tmp_path
 
 @pytest.mark.slow
 def test_resume_of_a_run_from_before_a_new_null_option(sigterm_stopped, tmp_path):
-    """Resume a run directory recorded by a dipaco that did not know `router.cluster_tokens`
-    (simulated: the key is absent from its router fingerprint) — resumes and finishes; a
-    run that recorded another value is still refused."""
+    """Resume a run directory recorded by a dipaco that did not know `router.cluster_tokens`,
+    `router.fine_clusters` or `router.prompt_classifier` (simulated: the keys are absent
+    from its router fingerprint) — resumes and finishes; a run that recorded another value
+    is still refused."""
     run_dir = copy_run(sigterm_stopped[0], tmp_path / "run")
     fps = json.loads((run_dir / "fingerprints.json").read_text())
-    del fps["router"]["router.cluster_tokens"]
+    for key in ("router.cluster_tokens", "router.fine_clusters", "router.prompt_classifier"):
+        del fps["router"][key]
     (run_dir / "fingerprints.json").write_text(json.dumps(fps))
     other = copy_run(run_dir, tmp_path / "other")
     summary = train(compose_config(["resume=true"], run_dir), overrides=["resume=true"])
