@@ -298,13 +298,6 @@ def _require_splits(cfg: Config, num_documents: int, num_train: int, num_val: in
                         f"use at least {minimum} documents (check data.path / data.max_documents)")
 
 
-def fine_clusters(configured: Optional[int], num_paths: int) -> int:
-    """``router.fine_clusters``, or (null) 8 fine clusters per path and at least 64: enough
-    for Ward's merge to find each path's group among several, few enough that every fine
-    cluster holds hundreds of documents of a corpus of tens of thousands."""
-    return int(configured) if configured is not None else max(64, 8 * num_paths)
-
-
 def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Callable]) -> Any:
     r = cfg.router
     n_tokens = r.cluster_tokens or r.prefix_tokens
@@ -322,7 +315,7 @@ def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Calla
                       top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,
                       balance=r.balance, soft_capacity_factor=r.soft_capacity_factor,
                       featurizer=featurizer, niter=r.niter, reroute_context=r.reroute_context,
-                      fine_clusters=fine_clusters(r.fine_clusters, math.prod(cfg.grid.levels)),
+                      fine_clusters=r.fine_clusters,
                       prompt_classifier=r.prompt_classifier)
 
 

@@ -101,7 +101,7 @@ def validate_config(cfg: Config) -> None:
             f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
     _validate_reshard(cfg)
     require(r.fine_clusters is None or r.fine_clusters >= num_paths, "router.fine_clusters",
-            f"must be >= the number of paths ({num_paths}) or null", f"e.g. router.fine_clusters={max(64, 8 * num_paths)}")
+            f"must be >= the number of paths ({num_paths}) or null", "router.fine_clusters=null (8 per path, at least 64)")
     require(not (r.prompt_classifier and r.method == "random"), "router.prompt_classifier",
             "learns content-based shards, which the random control does not have", "router.prompt_classifier=false")
     require(r.reroute_context is None or r.reroute_context > 0, "router.reroute_context",

@@ -29,7 +29,14 @@ import numpy as np
 from .assign import balanced_assign
 from .kmeans import fit_kmeans, squared_distances
 
-__all__ = ["fit_merge", "merge_costs", "ward_groups"]
+__all__ = ["default_fine_clusters", "fit_merge", "merge_costs", "ward_groups"]
+
+
+def default_fine_clusters(num_paths: int) -> int:
+    """Fine clusters when none are configured: 8 per path and at least 64, enough for Ward's
+    merge to find each path's group among several, few enough that every fine cluster
+    holds hundreds of documents of a corpus of tens of thousands."""
+    return max(64, 8 * int(num_paths))
 
 
 def ward_groups(centroids: np.ndarray, sizes: np.ndarray, k: int) -> np.ndarray:
@@ -118,18 +125,18 @@ def fit_merge(x: np.ndarray, grid: Sequence[int], fine_clusters: int, *, niter: 
 
 def _split_node(x: np.ndarray, docs: np.ndarray, k: int, cents: list, members: list, ids: list[int], *,
                 niter: int, seed: int) -> list[int]:
-    """Replace the fine clusters ``ids`` by ``k`` new ones fitted on their documents ``docs``.
+    """Replace the fine clusters ``ids`` (at least one) by ``k`` new ones fitted on their
+    documents ``docs``.
 
-    With fewer than ``k`` documents the node keeps its centroids and repeats them (the
-    balanced assignment's floor still gives every path documents)."""
+    With fewer than ``k`` documents the node repeats its centroids (the balanced
+    assignment's floor still gives every path documents)."""
     if docs.size >= k:
         new = fit_kmeans(x[docs], k, niter=niter, seed=seed)
         near = squared_distances(x[docs], new).argmin(axis=1)
         groups = [docs[near == j] for j in range(k)]
-    else:
-        base = [cents[j] for j in ids] or [x[docs].mean(axis=0) if docs.size else np.zeros(x.shape[1], np.float32)]
-        new = np.stack([base[j % len(base)] for j in range(k)])
-        groups = [docs[j : j + 1] if j < docs.size else docs[:0] for j in range(k)]
+    else:  # fewer documents than children: repeat the node's centroids
+        new = np.stack([cents[ids[j % len(ids)]] for j in range(k)])
+        groups = [docs[j : j + 1] for j in range(k)]
     out = []
     for j in range(k):
         if j < len(ids):  # reuse the slots of the replaced clusters, then append

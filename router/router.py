@@ -49,8 +49,8 @@ from .discriminative import DiscriminativeHead, fit_discriminative
 from .features import CallableFeaturizer, TokenTfidfFeaturizer, as_token_array
 from .kmeans import fit_kmeans, squared_distances
 from .product import fit_product, level_blocks, product_level_costs
+from .merge import default_fine_clusters, fit_merge, merge_costs
 from .saved import ROUTER_FORMAT_VERSION, check_grid, read_router, write_router
-from .merge import fit_merge, merge_costs
 from .tree import fit_tree, grouped_layout, tree_costs
 
 # "random" is a control: a path drawn from a hash of the prefix tokens, so routing is
@@ -144,7 +144,7 @@ class Router:
         soft_capacity_factor: float = 2.0,
         cluster_tokens: int | None = None,
         reroute_context: int | None = None,
-        fine_clusters: int = 64,
+        fine_clusters: int | None = None,
         prompt_classifier: bool = False,
     ) -> "Router":
         """Fit featurizer and k-means on the prefixes of ``docs`` for ``grid``.
@@ -166,7 +166,8 @@ class Router:
             featurizer: default ``TokenTfidfFeaturizer(dim=64, seed=seed)``; an unfitted
                 token featurizer is fitted here; a :class:`CallableFeaturizer` is used as is.
             niter: k-means iterations.
-            fine_clusters: fine k-means clusters of ``method="merge"`` (at least P).
+            fine_clusters: fine k-means clusters of ``method="merge"`` (at least P);
+                None: :func:`router.merge.default_fine_clusters`.
             prompt_classifier: fit a head that routes a document's first
                 ``prefix_tokens`` tokens to the path its shard assignment gave it (see the
                 module docstring); it then scores every view: prompts, shards, re-routes.
@@ -193,9 +194,10 @@ class Router:
         if balance == "soft" and not soft_capacity_factor >= capacity_factor:
             raise ValueError(f"soft_capacity_factor ({soft_capacity_factor}) must be >= capacity_factor "
                              f"({capacity_factor})")
+        fine_clusters = default_fine_clusters(p) if fine_clusters is None else int(fine_clusters)
         prefixes = [as_token_array(d)[:cluster_tokens] for d in docs]
         nonempty = [x for x in prefixes if x.size]
-        need = {"flat": p, "grouped": p, "merge": int(fine_clusters)}.get(method, max(g))
+        need = {"flat": p, "grouped": p, "merge": fine_clusters}.get(method, max(g))
         if len(nonempty) < need:
             raise ValueError(
                 f"docs: {len(nonempty)} non-empty documents cannot be clustered into "
@@ -219,7 +221,7 @@ class Router:
         elif method == "tree":
             centroids = fit_tree(feats, g, niter=niter, seed=seed)
         elif method == "merge":
-            fine, cluster_paths = fit_merge(feats, g, int(fine_clusters), niter=niter, seed=seed)
+            fine, cluster_paths = fit_merge(feats, g, fine_clusters, niter=niter, seed=seed)
             centroids = [fine]
         else:
             centroids, rotation = fit_product(feats, g, niter=niter, seed=seed)
@@ -240,7 +242,7 @@ class Router:
             cluster_tokens=cluster_tokens,
             reroute_context=reroute_context,
             cluster_paths=cluster_paths,
-            fine_clusters=int(fine_clusters) if method == "merge" else None,
+            fine_clusters=fine_clusters if method == "merge" else None,
             prompt_classifier=prompt_classifier,
         )
         fit_costs = router._random_costs(prefixes) if method == "random" else router._kmeans_costs(feats)
