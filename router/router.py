@@ -48,8 +48,8 @@ from .assign import BALANCES, balanced_assign
 from .discriminative import DiscriminativeHead, fit_discriminative
 from .features import CallableFeaturizer, TokenTfidfFeaturizer, as_token_array
 from .kmeans import fit_kmeans, squared_distances
-from .product import fit_product, level_blocks, product_level_costs
 from .merge import default_fine_clusters, fit_merge, merge_costs
+from .product import fit_product, level_blocks, product_level_costs
 from .saved import ROUTER_FORMAT_VERSION, check_grid, read_router, write_router
 from .tree import fit_tree, grouped_layout, tree_costs
 
@@ -63,6 +63,7 @@ Docs = Sequence[Sequence[int]]
 
 # ``tokens=_WHOLE`` reads a document whole: a slice past its end stops at the end
 _WHOLE = sys.maxsize
+
 
 class Router:
     """Routes token-id documents to paths of a grid. Build with :meth:`Router.fit` or :meth:`Router.load`."""
