@@ -1,0 +1,181 @@
+"""The golden-trajectory runs: a [2, 2] grid trained for 3 rounds, four ways.
+
+``tests/golden/trajectory.json`` holds what these runs produced when it was written (per
+path and round: the inner loss; per module after the last round: the global weights'
+sum, L2 norm and a fixed sample of values). ``tests/test_golden.py`` re-runs them and
+compares. It guards refactors of the round: the numbers may only change when the
+arithmetic is meant to change, and then the file is rewritten on purpose::
+
+    .venv/bin/python tests/golden_run.py --rewrite      # writes tests/golden/trajectory.json
+
+The run directory is built by hand from a seeded synthetic token corpus (no corpus
+reader, tokenizer training or router), so changes to the data pipeline cannot move it:
+only the rounds loop, the path learner, the per-module sync and the outer step can.
+
+Scenarios:
+
+* ``sync_local``: the local backend (one process plays both worker groups), codec none.
+* ``sync_gloo``: the same run on 2 gloo ranks (spawn launcher), one worker group each.
+* ``int8_ef``: the local backend with ``diloco.codec=int8`` and error feedback.
+* ``decoupled_full_quorum``: decoupled mode (learner and synchroniser processes meeting
+  through a store) forced to full quorum with no staleness: every module steps once per
+  phase over every path that holds it, as sync mode does.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dipaco.checkpoint import load_state
+from dipaco.config import Config, compose_config
+from dipaco.data import Tokenizer
+from dipaco.run_dir import RunDir
+from router.shards import write_shards
+from router.tokens import TokenDocs
+
+GOLDEN = Path(__file__).parent / "golden" / "trajectory.json"
+ROUNDS = 3
+SAMPLE = 16  # values sampled per module tensor (evenly spaced)
+
+BASE = [
+    "experiment=smoke",
+    "grid=2x2",
+    "model.vocab_size=300",  # > the 257 byte-level tokens of the BPE below; the corpus uses ids < 256
+    f"trainer.rounds={ROUNDS}",
+    "trainer.dense_baseline=false",
+    "trainer.warmup_fraction=0",
+    "trainer.threads=1",  # ops in one order whatever the host's core count
+    "diloco.inner_steps=4",
+]
+
+SCENARIOS: dict[str, list[str]] = {
+    "sync_local": ["launcher=local", "launcher.nproc=2"],
+    "sync_gloo": ["launcher=spawn", "launcher.nproc=2", "launcher.timeout_s=120"],
+    "int8_ef": ["launcher=local", "launcher.nproc=2", "diloco.codec=int8", "diloco.error_feedback=true"],
+    "decoupled_full_quorum": [
+        "launcher=local", "launcher.nproc=2", "diloco.mode=decoupled",
+        "diloco.decoupled.learners=4", "diloco.decoupled.quorum=1.0", "diloco.decoupled.max_staleness=0",
+        "diloco.decoupled.momentum_every=1", "diloco.decoupled.dynamic_steps=false",
+        "diloco.decoupled.grace_init_s=600", "diloco.decoupled.grace_min_s=600",
+        "diloco.decoupled.grace_max_s=600", "diloco.decoupled.pull_wait_s=600",
+        "diloco.decoupled.pull_wait_fraction=null", "diloco.decoupled.timeout_s=300",
+    ],
+}
+
+
+def synthetic_docs(num_docs: int = 160, seed: int = 0) -> tuple[TokenDocs, list[list[int]]]:
+    """Token documents from four seeded Markov chains over byte ids, one per path.
+
+    Each chain favours its own band of ids, so the four shards differ the way routed
+    shards do; a document goes to its own path and, every third document, to the next
+    one too (top-2 overlap, so shards share documents as they do after routing).
+    """
+    rng = np.random.default_rng(seed)
+    chains = []
+    for k in range(4):
+        logits = rng.normal(size=(256, 256))
+        logits[:, 64 * k : 64 * (k + 1)] += 3.0
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        chains.append(np.cumsum(probs / probs.sum(axis=1, keepdims=True), axis=1))
+    docs, assignments = [], []
+    for i in range(num_docs):
+        k = i % 4
+        n = int(rng.integers(80, 200))
+        tok = [int(rng.integers(0, 256))]
+        for u in rng.random(n - 1):
+            tok.append(int(min(255, np.searchsorted(chains[k][tok[-1]], u))))
+        docs.append(tok)
+        assignments.append([k, (k + 1) % 4] if i % 3 == 0 else [k])
+    return TokenDocs.from_arrays(docs), assignments
+
+
+def build_run(root: Path) -> RunDir:
+    """A run directory holding what the rounds read: the tokenizer (its end-of-text id)
+    and the shards of the synthetic corpus."""
+    run = RunDir.at(root)
+    run.root.mkdir(parents=True, exist_ok=True)
+    Tokenizer.train(["golden trajectory " * 8], vocab_size=257).save(str(run.tokenizer))
+    docs, assignments = synthetic_docs()
+    write_shards(docs, assignments, 4, run.shards)
+    return run
+
+
+def scenario_config(name: str, run: RunDir) -> Config:
+    """The config of one scenario, rooted at ``run``."""
+    return compose_config(BASE + SCENARIOS[name], run.root)
+
+
+def run_rounds(cfg: Config, run: RunDir) -> None:
+    """The rounds of ``cfg`` on ``run`` through the job's own entry points."""
+    from dipaco.decoupled.run import run_decoupled
+    from dipaco.launch import launch
+    from dipaco.rounds import run_rank
+
+    if cfg.diloco.mode == "decoupled":
+        run_decoupled(cfg, run)
+    else:
+        launch(run_rank, cfg, run)
+
+
+def _tensor_summary(t: torch.Tensor) -> dict[str, Any]:
+    flat = t.detach().reshape(-1).to(torch.float64)
+    idx = torch.linspace(0, flat.numel() - 1, min(SAMPLE, flat.numel())).round().long()
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"shape": list(t.shape), "sum": float(flat.sum()), "norm": float(flat.norm()),
+            "sample": [float(x) for x in flat[idx]],
+            # informational only: bit equality across CPUs is not a contract
+            "sha256": hashlib.sha256(raw).hexdigest()}
+
+
+def trajectory(run: RunDir) -> dict[str, Any]:
+    """Per path and round the inner loss; per module the final global weights' summary."""
+    losses: dict[str, list[float]] = {}
+    for line in run.metrics.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        for p, v in sorted(rec["paths"].items(), key=lambda kv: int(kv[0])):
+            losses.setdefault(p, []).append(float(v["loss"]))
+    ckpt = run.checkpoints / f"round_{ROUNDS:06d}" / "modules"
+    weights = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        state = load_state(f)
+        weights[f.stem] = {k: _tensor_summary(v) for k, v in sorted(state.items())}
+    return {"losses": losses, "weights": weights}
+
+
+def run_scenario(name: str, workdir: Path) -> dict[str, Any]:
+    """Build a fresh run directory under ``workdir``, train the scenario, summarise it."""
+    run = build_run(workdir / name)
+    run_rounds(scenario_config(name, run), run)
+    return trajectory(run)
+
+
+def rewrite(workdir: Path, names: list[str] | None = None, log: Callable[[str], None] = print) -> None:
+    """Re-run the scenarios and write the golden file (the only writer of it)."""
+    out = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    for name in names or list(SCENARIOS):
+        log(f"golden: running {name}")
+        out[name] = run_scenario(name, workdir)
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    log(f"golden: wrote {GOLDEN}")
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rewrite", action="store_true", help="re-run the scenarios and rewrite the golden file")
+    ap.add_argument("names", nargs="*", help="scenarios to run (default: all)")
+    a = ap.parse_args()
+    if not a.rewrite:
+        ap.error("pass --rewrite: the golden file changes only on purpose")
+    sys.path.insert(0, str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as d:
+        rewrite(Path(d), a.names or None)
