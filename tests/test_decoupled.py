@@ -24,7 +24,7 @@ from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, p
 from dipaco.decoupled.store import FileStore, decode_state, encode_state
 from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.sync.codecs import make_codec
-from dipaco.sync.module_state import ModuleState
+from dipaco.sync.module_core import ModuleCore
 from dipaco.sync.outer import DelayedNesterov, make_outer_optimizer, outer_options
 
 AVG = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
@@ -90,7 +90,7 @@ def test_delayed_nesterov_matches_hand_reference() -> None:
     torch.testing.assert_close(mine, torch.tensor(th), rtol=1e-6, atol=1e-6)
     # the state round-trips through the per-module core's layout (outer/<module>)
     kw = {"name": "delayed_nesterov", "lr": lr, "momentum": beta, "nesterov": True, "every": N, "scale": c}
-    a, b = ModuleState("m", torch.tensor([1.0, 1.0]), kw), ModuleState("m", torch.zeros(2), kw)
+    a, b = ModuleCore("m", torch.tensor([1.0, 1.0]), kw), ModuleCore("m", torch.zeros(2), kw)
     for g in gs:
         a.outer_step(g)
     b.load_state_dict(a.state_dict())

@@ -25,7 +25,7 @@ from dipaco.decoupled.store import encode_state
 from dipaco.decoupled.worker import encode_contribution
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from dipaco.sync.module_core import flatten_params, pseudo_gradient
 from dipaco.topology import Topology
 from dipaco.validate import validate_config
 

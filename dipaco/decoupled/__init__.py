@@ -6,7 +6,7 @@ synchronisers that meet only through a shared store.
   :mod:`~dipaco.decoupled.lease`: path leases;
 * :mod:`~dipaco.decoupled.worker`: the decoupled worker process loop;
 * :mod:`~dipaco.decoupled.merge`: per-module quorum, grace window, staleness and the
-  merge rule on the core shared with sync mode (:mod:`dipaco.sync.module_state`);
+  merge rule on the core shared with sync mode (:mod:`dipaco.sync.module_core`);
 * :mod:`~dipaco.decoupled.service`: the synchroniser process loop and the ledger;
 * :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run)``;
 * :mod:`~dipaco.decoupled.metrics`: goodput, staleness, version rates, drops, ledger check.

@@ -1,6 +1,6 @@
 """The merge rule of decoupled mode: one module's quorum, grace window, staleness and
 outer step, on top of the per-module core both modes share
-(:class:`dipaco.sync.module_state.ModuleState`).
+(:class:`dipaco.sync.module_core.ModuleCore`).
 
 :class:`ModuleSynchronizer` is pure logic on tensors with an injected clock (unit tests
 drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from dipaco.decoupled.config import DecoupledConfig
-from dipaco.sync.module_state import ModuleState
+from dipaco.sync.module_core import ModuleCore, contribution
 
 __all__ = ["Update", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]
 
@@ -70,7 +70,7 @@ class Update:
     phase: int
     base_version: int
     tokens: float
-    # flat fp32: Δ = θ_base − θ_path (dipaco.sync.module_sync.pseudo_gradient), or, with
+    # flat fp32: Δ = θ_base − θ_path (dipaco.sync.module_core.pseudo_gradient), or, with
     # ``weighted``, the decoded contribution α·Δ as a worker pushes it
     delta: torch.Tensor
     arrived_at: float = 0.0
@@ -81,7 +81,7 @@ class Update:
         """α·Δ (computed like a sync worker group's accumulator when not ``weighted``)."""
         if self.weighted:
             return self.delta.to(torch.float32)
-        return torch.zeros(self.delta.numel(), dtype=torch.float32).add_(self.delta.reshape(-1), alpha=self.tokens)
+        return contribution(self.delta, self.tokens)
 
 
 @dataclass
@@ -122,7 +122,7 @@ class ModuleSynchronizer:
                  sharing_rescale: bool = False) -> None:
         self.module_id = module_id
         # θ_global, outer optimiser (and the residual layout): the core shared with sync mode
-        self.core = ModuleState(module_id, weights, outer)
+        self.core = ModuleCore(module_id, weights, outer)
         self.sharing_paths = sorted(int(p) for p in sharing_paths)
         self.cfg = cfg
         self.sharing_rescale = bool(sharing_rescale)
@@ -258,17 +258,13 @@ class ModuleSynchronizer:
             d = self.discount(s) / k
             # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
             g += u.contribution() if d == 1.0 else u.contribution() * d
-        g = g / max(denom, 1e-12)
-        norm = float(g.norm())
-        if self.sharing_rescale:
-            g = g * math.sqrt(len(self.sharing_paths))
-        momentum = self.core.outer_step(g)
+        update = self.core.step(g, max(denom, 1e-12), len(self.sharing_paths), rescale=self.sharing_rescale)
         self.version += 1
         for u in keep:
             self.applied[u.update_id] = self.version
         self.last_step_at = now
         return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
-                          [u.path_id for u in keep], stal, w, norm, trigger, momentum)
+                          [u.path_id for u in keep], stal, w, update.norm, trigger, update.momentum_applied)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

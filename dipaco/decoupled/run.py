@@ -46,8 +46,7 @@ from dipaco.dense import load_dense_state
 from dipaco.run_dir import RunDir
 from dipaco.schedule import warmup_steps
 from dipaco.sync.checkpointing import write_module_files
-from dipaco.sync.module_state import load_flat
-from dipaco.sync.module_sync import flatten_params
+from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
 from dipaco.tracking import MetricsWriter

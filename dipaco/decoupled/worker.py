@@ -54,8 +54,7 @@ from dipaco.run_dir import RunDir
 from dipaco.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.codecs import Codec, make_codec
-from dipaco.sync.module_state import encode_with_feedback, load_flat
-from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from dipaco.sync.module_core import contribution, encode_with_feedback, flatten_params, load_flat, pseudo_gradient
 from modules import PathModel, init_grid_from_dense
 
 __all__ = ["worker_main", "DecoupledWorker", "encode_contribution", "path_state_key", "RESIDUALS"]
@@ -73,8 +72,7 @@ def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
     """The contribution α·Δ of one path to one module, accumulated and encoded (with the
     path's error-feedback ``residual``, or None) exactly as a sync worker group of one
     path encodes it: ``(payload, new residual)``."""
-    value = torch.zeros(delta.numel(), dtype=torch.float32).add_(delta.reshape(-1), alpha=float(tokens))
-    return encode_with_feedback(value, codec, residual)
+    return encode_with_feedback(contribution(delta, tokens), codec, residual, feedback=residual is not None)
 
 
 class DecoupledWorker:

@@ -4,7 +4,7 @@ Layout of ``checkpoints/round_NNNNNN/`` (both sync modes; decoupled mode writes 
 files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
 
 * ``modules/<module>.safetensors``: the module's weights (its ``state_dict``);
-* ``outer/<module>.safetensors``: :meth:`dipaco.sync.module_state.ModuleState.state_dict`
+* ``outer/<module>.safetensors``: :meth:`dipaco.sync.module_core.ModuleCore.state_dict`
   (θ_global, outer optimiser state, error-feedback residuals);
 * ``outer/<module>.rank<r>.safetensors``: residuals of the other holders (torch backend);
 * ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
@@ -46,7 +46,7 @@ def _barrier(distributed: bool) -> None:
 def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict[str, torch.Tensor],
                        weights: Optional[dict[str, torch.Tensor]] = None) -> None:
     """``modules/<module>`` (the live module's weights, or ``weights``) and ``outer/<module>``
-    (its ModuleState)."""
+    (its ModuleCore)."""
     weights = grid.module_state_dict(module_id) if weights is None else weights
     save_state(part / "modules" / f"{module_id}.safetensors", weights)
     save_state(part / "outer" / f"{module_id}.safetensors", outer)
