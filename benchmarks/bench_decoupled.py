@@ -69,12 +69,12 @@ def slow_run_rank(cfg: Any, run: Any, rank: Optional[int], world: int, slow_rank
     def train_steps(self: Any, n: int, on_step: Any = None, **kw: Any) -> Any:
         last = [time.time()]
 
-        def hook(loss: float) -> None:
+        def hook() -> None:
             if rank == slow_rank:
                 time.sleep((factor - 1.0) * (time.time() - last[0]))
             last[0] = time.time()
             if on_step is not None:
-                on_step(loss)
+                on_step()
 
         t0 = time.time()
         stats = original(self, n, on_step=hook, **kw)

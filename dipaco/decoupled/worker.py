@@ -307,7 +307,7 @@ class DecoupledWorker:
         stop_at = [n]
         stalled = [0.0]  # chaos delays: not the learner's speed
 
-        def on_step(_loss: float) -> None:
+        def on_step() -> None:
             done_steps[0] += 1
             if self.slow > 1.0:  # benchmark: an artificially slow learner (slow_factor× per step)
                 time.sleep((self.slow - 1.0) * (time.time() - last_end[0]))

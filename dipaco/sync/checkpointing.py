@@ -25,17 +25,13 @@ import torch
 import torch.distributed as dist
 
 from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
+from dipaco.progress import say
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.topology import Topology
 from modules import ModuleGrid
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_module_files"]
-
-
-def _log(rank: Optional[int], msg: str) -> None:
-    if rank is None or rank == 0:
-        print(f"[dipaco] {msg}", flush=True)
 
 
 def _barrier(distributed: bool) -> None:
@@ -112,9 +108,9 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
     saved_groups = (state.get("worker_groups"), state.get("group_size"))
     regrouped = saved_groups != (topo.num_groups, topo.group_size)
     if regrouped:
-        _log(rank, f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
-                   f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
-                   "re-dealt and error-feedback residuals are dropped")
+        say(f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
+            f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
+            "re-dealt and error-feedback residuals are dropped", rank)
     for mid in my_modules:
         weights = load_state(path / "modules" / f"{mid}.safetensors")
         if sync.sharded:  # full tensors: this rank keeps its rows (any group size, either group_parallel)

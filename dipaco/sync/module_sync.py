@@ -27,21 +27,19 @@ the torch backend rank ``r`` of the group holds only part ``r``, the chunk it re
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from dipaco.progress import log
 from dipaco.sync.codecs import Codec, Payload, make_codec
 from dipaco.sync.comm import CommBytes, Communicator, Exchanged, Pending
 from dipaco.sync.module_core import (Contributions, ModuleCore, encode_with_feedback, flatten_params, params_hash,
                                      wire_codec)
 
 __all__ = ["ModuleRoundStats", "ModuleSync", "RoundStats"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
