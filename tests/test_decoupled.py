@@ -6,16 +6,18 @@ idempotence across a simulated crash, and the ledger invariant of a whole servic
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from dipaco.config import DiLoCoConfig
+from dipaco.config import DiLoCoConfig, to_config
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
-from dipaco.decoupled.metrics import ledger_report
+from dipaco.decoupled.metrics import ledger_report, worker_events
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
@@ -346,6 +348,25 @@ def test_validate_decoupled_names_the_key() -> None:
     probs = validate_decoupled(DecoupledConfig(quorum=0.0, lease_s=1.0, heartbeat_s=1.0))
     keys = [k for k, _, _ in probs]
     assert "diloco.decoupled.quorum" in keys and "diloco.decoupled.lease_s" in keys
+
+
+def test_the_old_name_of_the_decoupled_worker_keys_still_loads(tmp_path: Path) -> None:
+    """``diloco.decoupled.learners`` / ``slow_learners`` (run directories written before
+    the decoupled process was named a decoupled worker) load as ``workers`` /
+    ``slow_workers``; set both ways at once they must agree. Event logs of such stores
+    (``events/learner-*.jsonl``, events naming a ``learner``) are read as workers'."""
+    cfg = to_config(OmegaConf.from_dotlist(["diloco.mode=decoupled", "diloco.decoupled.learners=3",
+                                            "diloco.decoupled.slow_learners=[1]"]))
+    d = cfg.diloco.decoupled
+    assert (d.num_workers, d.slow) == (3, [1]) and len(d.deprecated_keys()) == 2
+    assert validate_decoupled(d) == []
+    assert DecoupledConfig(workers=2).num_workers == 2 and DecoupledConfig().num_workers is None
+    keys = [k for k, _, _ in validate_decoupled(DecoupledConfig(workers=2, learners=3))]
+    assert keys == ["diloco.decoupled.learners"]
+    st = FileStore(tmp_path)
+    st.append_line("events/learner-L0.1-abc.jsonl", json.dumps({"t": 1.0, "e": "begin", "learner": "L0.1-abc"}))
+    st.append_line("events/worker-W1.0-def.jsonl", json.dumps({"t": 2.0, "e": "begin", "worker": "W1.0-def"}))
+    assert [e["worker"] for e in worker_events(st)] == ["L0.1-abc", "W1.0-def"]
 
 
 def _bare_learner(dcfg: DecoupledConfig, my_sps: float | None, others_sps: float | None, H: int = 48):

@@ -59,7 +59,7 @@ DROP_REASONS = (
     "non_finite",  # NaN/inf in the decoded pseudo-gradient
     "bad_shape",  # numel does not match the module
     "corrupt",  # the update file cannot be decoded
-    "unprocessed_after_finish",  # found in the inbox after every learner and synchroniser stopped
+    "unprocessed_after_finish",  # found in the inbox after every decoupled worker and synchroniser stopped
 )
 
 
@@ -233,7 +233,7 @@ class ModuleSynchronizer:
         if trigger == "quorum" and self.first_pending_at is not None:
             fill = now - self.first_pending_at
             self.fill_ema = fill if self.fill_ema is None else 0.7 * self.fill_ema + 0.3 * fill
-        # (a grace expiry leaves the EMA alone: widening it would make every learner that
+        # (a grace expiry leaves the EMA alone: widening it would make every worker that
         # waits for this module wait longer whenever one sharing path is slow)
         keep: list[Update] = []
         for u in self.pending:

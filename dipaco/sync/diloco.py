@@ -38,7 +38,7 @@ from torch import nn
 
 from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
 from dipaco.config import DiLoCoConfig, codec_kwargs
-from dipaco.sync.checks import check_identical_modules
+from dipaco.sync.checks import check_disjoint_parameters, check_identical_modules
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.comm import LocalComm
 from dipaco.sync.groups import ProcessGroups
@@ -186,15 +186,7 @@ class DiLoCoSync:
             where = "the local backend" if rank is None else f"rank {rank} (worker group {self.group})"
             raise ValueError(f"{where} must hold modules {missing} but they were not passed to DiLoCoSync")
         self.modules = {m: modules[m] for m in held}
-        owner: dict[int, str] = {}
-        for m in held:  # a parameter synchronised by two ModuleSyncs would be stepped twice
-            for q in modules[m].parameters():
-                if id(q) in owner:
-                    raise ValueError(
-                        f"modules {owner[id(q)]!r} and {m!r} share a parameter; each parameter must belong to "
-                        "exactly one module (e.g. a tied embedding belongs to 'embed' only)"
-                    )
-                owner[id(q)] = m
+        check_disjoint_parameters(self.modules)
         self.schedule = schedule.restrict(held)
         kind = ShardedModuleSync if self.sharded else ModuleSync
         extra = {} if self.sharded else {"state_device": self._state_device(outer_device, modules, held)}
