@@ -55,7 +55,8 @@ from dipaco.comm_plan import (
 )
 from dipaco.topology import Topology
 
-__all__ = ["CommBytes", "Communicator", "Exchanged", "LocalComm", "Pending"]
+__all__ = ["CommBytes", "Communicator", "Exchanged", "LocalComm", "Pending", "ordered_sum", "owner_part",
+           "reencode"]
 
 
 @dataclass
@@ -165,14 +166,15 @@ class Communicator:
         return Pending.done(job())
 
 
-def _ordered_sum(decoded: list[torch.Tensor], numel: int) -> torch.Tensor:
+def ordered_sum(decoded: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """The decoded contributions summed in the order given (ascending worker group)."""
     out = torch.zeros(numel, dtype=torch.float32, device=decoded[0].device if decoded else "cpu")
     for d in decoded:  # ascending group order, in both backends
         out += d
     return out
 
 
-def _reencode(reduced: torch.Tensor, codec: Codec, residual: torch.Tensor | None) -> Payload:
+def reencode(reduced: torch.Tensor, codec: Codec, residual: torch.Tensor | None) -> Payload:
     """Phase 2 of the two-phase exchange: encode a reduced chunk on its owner.
 
     With ``residual`` (the owner's error feedback, a view updated in place) the chunk
@@ -184,7 +186,7 @@ def _reencode(reduced: torch.Tensor, codec: Codec, residual: torch.Tensor | None
     return payload
 
 
-def _owner_part(owner_residuals: dict[int, torch.Tensor] | None, group: int, r: int, c: int) -> torch.Tensor | None:
+def owner_part(owner_residuals: dict[int, torch.Tensor] | None, group: int, r: int, c: int) -> torch.Tensor | None:
     """Part ``r`` (slice ``r``'s chunk, ``c`` elements) of worker group ``group``'s owner residual."""
     if owner_residuals is None:
         return None
@@ -219,12 +221,12 @@ class LocalComm(Communicator):
                 # in ascending group order, re-encodes it; everyone decodes the k results
                 reduced = []
                 for j, owner in enumerate(groups):
-                    part = _ordered_sum([codec.decode(payloads[g][r][j], c) for g in groups], c)
-                    payload = _reencode(part, codec, _owner_part(owner_residuals, owner, r, c))
+                    part = ordered_sum([codec.decode(payloads[g][r][j], c) for g in groups], c)
+                    payload = reencode(part, codec, owner_part(owner_residuals, owner, r, c))
                     reduced.append(codec.decode(payload, c))
                 slices.append(torch.cat(reduced)[:s])
             else:
-                slices.append(_ordered_sum([codec.decode(payloads[g][r][0], s) for g in groups], s))
+                slices.append(ordered_sum([codec.decode(payloads[g][r][0], s) for g in groups], s))
         if ex.k > 1:  # each of the k ranks of each of the G subgroups sends the planned bytes
             nbytes.cross = ex.k * G * ex.cross_bytes
             nbytes.intra = ex.k * G * allgather_bytes(G, 4 * s)

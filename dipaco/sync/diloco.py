@@ -163,6 +163,7 @@ class DiLoCoSync:
         if lossy_exchange not in LOSSY_EXCHANGES:  # before any collective (process groups)
             raise ValueError(f"lossy_exchange={lossy_exchange!r} must be one of {list(LOSSY_EXCHANGES)}")
         self.lossy_exchange = lossy_exchange
+        # without a config (tests, benchmarks) the round's length does not matter: H = 1
         schedule = schedule or RoundSchedule.synchronous(topology.module_ids, 1)
         if not schedule.is_synchronous:  # before any collective, too
             raise ValueError("DiLoCoSync runs synchronous schedules (every module launches and finishes after "

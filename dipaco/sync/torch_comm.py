@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from dipaco.comm_plan import META_BYTES, Exchange, allgather_bytes, ring_allreduce_bytes
 from dipaco.sync.codecs import Codec, Payload
-from dipaco.sync.comm import Chunked, CommBytes, Communicator, Exchanged, Pending, _ordered_sum, _owner_part, _reencode
+from dipaco.sync.comm import (Chunked, CommBytes, Communicator, Exchanged, Pending, ordered_sum, owner_part,
+                              reencode)
 from dipaco.topology import Topology
 
 __all__ = ["TorchComm"]
@@ -127,7 +128,7 @@ class TorchComm(Communicator):
             gathered = [torch.empty_like(buf) for _ in range(k)]
             dist.all_gather(gathered, buf, group=sub)  # list index = ascending rank = ascending group
             gathered = [b.cpu() for b in gathered]
-            reduced = _ordered_sum([codec.decode(_unpack(b, mine[0]), s) for b in gathered], s)
+            reduced = ordered_sum([codec.decode(_unpack(b, mine[0]), s) for b in gathered], s)
             nbytes.cross = allgather_bytes(k, buf.numel())
             self.trace.append((module_id, "all_gather", sub_ranks, nbytes.cross))
         if G == 1:
@@ -188,10 +189,10 @@ class TorchComm(Communicator):
         dist.all_to_all_single(recv, send.to(self.device), group=sub)
         recv = recv.cpu()
         received = [codec.decode(_unpack(recv[i * nb : (i + 1) * nb], mine[me]), c) for i in range(k)]
-        part = _ordered_sum(received, c)  # contributions to chunk ``me`` in ascending group order
+        part = ordered_sum(received, c)  # contributions to chunk ``me`` in ascending group order
         sent1 = (k - 1) * nb  # the own segment never leaves the rank
         self.trace.append((module_id, "reduce_scatter", sub_ranks, sent1))
-        payload = _reencode(part, codec, _owner_part(owner_residuals, self.group, self.local_rank, c))
+        payload = reencode(part, codec, owner_part(owner_residuals, self.group, self.local_rank, c))
         buf = _pack(payload).to(self.device)
         gathered = [torch.empty_like(buf) for _ in range(k)]
         dist.all_gather(gathered, buf, group=sub)
