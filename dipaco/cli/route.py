@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dipaco.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
-from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir
+from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir, register_launcher
 from dipaco.config import register_configs
 from dipaco.prepare import prepare
 from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
@@ -45,6 +45,7 @@ def _app(cfg: DictConfig) -> None:
 def main() -> None:
     """Console-script entry point."""
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
+    register_launcher()
     _app()
 
 

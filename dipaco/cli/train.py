@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dipaco.cli.errors import report_user_errors
-from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, protect_run_dir
+from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, protect_run_dir, register_launcher
 from dipaco.config import register_configs
 from dipaco.train import train
 
@@ -31,6 +31,7 @@ def _app(cfg: DictConfig) -> float:
 def main() -> None:
     """Console-script entry point."""
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
+    register_launcher()
     _app()
 
 
