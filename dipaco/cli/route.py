@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dipaco.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
+from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir, register_launcher
 from dipaco.config import register_configs
 from dipaco.prepare import prepare
@@ -44,6 +45,9 @@ def _app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config
+        print(usage("dipaco-route"))
+        return
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
     register_launcher()
     _app()
