@@ -62,6 +62,8 @@ class StopSignals:
     """
 
     received: Optional[str] = None
+    # called with the signal's name on the first one (dipaco.preempt.RequeueDeadline.arm)
+    on_signal: Optional[Callable[[str], None]] = None
 
     def __enter__(self) -> "StopSignals":
         StopSignals.received = None
@@ -75,6 +77,7 @@ class StopSignals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         StopSignals.received = None  # a later run in this process starts unsignalled
+        StopSignals.on_signal = None
 
 
 def _on_stop_signal(signum: int, _frame: Any) -> None:
@@ -84,6 +87,8 @@ def _on_stop_signal(signum: int, _frame: Any) -> None:
     StopSignals.received = signal.Signals(signum).name
     print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
           "send it again to stop at once", flush=True)
+    if StopSignals.on_signal is not None:
+        StopSignals.on_signal(StopSignals.received)
 
 
 def stop_requested(distributed: bool) -> bool:

@@ -28,7 +28,7 @@ from dipaco.evaluate import evaluate_single
 from dipaco.job_eval import evaluate_run
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
 from dipaco.plots import write_plots
-from dipaco.preempt import requeued_resume, stopped
+from dipaco.preempt import RequeueDeadline, requeued_resume, stopped
 from dipaco.prepare import Prepared, prepare
 from dipaco.results import RoundsResult
 from dipaco.reshard import reshard_rounds, run_rounds_with_reshards
@@ -167,6 +167,10 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
                           "use launcher=spawn on one host, or drop the re-shard")
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
+    deadline = None
+    if cfg.launcher.name == "slurm" and rank == 0:  # a round that cannot end in time is abandoned
+        deadline = RequeueDeadline(cfg, os.environ, log=_log)
+        StopSignals.on_signal = deadline.arm
     wall0 = time.perf_counter()
     prep = None
     if rank == 0:
@@ -181,13 +185,16 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
         # signal: all leave together; under SLURM rank 0 requeues the job (dipaco/preempt.py)
         dist.barrier()
         dist.destroy_process_group()
-        raise stopped(cfg, run, result, StopSignals.received, requeue_here=rank == 0)
+        raise stopped(cfg, run, result, StopSignals.received,
+                      requeue_here=rank == 0 and (deadline is None or deadline.claim()))
     summary: dict[str, Any] = {}
     if rank == 0:
         assert prep is not None
         summary = _finish(cfg, run, prep, result, rounds_s, wall0)
     dist.barrier()
     dist.destroy_process_group()
+    if deadline is not None:
+        deadline.cancel()
     return summary
 
 

@@ -19,18 +19,26 @@ import torch
 
 import fake_slurm
 from dipaco.config import ConfigError, compose_config
-from dipaco.preempt import requeued_resume, restart_count, stopped
+from dipaco.preempt import DEADLINE_MARGIN_S, RequeueDeadline, requeued_resume, restart_count, stopped
 from dipaco.results import RoundsResult
-from dipaco.run_dir import RunDir
+from dipaco.run_dir import RunDir, RunDirError
+from dipaco.run_lock import LOCK_NAME, RunLock, check_unlocked
 from dipaco.slurm import task_threads
 from dipaco.slurm_launcher import describe_failure, report_failures
 from dipaco.train import train
 from dipaco.validate import validate_config
 
-SMOKE = ["experiment=smoke", "data.max_documents=200", "trainer.rounds=4", "trainer.dense_baseline=false",
-         "trainer.threads=1"]
+SMOKE = ["experiment=smoke", "trainer.rounds=4", "trainer.dense_baseline=false", "trainer.threads=1"]
 SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.gpus_per_node=null",
          "launcher.cpus_per_task=1", "launcher.backend=gloo"]
+
+
+def _documents(path: Path) -> list[str]:
+    """240 small documents of four kinds as jsonl (quicker to load than the stdlib corpus)."""
+    kinds = ("def f{i}(x):\n    return x * {i} + len('{i}')\n", "import os{i}\nprint(os{i}.getcwd())\n",
+             "class C{i}:\n    value = {i}\n    name = 'c{i}'\n", "# note {i}: the quick brown fox {i} times\n")
+    path.write_text("".join(json.dumps({"text": kinds[i % 4].format(i=i) * 4}) + "\n" for i in range(240)))
+    return ["data=jsonl", f"data.path={path}"]
 
 
 def _weights(run_dir: Path, round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -47,9 +55,10 @@ def test_usr2_checkpoints_requeues_and_resumes_as_uninterrupted(tmp_path: Path) 
     """SIGUSR2 reaches rank 1 as round 2 starts (rank 0 learns it at the round's end): both
     ranks finish round 2, its checkpoint is committed, rank 0 runs ``scontrol requeue``,
     and the requeued job (SLURM_RESTART_COUNT=1) runs with resume=true from round 2."""
+    data = _documents(tmp_path / "docs.jsonl")
     env = dict(os.environ, **fake_slurm.install(tmp_path / "bin", tmp_path / "slurm"),
                DIPACO_FAULT="signal:sig=USR2:round=2:rank=1", HYDRA_FULL_ERROR="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", "from dipaco.cli.train import main; main()", *SMOKE, *SLURM,
+    proc = subprocess.run([sys.executable, "-c", "from dipaco.cli.train import main; main()", *SMOKE, *data, *SLURM,
                            f"hydra.sweep.dir={tmp_path}/sweep", "hydra.sweep.subdir=run"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     logs = tmp_path / "sweep" / ".submitit" / "1"
@@ -67,7 +76,7 @@ def test_usr2_checkpoints_requeues_and_resumes_as_uninterrupted(tmp_path: Path) 
     assert summary["resumed_from_round"] == 2 and summary["launcher"] == "slurm"
 
     # the same run, uninterrupted, in one process (local backend): the same bits
-    reference = train(compose_config(SMOKE + ["launcher=local", "launcher.nproc=2"], tmp_path / "reference"))
+    reference = train(compose_config(SMOKE + data + ["launcher=local", "launcher.nproc=2"], tmp_path / "reference"))
     a, b = _weights(run, 4), _weights(tmp_path / "reference", 4)
     assert a.keys() == b.keys() and a
     for mid in a:
@@ -97,6 +106,18 @@ def test_dry_run_prints_the_job_and_each_task_and_submits_nothing(tmp_path: Path
     assert rows[9][1:7] == ["9", "1", "9", "1", "16", "8"]
     assert rows[9][-1] == "8"  # threads = launcher.cpus_per_task
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "slurm").exists()  # sbatch never ran
+
+
+def test_dry_run_needs_neither_srun_nor_a_partition(tmp_path: Path, capsys, monkeypatch) -> None:
+    from dipaco.cli import train as train_cli
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no srun, no sbatch
+    monkeypatch.setattr(sys, "argv", ["dipaco-train", "launcher=slurm", "launcher.dry_run=true", "launcher.nproc=2",
+                                      f"hydra.sweep.dir={tmp_path}/sweep"])
+    with pytest.raises(SystemExit) as done:
+        train_cli.main()
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "#SBATCH --ntasks-per-node=2" in out and "--partition" not in out
 
 
 @pytest.mark.parametrize(("override", "key"), [("launcher.cpus_per_task=0", "launcher.cpus_per_task"),
@@ -199,3 +220,52 @@ def test_report_failures_exits_1_with_one_line(tmp_path: Path, capsys) -> None:
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert err == [f"dipaco: error: SLURM job 8 failed in task 0 (rank 0): KeyboardInterrupt; its log: "
                    f"{folder}/8_0_log.err"]
+
+
+def test_a_round_that_cannot_end_in_time_is_abandoned_at_the_deadline() -> None:
+    """SIGUSR2 with the job's end 0.2 s past the margin: the deadline requeues by itself,
+    once, and the normal path then does not requeue again."""
+    import time
+
+    cfg = compose_config(["launcher=slurm", "launcher.partition=p"])
+    env = {"SLURM_JOB_ID": "3", "SLURM_JOB_END_TIME": str(int(time.time() + DEADLINE_MARGIN_S + 1))}
+    calls: list[str] = []
+    said: list[str] = []
+    deadline = RequeueDeadline(cfg, env, requeue=calls.append, log=said.append)
+    deadline.arm("SIGTERM")  # scancel / a preempting scheduler: no deadline
+    assert deadline._timer is None
+    deadline.arm("SIGUSR2")
+    for _ in range(60):
+        if calls:
+            break
+        time.sleep(0.05)
+    assert calls == ["3"] and "abandoning it and requeueing now" in said[0]
+    assert deadline.claim() is False  # the stop at the round boundary must not requeue twice
+    on_time = RequeueDeadline(cfg, {**env, "SLURM_JOB_END_TIME": str(int(time.time() + 600))}, requeue=calls.append)
+    on_time.arm("SIGUSR2")
+    assert on_time.claim() is True  # the round ended in time: the normal path requeues
+    time.sleep(0.1)
+    assert calls == ["3"]
+    unknown = RequeueDeadline(cfg, {"SLURM_JOB_ID": "3"}, requeue=calls.append)
+    unknown.arm("SIGUSR2")  # SLURM < 21.08: no end time, nothing armed
+    assert unknown._timer is None and unknown.seconds_left() is None
+
+
+def test_a_requeued_attempt_takes_over_the_lock_of_an_earlier_one(tmp_path: Path, monkeypatch) -> None:
+    """The earlier attempt ran on another node (its PID cannot be checked there); SLURM
+    ended it before restarting the job, so the lock is stale for the next attempt only."""
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "node-elsewhere", "slurm_job": "12",
+                                                  "slurm_restart": 0}))
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    with pytest.raises(RunDirError, match="in use by another dipaco run"):
+        check_unlocked(tmp_path)  # the same attempt: a live holder elsewhere
+    monkeypatch.setenv("SLURM_JOB_ID", "13")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    with pytest.raises(RunDirError):
+        check_unlocked(tmp_path)  # another job's lock
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    check_unlocked(tmp_path)
+    with RunLock(tmp_path, log=lambda m: None):
+        held = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert (held["slurm_job"], held["slurm_restart"]) == ("12", 1)
