@@ -29,6 +29,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dipaco.file_mode import follow_umask
+
 MANIFEST = "manifest.json"
 _ROUND_DIR = re.compile(r"^round_(\d{6})$")
 
@@ -74,6 +76,7 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: Optional[di
     flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     metadata = {"json": json.dumps(meta, sort_keys=True)} if meta is not None else None
     save_file(flat, str(tmp), metadata=metadata)
+    follow_umask(tmp)  # safetensors creates 0600 whatever the umask
     os.replace(tmp, path)
 
 

@@ -262,7 +262,9 @@ class LauncherConfig:
     partition: Optional[str] = None  # required: the SLURM partition (sbatch --partition)
     nodes: int = 1
     gpus_per_node: Optional[int] = None  # None on CPU nodes
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: Optional[int] = None  # CPUs (= torch threads) per rank; conf/launcher/slurm.yaml: 8
+    max_requeues: int = 3  # SIGUSR2 before the time limit: checkpoint, requeue (dipaco/preempt.py)
+    dry_run: bool = False  # print the job script and each task's environment, submit nothing
     mem_gb: Optional[int] = None
     timeout_min: int = 60  # the job's time limit
     account: Optional[str] = None

@@ -13,6 +13,8 @@ Syntax: ``;``-separated faults, each ``kind:key=value:key=value``::
     DIPACO_FAULT="kill:rank=1:round=2"            # rank 1 SIGKILLs itself in round 2's inner phase
     DIPACO_FAULT="nan:path=1:round=2:module=L1.0" # path 1's L1.0 holds NaN after its inner steps
     DIPACO_FAULT="inf:path=0:round=1"             # +inf in every module of path 0, round 1
+    DIPACO_FAULT="signal:sig=USR2:round=2"        # every rank gets SIGUSR2 as round 2 starts
+                                                  # (SLURM's warning before the time limit)
     DIPACO_FAULT="worker_kill:every_s=1:max=4:seed=3"  # decoupled: the supervisor SIGKILLs a
                                                        # random (preferably busy) worker about
                                                        # every 1 s (×U(0.5, 1.5)), 4 times
@@ -33,10 +35,10 @@ from typing import Any, Optional
 import torch
 
 ENV = "DIPACO_FAULT"
-KINDS = ("kill", "nan", "inf", "worker_kill", "worker_delay")
+KINDS = ("kill", "signal", "nan", "inf", "worker_kill", "worker_delay")
 # field name -> type; which fields a kind reads is in the module doc
 FIELDS = {"round": int, "rank": int, "path": int, "module": str, "every_s": float, "max": int, "prob": float,
-          "s": float, "seed": int}
+          "s": float, "seed": int, "sig": str}
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Fault:
     prob: Optional[float] = None
     s: Optional[float] = None
     seed: Optional[int] = None
+    sig: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,15 @@ def parse(spec: str) -> list[Fault]:
         f = Fault(kind, **kw)
         if kind == "worker_kill" and not (f.every_s and f.every_s > 0 and (f.max or 0) > 0):
             raise ValueError(f"{ENV}: {item!r} needs every_s > 0 and max > 0, e.g. worker_kill:every_s=5:max=3")
+        if kind == "signal" and not isinstance(getattr(signal, f"SIG{f.sig or 'USR2'}", None), signal.Signals):
+            raise ValueError(f"{ENV}: {item!r} names no signal; use e.g. signal:sig=USR2 or signal:sig=TERM")
         if kind == "worker_delay" and not (0 <= (f.prob or 0) <= 1 and (f.s or 0) > 0):
             raise ValueError(f"{ENV}: {item!r} needs prob in [0, 1] and s > 0, e.g. worker_delay:prob=0.2:s=1")
         faults.append(f)
     return faults
+
+
+_SIGNALLED: set[Fault] = set()  # ``signal`` faults already sent by this process
 
 
 def active() -> list[Fault]:
@@ -108,7 +116,9 @@ def inject(where: str, *, round_idx: int, rank: Optional[int], path: int, grid: 
     """Apply the faults that match this point of the round loop.
 
     ``where="before_inner"``: a matching ``kill`` fault sends SIGKILL to this process (a
-    preempted or crashed machine: no cleanup, no exception, no checkpoint).
+    preempted or crashed machine: no cleanup, no exception, no checkpoint); a matching
+    ``signal`` fault sends ``SIG<sig>`` (default USR2), as SLURM does to every task of a
+    job before its time limit.
     ``where="after_inner"``: a matching ``nan``/``inf`` fault overwrites the first element
     of every parameter of the chosen module(s) of ``path`` in ``grid``, so the path's
     pseudo-gradient for that module is non-finite this round.
@@ -120,6 +130,9 @@ def inject(where: str, *, round_idx: int, rank: Optional[int], path: int, grid: 
             continue
         if where == "before_inner" and f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if where == "before_inner" and f.kind == "signal" and f not in _SIGNALLED:
+            _SIGNALLED.add(f)  # once per process, as SLURM sends it: a second one means "stop now"
+            os.kill(os.getpid(), getattr(signal, f"SIG{f.sig or 'USR2'}"))
         if where == "after_inner" and f.kind in ("nan", "inf") and grid is not None:
             value = float("nan") if f.kind == "nan" else float("inf")
             targets = [f.module] if f.module else list(module_ids or [])

@@ -49,19 +49,27 @@ def require_torchrun_env() -> None:
                           "...`, or use launcher=local / launcher=spawn")
 
 
+# SIGUSR2 is what SLURM (``#SBATCH --signal=USR2@N``, as submitit writes it) sends every
+# task N seconds before the time limit: under launcher=slurm the job then requeues itself
+# (dipaco/preempt.py)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR2") if hasattr(signal, name))
+
+
 class StopSignals:
-    """``with StopSignals(): ...``: SIGTERM/SIGINT ask the rounds to stop at the next round
-    boundary (checkpoint written) instead of killing the process mid-write. A second
+    """``with StopSignals(): ...``: SIGTERM/SIGINT/SIGUSR2 ask the rounds to stop at the next
+    round boundary (checkpoint written) instead of killing the process mid-write. A second
     signal stops at once. ``StopSignals.received`` names the signal, or is ``None``.
     """
 
     received: Optional[str] = None
+    # called with the signal's name on the first one (dipaco.preempt.RequeueDeadline.arm)
+    on_signal: Optional[Callable[[str], None]] = None
 
     def __enter__(self) -> "StopSignals":
         StopSignals.received = None
         self._old: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live there only
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in STOP_SIGNALS:
                 self._old[sig] = signal.signal(sig, _on_stop_signal)
         return self
 
@@ -69,6 +77,7 @@ class StopSignals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         StopSignals.received = None  # a later run in this process starts unsignalled
+        StopSignals.on_signal = None
 
 
 def _on_stop_signal(signum: int, _frame: Any) -> None:
@@ -78,16 +87,21 @@ def _on_stop_signal(signum: int, _frame: Any) -> None:
     StopSignals.received = signal.Signals(signum).name
     print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
           "send it again to stop at once", flush=True)
+    if StopSignals.on_signal is not None:
+        StopSignals.on_signal(StopSignals.received)
 
 
 def stop_requested(distributed: bool) -> bool:
     """Whether any rank got a stop signal; in a distributed run all ranks agree (one
-    all-reduce per round), so they stop after the same round."""
-    flag = StopSignals.received is not None
+    all-reduce per round), so they stop after the same round, and a rank that got no
+    signal itself learns one that did (``StopSignals.received``: the highest number)."""
+    got = StopSignals.received
     if not distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
+        return got is not None
+    t = torch.tensor([float(signal.Signals[got].value) if got else 0.0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item() > 0 and got is None:
+        StopSignals.received = signal.Signals(int(t.item())).name
     return bool(t.item() > 0)
 
 

@@ -3,7 +3,9 @@
 Two runs writing one directory interleave ``metrics.jsonl`` and overwrite each other's
 checkpoints and summary, and both exit 0. The lock is taken after every check has passed
 (a refused run writes nothing) and removed on exit. A lock left by a process that no
-longer exists on this host (a SIGKILLed run) is taken over, with a log line.
+longer exists on this host (a SIGKILLed run) is taken over, with a log line; so is one
+left by an earlier attempt of this SLURM job (SLURM ends a job's processes before it
+restarts a requeued job, on whatever node: dipaco/preempt.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Callable, Optional
 
+from dipaco.preempt import restart_count
 from dipaco.run_dir import RunDirError
 
 LOCK_NAME = ".dipaco.lock"
@@ -38,6 +41,10 @@ def lock_holder(root: Path) -> Optional[dict]:
         return None
     except (ValueError, KeyError, TypeError, OSError):
         return None  # torn or foreign content: treated as stale
+    job = os.environ.get("SLURM_JOB_ID")
+    earlier = restart_count({"SLURM_RESTART_COUNT": str(holder.get("slurm_restart", 0))})
+    if job and holder.get("slurm_job") == job and earlier < restart_count(os.environ):
+        return None  # an earlier attempt of this requeued job: SLURM ended it before this one started
     if host != socket.gethostname():
         return holder  # cannot tell whether a process on another host is alive: assume so
     return holder if pid != os.getpid() and _alive(pid) else None
@@ -66,7 +73,10 @@ class RunLock:
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+        holder = {"pid": os.getpid(), "host": socket.gethostname()}
+        if os.environ.get("SLURM_JOB_ID"):  # lets a requeued attempt of this job take the lock over
+            holder.update(slurm_job=os.environ["SLURM_JOB_ID"], slurm_restart=restart_count(os.environ))
+        body = json.dumps(holder)
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -8,14 +8,17 @@ module turns the SLURM environment of a task into the torch.distributed rendezvo
 runs exactly as under torchrun (rank 0 prepares, all train, rank 0 evaluates).
 
 It also renders the sbatch script submitit would write, without a cluster
-(:func:`sbatch_script`): the tests check it, and a user can read it before queueing.
-submitit is wrapped here and nowhere else.
+(:func:`sbatch_script`), and with each task's environment (:func:`dry_run_text`, printed
+by ``launcher.dry_run=true``). submitit is wrapped here and in :mod:`dipaco.slurm_launcher`
+(the login node's side: submission and failures) and nowhere else.
 """
 from __future__ import annotations
 
 import re
+import shlex
+import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 from dipaco.launch import LaunchError
 
@@ -77,3 +80,51 @@ def sbatch_script(launcher: Mapping[str, Any], command: str = "<submitit task>")
         raise ValueError(f"hydra.launcher keys sbatch does not know: {unknown}")
     folder = Path(str(launcher.get("submitit_folder", ".submitit/%j")))
     return submitit_slurm._make_sbatch_string(command=command, folder=folder, **params)
+
+
+def task_threads(env: Mapping[str, str], threads: Optional[int]) -> Optional[int]:
+    """Torch threads of one srun task: ``trainer.threads`` if set, else the CPUs SLURM gave
+    the task (``SLURM_CPUS_PER_TASK``, from ``launcher.cpus_per_task``); ``None``: leave
+    torch's default (every core of the node, which ranks sharing a node would oversubscribe)."""
+    if threads:
+        return int(threads)
+    cpus = env.get("SLURM_CPUS_PER_TASK", "")
+    return int(cpus) if cpus.isdigit() and int(cpus) > 0 else None
+
+
+def submitit_command(folder: str) -> str:
+    """The command each srun task runs: submitit's runner, which unpickles the Hydra job."""
+    return f"{sys.executable} -u -m submitit.core._submit {shlex.quote(folder)}"
+
+
+def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads: Optional[int],
+                 master_port: int, max_requeues: int, overrides: Sequence[str]) -> str:
+    """What ``dipaco-train launcher=slurm launcher.dry_run=true`` prints: the sbatch script
+    submitit would submit and the torch.distributed environment each task derives."""
+    folder = str(Path(str(launcher.get("submitit_folder", ".submitit/%j"))).absolute())
+    script = sbatch_script({**launcher, "submitit_folder": folder}, command=submitit_command(folder))
+    world = nodes * nproc
+    shown = list(range(world)) if world <= 16 else [*range(nproc), world - 1]
+    rows = ["# task  node  RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR        MASTER_PORT  threads"]
+    for t in shown:
+        if shown[-1] == t and len(shown) < world:
+            rows.append(f"# ... ({world} tasks in all)")
+        env = slurm_rendezvous({"SLURM_PROCID": str(t), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(t % nproc),
+                                "SLURM_JOB_NODELIST": "(first node)", "SLURM_NTASKS_PER_NODE": str(nproc)},
+                               master_port)
+        rows.append(f"# {t:>4}  {t // nproc:>4}  {env['RANK']:>4}  {env['LOCAL_RANK']:>10}  {env['WORLD_SIZE']:>10}  "
+                    f"{env['LOCAL_WORLD_SIZE']:>16}  {env['MASTER_ADDR']:<17}  {env['MASTER_PORT']:>11}  "
+                    f"{threads if threads else 'torch default':>7}")
+    signal_s = launcher.get("signal_delay_s", 120)
+    return "\n".join([
+        "# dry run (launcher.dry_run=true): nothing is submitted. The sbatch script submitit would submit:",
+        script.rstrip(),
+        "",
+        f"# each of the {world} srun tasks runs the dipaco-train job (pickled by submitit) with these overrides:",
+        "#   " + (" ".join(shlex.quote(o) for o in overrides) or "(none)"),
+        "# and turns its SLURM variables into torch.distributed's (dipaco/slurm.py):",
+        *rows,
+        f"# SIGUSR2 {signal_s} s before the time limit: the round in flight finishes, its checkpoint is written and",
+        f"# the job requeues itself (at most launcher.max_requeues={max_requeues} times); a requeued job runs with "
+        "resume=true.",
+    ])

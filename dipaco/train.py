@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -27,14 +28,15 @@ from dipaco.evaluate import evaluate_single
 from dipaco.job_eval import evaluate_run
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
 from dipaco.plots import write_plots
+from dipaco.preempt import RequeueDeadline, requeued_resume, stopped
 from dipaco.prepare import Prepared, prepare
 from dipaco.results import RoundsResult
 from dipaco.reshard import reshard_rounds, run_rounds_with_reshards
 from dipaco.resume import check_fresh, finished_summary, has_saved_config, resume_config
 from dipaco.rounds import run_rank
-from dipaco.run_dir import RunDir, RunStopped, disk_full_guard, prior_totals
+from dipaco.run_dir import RunDir, disk_full_guard, prior_totals
 from dipaco.run_lock import RunLock, check_unlocked
-from dipaco.slurm import slurm_rendezvous
+from dipaco.slurm import slurm_rendezvous, task_threads
 from dipaco.tracking import MetricsWriter
 from dipaco.validate import validate_config
 from modules import PathModel
@@ -54,6 +56,7 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
     before every check has passed.
     """
     validate_config(cfg)
+    cfg = requeued_resume(cfg, os.environ, _log)  # a requeued SLURM job continues its run
     if not cfg.run_dir:
         raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
     run = RunDir.at(cfg.run_dir)
@@ -73,10 +76,14 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA work (the warm-up, the features)
     if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
         os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
+        threads = task_threads(os.environ, cfg.trainer.threads)
+        if threads:  # the task's CPUs (launcher.cpus_per_task), not every core of the node
+            torch.set_num_threads(threads)
     if cfg.launcher.name in ("torchrun", "slurm"):
         require_torchrun_env()
         if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
-            return _train_under_torchrun(cfg, run, changes)
+            with StopSignals():  # SIGTERM / SLURM's SIGUSR2: this rank too stops at the round boundary
+                return _train_under_torchrun(cfg, run, changes)
     check_unlocked(run.root)
     with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
         if cfg.launcher.name in ("torchrun", "slurm"):
@@ -123,11 +130,7 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
             wall0: float) -> dict[str, Any]:
     """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
     if not result.finished and StopSignals.received:
-        done = result.completed_rounds
-        where = (f"after round {done}; last complete checkpoint {result.checkpoint}" if result.checkpoint
-                 else "before the first checkpoint")
-        raise RunStopped(f"stopped by {StopSignals.received} {where}; continue with: "
-                         f"dipaco-train hydra.run.dir={run.root} resume=true")
+        raise stopped(cfg, run, result, StopSignals.received, requeue_here=False)
     if not result.finished:
         _log(f"stopped after round {result.completed_rounds} of {result.rounds}; continue with: "
              f"dipaco-train hydra.run.dir={run.root} resume=true")
@@ -164,6 +167,10 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
                           "use launcher=spawn on one host, or drop the re-shard")
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
+    deadline = None
+    if cfg.launcher.name == "slurm" and rank == 0:  # a round that cannot end in time is abandoned
+        deadline = RequeueDeadline(cfg, os.environ, log=_log)
+        StopSignals.on_signal = deadline.arm
     wall0 = time.perf_counter()
     prep = None
     if rank == 0:
@@ -173,12 +180,21 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
     t0 = time.perf_counter()
     result = launch(run_rank, cfg, run)
     rounds_s = time.perf_counter() - t0
+    if not result.finished and StopSignals.received:
+        # every rank stopped after the same round (dipaco.launch.stop_requested) and knows the
+        # signal: all leave together; under SLURM rank 0 requeues the job (dipaco/preempt.py)
+        dist.barrier()
+        dist.destroy_process_group()
+        raise stopped(cfg, run, result, StopSignals.received,
+                      requeue_here=rank == 0 and (deadline is None or deadline.claim()))
     summary: dict[str, Any] = {}
     if rank == 0:
         assert prep is not None
         summary = _finish(cfg, run, prep, result, rounds_s, wall0)
     dist.barrier()
     dist.destroy_process_group()
+    if deadline is not None:
+        deadline.cancel()
     return summary
 
 

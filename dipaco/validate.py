@@ -124,6 +124,8 @@ def validate_config(cfg: Config) -> None:
              "add launcher=spawn (ranks on this host) or drop launcher.group_size")
     require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
              "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
+    require(la.name == "slurm" or not la.dry_run, "launcher.dry_run", "only launcher=slurm submits a job to "
+            "preview", "add launcher=slurm, or drop launcher.dry_run (dipaco-plan previews any launcher)")
     if la.name == "slurm":
         _validate_slurm(la)
     if la.name in ("spawn", "slurm"):
@@ -229,8 +231,12 @@ def _validate_group_parallel(cfg: Config) -> None:
 
 
 def _validate_slurm(la: LauncherConfig) -> None:
-    require(bool(la.partition), "launcher.partition", "launcher=slurm needs a SLURM partition",
+    require(bool(la.partition) or la.dry_run, "launcher.partition", "launcher=slurm needs a SLURM partition",
              "pass launcher.partition=NAME (`sinfo -s` lists them)")
+    require(la.cpus_per_task is None or la.cpus_per_task >= 1, "launcher.cpus_per_task",
+            f"must be >= 1, got {la.cpus_per_task}", "e.g. launcher.cpus_per_task=8 (torch threads per rank)")
+    require(la.max_requeues >= 0, "launcher.max_requeues", f"must be >= 0, got {la.max_requeues}",
+            "e.g. launcher.max_requeues=3 (0: never requeue)")
     require(la.nodes >= 1, "launcher.nodes", f"must be >= 1, got {la.nodes}", "e.g. launcher.nodes=2")
     require(la.gpus_per_node is None or la.nproc <= la.gpus_per_node, "launcher.nproc",
              f"{la.nproc} ranks per node but {la.gpus_per_node} GPUs: each rank needs its own GPU",

@@ -5,7 +5,7 @@ import hashlib
 import io
 import json
 import os
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # an exclusive open of a unique name, not mkstemp: mkstemp creates 0600 whatever the
+    # umask, and the router and shards must be readable by whoever may read the run
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

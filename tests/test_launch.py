@@ -32,7 +32,7 @@ def _compose_with_hydra(overrides: list[str]):
 
 def test_slurm_renders_a_two_node_eight_gpu_job() -> None:
     cfg = _compose_with_hydra(TWO_NODES)
-    assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.dipaco_slurm.launcher.DipacoSlurmLauncher"
     assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"  # `launcher=slurm` alone submits
     assert "validate_before_submit" in cfg.hydra.callbacks
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)

@@ -1,6 +1,6 @@
 """setup.cfg lists every package folder (setuptools installs only what is listed).
 
-A folder with an ``__init__.py`` under dipaco/, modules/, router/ or conf/ that is not in
+A folder with an ``__init__.py`` under dipaco/, modules/, router/, hydra_plugins/ or conf/ that is not in
 ``[options] packages`` would work in the editable checkout and be missing from a wheel.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ def listed_packages() -> set[str]:
 
 def package_folders() -> set[str]:
     found = set()
-    for top in ("dipaco", "modules", "router"):
+    for top in ("dipaco", "modules", "router", "hydra_plugins"):  # hydra_plugins: a namespace (no __init__)
         for init in (REPO / top).rglob("__init__.py"):
             found.add(".".join(init.parent.relative_to(REPO).parts))
     if (REPO / "conf" / "__init__.py").exists():

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
 from dipaco.config import Config, resolve_tokenizer_vocab, to_config
+from dipaco.slurm import dry_run_text
 from dipaco.validate import validate_config
 
 # Written by Hydra into the run directory before any dipaco code runs; on an existing
@@ -37,6 +39,20 @@ def command_line_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
+def register_launcher() -> None:
+    """Make ``launcher=slurm``'s Hydra launcher (``hydra_plugins.dipaco_slurm``) known to Hydra.
+
+    Hydra finds plugins by walking the ``hydra_plugins`` namespace with ``pkgutil``, which
+    cannot list a package that an editable install (``pip install -e .``) serves through
+    an import hook; registering the class by hand works for every kind of install.
+    """
+    try:
+        from hydra_plugins.dipaco_slurm.launcher import DipacoSlurmLauncher  # the optional slurm extra
+    except ImportError:  # hydra-submitit-launcher missing: launcher=slurm says so when used
+        return
+    Plugins.instance().register(DipacoSlurmLauncher)
+
+
 def protect_run_dir(argv: list[str]) -> list[str]:
     """The command line to hand to Hydra: ``--debug`` taken out (it sets DIPACO_DEBUG,
     keeping tracebacks), and Hydra's own files (``.hydra/``, ``<job>.log``) switched off
@@ -54,6 +70,15 @@ def protect_run_dir(argv: list[str]) -> list[str]:
     return argv
 
 
+def print_dry_run(conf: Config, config: DictConfig) -> None:
+    """``launcher.dry_run=true``: the job script and each task's environment, on stdout."""
+    la = conf.launcher
+    print(dry_run_text(OmegaConf.to_container(config.hydra.launcher, resolve=True), nodes=la.nodes,
+                       nproc=la.nproc, threads=conf.trainer.threads or la.cpus_per_task,
+                       master_port=la.master_port, max_requeues=la.max_requeues,
+                       overrides=[o for o in config.hydra.overrides.task if not o.startswith("launcher.dry_run")]))
+
+
 class ValidateBeforeLaunch(Callback):
     """Validate the job's config before a Hydra launcher submits anything.
 
@@ -67,9 +92,13 @@ class ValidateBeforeLaunch(Callback):
         with open_dict(job):
             job.run_dir = "<submitted>"  # filled by Hydra per job; not checked here
         try:
-            validate_config(resolve_tokenizer_vocab(to_config(job), config.hydra.overrides.task))
+            conf = resolve_tokenizer_vocab(to_config(job), config.hydra.overrides.task)
+            validate_config(conf)
         except user_errors() as e:
             fail(str(e))
+        if conf.launcher.name == "slurm" and conf.launcher.dry_run:
+            print_dry_run(conf, config)
+            raise SystemExit(0)  # before the sweeper writes anything
         if job.launcher.name == "slurm" and shutil.which("srun") is None:
             # submitit would raise its own traceback for this
             fail("launcher=slurm: no `srun` on PATH; submit from a SLURM login node "

@@ -4,7 +4,7 @@
     dipaco-infer generate RUN_DIR --prompt P [--max-new-tokens N] [--temperature T] [--top-k K]
                           [--seed S] [--reroute-every W] [--no-kv-cache] [--json]
     dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--long] [--batch-size B] [--out F]
-    dipaco-infer export   RUN_DIR --path P --out DIR [--format dipaco|hf]
+    dipaco-infer export   RUN_DIR (--path P | --all) --out DIR [--format dipaco|hf]
 
 The rules (checkpoint check, path-at-a-time loading, short prompts, re-routing, long
 contexts) are documented once, in :mod:`dipaco.inference`.
@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 from dipaco.checkpoint import write_json
 from dipaco.cli.errors import fail, report_user_errors
-from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, parse_path
+from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, export_routed_hf, parse_path
 from dipaco.prepare import validation_ids
 
 _COMMON_EPILOG = (
@@ -149,7 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         "module ids, source run), tokenizer.json and manifest.json (sha256 of each). Load it "
         "with dipaco.inference.load_exported_path(DIR) — no router needed. " + _COMMON_EPILOG))
     common(e)
-    e.add_argument("--path", required=True, metavar="P", help="path id (e.g. 9) or module index per level (e.g. 2,1)")
+    which = e.add_mutually_exclusive_group(required=True)
+    which.add_argument("--path", metavar="P", help="path id (e.g. 9) or module index per level (e.g. 2,1)")
+    which.add_argument("--all", action="store_true", help="with --format hf: every path as a Llama checkpoint plus "
+                       "the router; dipaco.inference.load_routed(DIR) routes a prompt and runs its path")
     e.add_argument("--out", required=True, metavar="DIR", help="output directory (new or empty)")
     e.add_argument("--force", action="store_true",
                    help="replace an earlier export in --out (never a run directory or a folder it did not write)")
@@ -316,7 +319,16 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    if args.all and args.format != "hf":
+        fail("--all writes the routed Hugging Face export: add --format hf (or export one path with --path P)")
     run = _open(args)
+    if args.all:
+        try:
+            out = export_routed_hf(run, args.out, overwrite=args.force)
+        except ExportError as e:
+            fail(f"cannot export the routed model as Llama checkpoints: {e}")
+        _emit(json.dumps({"out": str(out), "num_paths": run.num_paths, "checkpoint": str(run.checkpoint)}))
+        return
     try:
         path_id = parse_path(args.path, run.new_grid())
     except ValueError as e:

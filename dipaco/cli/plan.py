@@ -11,6 +11,7 @@ Takes the same overrides as ``dipaco-train``, so a plan can be read before launc
 """
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -19,14 +20,30 @@ import torch
 from dipaco.build import build_comm_plan, build_grid, build_topology
 from dipaco.cli.errors import report_user_errors
 from dipaco.comm_plan import CommPlan, format_plan
-from dipaco.config import Config, compose_config
+from dipaco.config import Config, ConfigError, compose_config
 from dipaco.memory import RankMemory, outer_on_device, rank_memory
 from dipaco.validate import validate_config
 
 
+def planned_ranks(cfg: Config) -> int:
+    """How many ranks ``cfg`` launches: ``launcher.nproc`` (× ``launcher.nodes`` under
+    slurm); under torchrun torchrun decides, so only its own ``WORLD_SIZE`` says."""
+    la = cfg.launcher
+    if la.name == "slurm":
+        return la.nodes * la.nproc
+    if la.name == "torchrun":
+        if os.environ.get("WORLD_SIZE", "").isdigit():
+            return int(os.environ["WORLD_SIZE"])
+        raise ConfigError("launcher", "under launcher=torchrun the ranks are torchrun's (--nnodes x "
+                          "--nproc-per-node), which dipaco-plan cannot see",
+                          "plan the same ranks with launcher=spawn launcher.nproc=N (N = nnodes x nproc-per-node; "
+                          "add launcher.group_size=G as you will under torchrun)")
+    return la.nproc
+
+
 def plan_for(cfg: Config) -> CommPlan:
     """The communication plan of ``cfg`` (no data, no training: module sizes only)."""
-    return build_comm_plan(cfg, cfg.launcher.nproc)
+    return build_comm_plan(cfg, planned_ranks(cfg))
 
 
 def format_capacity(cfg: Config) -> str:
@@ -51,7 +68,7 @@ def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
     """
     grid = build_grid(cfg, torch.device("cpu"))
     distributed = cfg.launcher.name != "local"
-    topo = build_topology(cfg, grid, cfg.launcher.nproc, distributed)
+    topo = build_topology(cfg, grid, planned_ranks(cfg), distributed)
     counts = {m: grid.param_count(m) for m in grid.module_ids}
     t = cfg.trainer
     groups = range(topo.num_groups) if distributed else [None]

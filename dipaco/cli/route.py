@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from dipaco.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
-from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir
+from dipaco.cli.help import usage, wants_help
+from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir, register_launcher
 from dipaco.config import register_configs
 from dipaco.prepare import prepare
 from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
@@ -44,7 +45,11 @@ def _app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config
+        print(usage("dipaco-route"))
+        return
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
+    register_launcher()
     _app()
 
 

@@ -12,7 +12,8 @@ import hydra
 from omegaconf import DictConfig
 
 from dipaco.cli.errors import report_user_errors
-from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, protect_run_dir
+from dipaco.cli.help import usage, wants_help
+from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, protect_run_dir, register_launcher
 from dipaco.config import register_configs
 from dipaco.train import train
 
@@ -30,7 +31,11 @@ def _app(cfg: DictConfig) -> float:
 
 def main() -> None:
     """Console-script entry point."""
+    if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config
+        print(usage("dipaco-train"))
+        return
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
+    register_launcher()
     _app()
 
 

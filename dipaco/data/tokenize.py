@@ -28,6 +28,7 @@ import datasets
 import numpy as np
 
 from dipaco.data.tokenizer import Tokenizer
+from dipaco.file_mode import follow_umask
 from dipaco.progress import bars_enabled, progress_bar
 from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs
 
@@ -108,6 +109,7 @@ def tokenize_dataset(
         os.makedirs(cache_dir, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-tokenized-")
         try:
+            follow_umask(tmp)  # mkdtemp: 0700 whatever the umask
             with progress_bars(progress):
                 out.save_to_disk(tmp)
             try:

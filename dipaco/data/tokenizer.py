@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dipaco.data.errors import DataError
+from dipaco.file_mode import follow_umask
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -202,6 +203,7 @@ def _atomic_write(path: str, text: str) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     try:
+        follow_umask(tmp)  # mkstemp: 0600 whatever the umask
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -7,6 +7,8 @@
     report = run.score(docs)                          # == the job's routed evaluation
     export_path(run, path, "out/path_9"); model, tok = load_exported_path("out/path_9")
     export_path_hf(run, path, "out/llama_9")          # transformers.LlamaForCausalLM loads it
+    export_routed_hf(run, "out/routed"); routed = load_routed("out/routed")  # every path + the router
+    path, logits = routed.logits("def main():")       # no run directory needed
 
 Rules, written once here and referred to by ``dipaco-infer --help``:
 
@@ -36,8 +38,9 @@ from __future__ import annotations
 from dipaco.inference.export import EXPORT_FORMAT, EXPORT_VERSION, export_path, load_exported_path
 from dipaco.inference.export_hf import ExportError, export_path_hf
 from dipaco.inference.generate import Generation, generate_routed
+from dipaco.inference.routed_hf import RoutedLlama, export_routed_hf, load_routed
 from dipaco.inference.run import InferenceRun, PathLoader, parse_path
 
 __all__ = ["InferenceRun", "PathLoader", "parse_path", "Generation", "generate_routed",
            "export_path", "load_exported_path", "EXPORT_FORMAT", "EXPORT_VERSION",
-           "export_path_hf", "ExportError"]
+           "export_path_hf", "ExportError", "export_routed_hf", "load_routed", "RoutedLlama"]

@@ -13,6 +13,7 @@ import torch
 from dipaco.checkpoint import MANIFEST, CheckpointError, CheckpointManager, load_tensors, save_tensors, sha256_file, write_json
 from dipaco.data import Tokenizer
 from dipaco.early_stopping import load_best_path
+from dipaco.file_mode import follow_umask
 from dipaco.inference.run import InferenceRun
 from modules import ModelConfig, ModuleGrid, PathModel
 
@@ -81,7 +82,7 @@ def export_path(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,
     out = Path(out_dir).expanduser().resolve()
     check_export_target(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp = follow_umask(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # mkdtemp: 0700
     try:
         _write_export(run, int(path_id), tmp)
         return publish_directory(tmp, out)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from dipaco.checkpoint import save_tensors, write_json
+from dipaco.file_mode import follow_umask
 from dipaco.inference.export import check_export_target, publish_directory
 from dipaco.inference.run import InferenceRun
 from modules import ModelConfig, PathModel
@@ -122,7 +123,7 @@ def write_llama(model: PathModel, tokenizer: Any, out_dir: str | os.PathLike, *,
     tensors = llama_state_dict(model)
     num_layers = len(model.levels) * model.cfg.layers_per_level
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    staging = follow_umask(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # mkdtemp: 0700
     try:
         save_tensors(staging / "model.safetensors", tensors, meta={"format": "pt"})
         write_json(staging / "config.json", llama_config(model.cfg, num_layers, tokenizer.eos_id))
