@@ -69,10 +69,11 @@ def flatten_params(params: Sequence[torch.Tensor], device: torch.device | str = 
 def load_flat(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy a flat vector into parameters, in order (the inverse of :func:`flatten_params`).
 
-    One ``torch._foreach_copy_`` over every parameter: no per-parameter Python loop."""
+    One ``torch._foreach_copy_`` over every parameter: no per-parameter Python loop (the
+    vector crosses to the parameters' device first, in one transfer, when it lives elsewhere)."""
     params = [p.detach() for p in params]
     if params:
-        torch._foreach_copy_(params, _views(flat.detach(), params))
+        torch._foreach_copy_(params, _views(flat.detach().to(params[0].device), params))
     elif flat.numel():
         raise ValueError(f"flat vector of {flat.numel()} values for parameters of 0 values")
 
@@ -234,18 +235,20 @@ class ModuleCore:
             self.restore(params)
             return
         params = [p.detach() for p in params]
-        torch._foreach_lerp_(params, [v.to(p.dtype) for v, p in zip(_views(self.weights, params), params)],
-                             float(weight))
+        views = _views(self.weights.to(params[0].device), params)
+        torch._foreach_lerp_(params, [v.to(p.dtype) for v, p in zip(views, params)], float(weight))
 
     @torch.no_grad()
     def pseudo_gradient(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """Δ = θ_global − live, flat fp32 on the core's device: the live parameters are
-        copied in with one ``torch._foreach_copy_``, then subtracted in place."""
-        out = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        copied out with one ``torch._foreach_copy_`` (on their device, then in one transfer
+        to the core's when it lives elsewhere), then subtracted in place."""
         params = [p.detach() for p in params]
+        live = torch.empty(self.numel, dtype=torch.float32, device=params[0].device if params else self.device)
         if params:
-            torch._foreach_copy_(_views(out, params), params)
-        return torch.sub(self.weights, out, out=out)
+            torch._foreach_copy_(_views(live, params), params)
+        live = live.to(self.device)
+        return torch.sub(self.weights, live, out=live)
 
     # ----------------------------------------------------------------- the outer update
     @torch.no_grad()

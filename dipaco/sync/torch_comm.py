@@ -71,8 +71,12 @@ class TorchComm(Communicator):
         use_cuda = getattr(process_groups, "backend", "gloo") == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         self.trace: list[tuple[str, str, tuple[int, ...], int]] = []
-        # one thread: jobs (and so collectives) run in the order they were started
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"dipaco-comm-{rank}") if overlap else None
+        # one thread: jobs (and so collectives) run in the order they were started; the
+        # current CUDA device is per thread, so the thread takes this rank's
+        self._thread = None
+        if overlap:
+            init = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix=f"dipaco-comm-{rank}", initializer=init)
 
     def start(self, job: Callable[[], Exchanged]) -> Pending:
         """Run a module's exchange: at once, or queued on the communication thread
