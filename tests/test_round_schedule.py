@@ -65,7 +65,7 @@ def test_launch_hands_later_contributions_to_the_next_round_and_finish_leaves_th
     stats = ms.finish()
     assert stats.stepped and stats.contributions == 1
     assert float(ms.core.weights[0]) == pytest.approx(1.0)  # the first contribution only
-    assert float(mods["L0.0"].weight[0, 0]) == 5.0  # finish leaves the live weights alone
+    assert float(mods["L0.0"].weight.detach()[0, 0]) == 5.0  # finish leaves the live weights alone
     ms.launch()
     assert ms.finish().contributions == 1
     # its Δ = 0 − 5 was taken against the θ_global of its own time (0): the step adds 5
@@ -84,5 +84,5 @@ def test_finish_replaces_or_mixes_the_new_global_weights_into_the_live_ones(mix:
     assert list(stats) == ["embed", "head"]
     theta = float(sync.syncs["embed"].core.weights[0])
     assert theta == pytest.approx(3.0)  # the mean of the two paths
-    assert float(mods["embed"].weight[0, 0]) == pytest.approx(10.0 + mix * (theta - 10.0))
-    assert float(mods["head"].weight[0, 0]) == pytest.approx(4.0 + mix * (theta - 4.0))
+    assert float(mods["embed"].weight.detach()[0, 0]) == pytest.approx(10.0 + mix * (theta - 10.0))
+    assert float(mods["head"].weight.detach()[0, 0]) == pytest.approx(4.0 + mix * (theta - 4.0))
