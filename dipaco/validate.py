@@ -1,4 +1,5 @@
-"""``validate_config``: the combinations the schema (:mod:`dipaco.config`) cannot express.
+"""``validate_config``: every key inside its domain (:mod:`dipaco.domains`), then the
+combinations a domain cannot express.
 
 Checked before any work (docs/design.md contract 6); every problem is one
 :class:`~dipaco.config.ConfigError` naming the key and the fix.
@@ -8,31 +9,17 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from dipaco.config import (
-    ALPHAS,
-    DATA_SOURCES,
-    FEATURIZERS,
-    GROUP_PARALLEL,
-    LAUNCHERS,
-    MIN_VOCAB,
-    MODES,
-    RESHARD_ASSIGNS,
-    ROUTER_BALANCES,
-    ROUTER_METHODS,
-    WANDB_MODES,
-    Config,
-    ConfigError,
-    LauncherConfig,
-    LoggingConfig,
-    eval_window,
-    require,
-    resolve_derived,
-)
+import torch
+
+from dipaco.config import Config, ConfigError, LauncherConfig, LoggingConfig, eval_window, require
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import mode_problems
 from dipaco.device import config_problems as device_problems
+from dipaco.domains import (ALPHAS, DATA_SOURCES, FEATURIZERS, GROUP_PARALLEL, LAUNCHERS, MIN_VOCAB, MODES,
+                            RESHARD_ASSIGNS, ROUTER_BALANCES, ROUTER_METHODS, WANDB_MODES, check_domains)
 from dipaco.sync.codecs import CODECS
 from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
+from dipaco.sync.outer import make_outer_optimizer, outer_options
 from modules import ModuleGrid
 
 
@@ -43,6 +30,7 @@ def validate_config(cfg: Config) -> None:
     milliseconds with the key to change.
     """
     resolve_derived(cfg)
+    check_domains(cfg)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
     require(d.source in DATA_SOURCES, "data.source", f"unknown source {d.source!r}",
@@ -76,9 +64,9 @@ def validate_config(cfg: Config) -> None:
              f"unknown exchange {dl.lossy_exchange!r}", "use auto, reduce_scatter or all_gather")
     require(dl.outer_device in ("auto", "cpu"), "diloco.outer_device",
              f"unknown place {dl.outer_device!r}", "use auto (the module's device) or cpu")
-    require(dl.outer.lr > 0, "diloco.outer.lr", f"must be > 0, got {dl.outer.lr}", "e.g. 0.7")
     require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
              "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
+    _validate_outer_step(cfg)
     require(r.prefix_tokens > 0, "router.prefix_tokens", "must be > 0", "e.g. 32")
     require(r.prefix_tokens < t.seq_len, "router.prefix_tokens",
              f"the routing prefix ({r.prefix_tokens}) must be shorter than trainer.seq_len ({t.seq_len})",
@@ -156,6 +144,48 @@ def validate_config(cfg: Config) -> None:
         require(m.vocab_size >= size, "model.vocab_size",
                  f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
                  f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
+
+
+def resolve_derived(cfg: Config) -> Config:
+    """Fill settings derived from others (``trainer.total_steps`` → ``trainer.rounds``)."""
+    t, H = cfg.trainer, cfg.diloco.inner_steps
+    if t.total_steps is not None and H >= 1:  # H < 1: check_domains names diloco.inner_steps
+        require(t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
+                f"{t.total_steps} steps are not a whole number of rounds of H={H}",
+                "use a multiple of diloco.inner_steps")
+        t.rounds = t.total_steps // H
+    d = cfg.data
+    if d.documents_per_path is not None:
+        require(d.documents_per_path >= 1, "data.documents_per_path",
+                f"must be >= 1, got {d.documents_per_path}", "e.g. data.documents_per_path=500")
+        want = int(d.documents_per_path) * math.prod(cfg.grid.levels)
+        # (idempotent: a config resolved before, e.g. the saved one of a resumed run, passes)
+        require(d.max_train_documents in (None, want), "data.documents_per_path",
+                f"set together with data.max_train_documents={d.max_train_documents}", "drop one of the two")
+        d.max_train_documents = want
+    if math.prod(cfg.grid.levels) == 1 and cfg.router.top_k > 1:
+        # One routed path takes every document whatever top_k says: the default top_k=2
+        # must not make grid=dense or the flat-DiLoCo baseline a config error.
+        cfg.router.top_k = 1
+    return cfg
+
+
+def _validate_outer_step(cfg: Config) -> None:
+    """Build the outer optimiser and take one step on a one-element tensor: an optimiser
+    that needs a closure (LBFGS) or sparse gradients (SparseAdam) would otherwise fail
+    only after the first round's compute."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    try:
+        make_outer_optimizer([p], **outer_options(cfg.diloco)).step()
+    except Exception as e:  # noqa: BLE001 - any failure of the optimiser is the config's
+        first = " ".join(str(e).split())[:200]
+        raise ConfigError("diloco.outer.name", f"torch.optim cannot take an outer step with "
+                          f"diloco.outer={cfg.diloco.outer.name!r}: {first}",
+                          "use diloco.outer.name=sgd (or adam, adamw, nadam, rmsprop)") from None
+    if not torch.isfinite(p).all():
+        raise ConfigError("diloco.outer", f"one outer step of {cfg.diloco.outer.name} on a unit "
+                          "pseudo-gradient gives a non-finite weight", "lower diloco.outer.lr")
 
 
 def _validate_evaluation(cfg: Config) -> None:
