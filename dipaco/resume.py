@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from dipaco.config import Config, ConfigError, to_config
 from dipaco.run_dir import RunDir, RunDirError
+from dipaco.schedule import extended_segments
 
 # Keys (or key prefixes) a resume may change: they say how the run executes, not what it
 # computes. Everything else shapes the run (data, tokenizer, model, grid, router, seed,
@@ -28,7 +29,7 @@ ALLOWED_ON_RESUME = (
     "launcher", "trainer.progress", "trainer.plots", "trainer.threads", "trainer.checkpoint_every",
     "trainer.keep_last", "trainer.eval_batch_size", "trainer.deterministic",
     "diloco.outer_device", "trainer.stop_after_rounds", "trainer.rounds",
-    "trainer.total_steps", "data.cache_dir", "tag", "logging",
+    "trainer.total_steps", "trainer.extend_schedule", "data.cache_dir", "tag", "logging",
 )
 # May only grow: a resume adds rounds, it cannot un-train them.
 _ONLY_MORE = ("trainer.rounds", "trainer.total_steps")
@@ -71,7 +72,8 @@ def _covered(key: str, explicit: Optional[set[str]]) -> bool:
     return any(key == e or key.startswith(e + ".") for e in explicit)
 
 
-def _allowed(key: str) -> bool:
+def allowed_on_resume(key: str) -> bool:
+    """Whether a resume may change ``key``: it says how the run executes, not what it computes."""
     return any(key == a or key.startswith(a + ".") for a in ALLOWED_ON_RESUME)
 
 
@@ -94,7 +96,7 @@ def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = N
             continue
         fix = (f"drop {key}=... (resume=true needs only hydra.run.dir), or start a new run in "
                "another hydra.run.dir")
-        if not _allowed(key):
+        if not allowed_on_resume(key):
             raise ConfigError(key, f"{run.root} was trained with {key}={sv!r}; this resume asks for "
                                    f"{gv!r}, which would change the run", fix)
         if key in _ONLY_MORE and sv is not None and (gv is None or gv < sv):
@@ -113,7 +115,20 @@ def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = N
     elif explicit is None:
         cfg.trainer.stop_after_rounds = given.trainer.stop_after_rounds
     cfg.resume, cfg.run_dir = True, given.run_dir
+    _extend_schedule(cfg, saved, changes)
     return cfg, changes
+
+
+def _extend_schedule(cfg: Config, saved: Config, changes: dict[str, list[Any]]) -> None:
+    """More rounds than the launch's: ``trainer.lr_segments`` records what the learning
+    rate does over them (``trainer.extend_schedule``, :mod:`dipaco.schedule`), as a change
+    of the resume (logged, ``resumes.jsonl``)."""
+    t, H = cfg.trainer, cfg.diloco.inner_steps
+    rounds = t.total_steps // H if t.total_steps is not None and H >= 1 else t.rounds
+    segments = extended_segments(saved.trainer.rounds, saved.trainer.lr_segments, rounds, t.extend_schedule)
+    if rounds > saved.trainer.rounds and segments != list(saved.trainer.lr_segments):
+        changes["trainer.lr_segments"] = [list(saved.trainer.lr_segments), segments]
+        t.lr_segments = segments
 
 
 def finished_summary(cfg: Config, run: RunDir) -> Optional[dict[str, Any]]:
