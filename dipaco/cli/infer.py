@@ -21,7 +21,10 @@ from typing import Any, Optional, Sequence
 from dipaco.checkpoint import write_json
 from dipaco.cli.errors import fail, report_user_errors
 from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, export_routed_hf, parse_path
+from dipaco.inference.export import check_export_target
+from dipaco.path_guard import check_target
 from dipaco.prepare import validation_ids
+from dipaco.run_dir import RunDirError
 
 _COMMON_EPILOG = (
     "The newest checkpoint is used; every file in its manifest is hash-checked first and a "
@@ -287,7 +290,25 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"path of each window: {gen.window_paths}", file=sys.stderr)
 
 
+def _score_out(path: str) -> Path:
+    """``score --out``, checked before any work: the rule of :mod:`dipaco.path_guard`
+    (never in a run directory), and an existing file only when an earlier score wrote it."""
+    out = check_target(path, "score --out", fix="choose a --out outside every run directory")
+    if out.is_dir():
+        raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")
+    if out.exists():
+        try:
+            earlier = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and {"ppl", "run_dir", "checkpoint"} <= set(earlier)):
+            raise RunDirError(f"score --out {path} exists and is not an earlier dipaco-infer score report: it is "
+                              "never overwritten; choose a new --out")
+    return out
+
+
 def cmd_score(args: argparse.Namespace) -> None:
+    out = _score_out(args.out) if args.out else None
     run = _open(args)
     from_corpus = args.validation or args.split is not None
     texts, skipped = ([], 0) if from_corpus else _texts(args)
@@ -311,8 +332,8 @@ def cmd_score(args: argparse.Namespace) -> None:
     if report["num_tokens"] == 0:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
               "perplexity is undefined (nan)", file=sys.stderr)
-    if args.out:
-        write_json(Path(args.out), report)
+    if out is not None:
+        write_json(out, report)
         print(f"dipaco: wrote {args.out}", file=sys.stderr)
     else:
         _emit(json.dumps(report, sort_keys=True))
@@ -321,6 +342,7 @@ def cmd_score(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     if args.all and args.format != "hf":
         fail("--all writes the routed Hugging Face export: add --format hf (or export one path with --path P)")
+    check_export_target(Path(args.out).expanduser().resolve(), args.force)  # before any work
     run = _open(args)
     if args.all:
         try:
