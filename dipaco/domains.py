@@ -84,16 +84,18 @@ ATTENTION = "a larger value exhausts memory or time"
 
 
 class Rel:
-    """A bound computed from the config, and what it is (``the number of paths``)."""
+    """A bound computed from the config, what it is (``the number of paths``) and the keys
+    it reads (checked before the key it bounds)."""
 
-    def __init__(self, fn: Callable[[Config], float], what: str) -> None:
-        self.fn, self.what = fn, what
+    def __init__(self, fn: Callable[[Config], float], what: str, keys: tuple[str, ...]) -> None:
+        self.fn, self.what, self.keys = fn, what, keys
 
     def __call__(self, cfg: Config) -> float:
         return self.fn(cfg)
 
 
-_paths = Rel(lambda c: math.prod(int(k) for k in c.grid.levels) if c.grid.levels else 1, "the number of paths")
+_paths = Rel(lambda c: math.prod(int(k) for k in c.grid.levels) if c.grid.levels else 1, "the number of paths",
+           ("grid.levels",))
 
 
 DOMAINS: dict[str, Domain] = {
@@ -116,9 +118,9 @@ DOMAINS: dict[str, Domain] = {
     "model.norm_eps": Real(0, 1, lo_open=True), "model.tie_embeddings": FLAG, "model.init_std": Real(0, 10, lo_open=True),
     "grid.levels": Domain("ints", 1, MAX_PATHS, items=(1, 64), max_product=MAX_PATHS, why=ATTENTION),
     "grid.private_embed": FLAG, "grid.private_head": FLAG,
-    "grid.replicas": Int(1, Rel(lambda c: MAX_PATHS // _paths(c), f"{MAX_PATHS} / the number of paths"),
+    "grid.replicas": Int(1, Rel(lambda c: MAX_PATHS // _paths(c), f"{MAX_PATHS} / the number of paths", ("grid.levels",)),
                           why="paths x replicas is bounded like paths"),
-    "router.prefix_tokens": Int(1, Rel(lambda c: c.trainer.seq_len - 1, "trainer.seq_len - 1"),
+    "router.prefix_tokens": Int(1, Rel(lambda c: c.trainer.seq_len - 1, "trainer.seq_len - 1", ("trainer.seq_len",)),
                                  why="the routing prefix carries no loss"),
     "router.cluster_tokens": Int("router.prefix_tokens", "model.max_seq_len", null=True),
     "router.reroute_context": Int(1, 2**20, null=True), "router.method": OneOf(ROUTER_METHODS),
@@ -127,7 +129,7 @@ DOMAINS: dict[str, Domain] = {
     "router.top_k": Int(1, _paths, why="a document goes to at most every path"),
     "router.capacity_factor": Real(1, 1e6), "router.balance": OneOf(ROUTER_BALANCES),
     "router.soft_capacity_factor": Real(1, 1e6), "router.niter": Int(1, 10_000, why=ATTENTION),
-    "router.reshard_at_round": Int(1, Rel(lambda c: c.trainer.rounds - 1, "trainer.rounds - 1"), null=True,
+    "router.reshard_at_round": Int(1, Rel(lambda c: c.trainer.rounds - 1, "trainer.rounds - 1", ("trainer.rounds",)), null=True,
                                    why="a re-shard happens between rounds"),
     "router.reshard_every": Int(1, 10**6, null=True), "router.reshard_documents": Int(1, 10**7, why=ATTENTION),
     "router.reshard_assign": OneOf(RESHARD_ASSIGNS), "router.reroute_every": Int(1, 2**20, null=True),
@@ -267,17 +269,47 @@ def _range(dom: Domain, v: Any, cfg: Optional[Config]) -> Optional[str]:
     return f"{v} is out of range: must be {rng}" + (f" ({why})" if why else "")
 
 
-def check_domains(cfg: Config) -> None:
-    """Raise :class:`ConfigError` for the first setting outside its domain (schema order).
+def check_domains(cfg: Config, keys: Optional[Iterable[str]] = None) -> None:
+    """Raise :class:`ConfigError` for the first setting (of ``keys``, default all) outside
+    its domain, in schema order.
 
     Two passes: every key against its own constant bounds first, then the bounds that
     relate it to other keys, so an out-of-range value is named itself, not a key whose
     range it bounds."""
+    chosen = [k for k in _ORDER if keys is None or k in set(keys)]
     for context in (None, cfg):
-        for key, dom in DOMAINS.items():
+        for key in chosen:
+            dom = DOMAINS[key]
             bad = problem(dom, value_of(cfg, key), context)
             if bad:
                 raise ConfigError(key, bad, _fix(key, dom))
+
+
+def _reads(dom: Domain) -> list[str]:
+    """The keys a domain's bounds read."""
+    return [k for b in (dom.lo, dom.hi) for k in ((b,) if isinstance(b, str) else getattr(b, "keys", ()))]
+
+
+def _dependency_order() -> list[str]:
+    """Schema order, except that a key comes after every key its bounds read: a value out
+    of its own range is then named itself, not through a key it bounds."""
+    out: list[str] = []
+
+    def visit(key: str, seen: tuple[str, ...] = ()) -> None:
+        if key in out:
+            return
+        if key in seen:
+            raise ValueError(f"domains read each other in a cycle: {' -> '.join(seen + (key,))}")
+        for k in _reads(DOMAINS[key]):
+            visit(k, seen + (key,))
+        out.append(key)
+
+    for key in DOMAINS:
+        visit(key)
+    return out
+
+
+_ORDER = _dependency_order()
 
 
 def _fix(key: str, dom: Domain) -> str:

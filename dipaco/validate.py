@@ -29,6 +29,7 @@ def validate_config(cfg: Config) -> None:
     Called before any work (tokenizer, routing, ranks), so a bad sweep point fails in
     milliseconds with the key to change.
     """
+    check_domains(cfg, _DERIVED_FROM)  # named themselves, not through the keys derived from them
     resolve_derived(cfg)
     check_domains(cfg)
 
@@ -144,6 +145,11 @@ def validate_config(cfg: Config) -> None:
         require(m.vocab_size >= size, "model.vocab_size",
                  f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
                  f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
+
+
+# What resolve_derived reads (router.top_k is derived, not read: a dense grid resets it).
+_DERIVED_FROM = ("trainer.total_steps", "diloco.inner_steps", "data.documents_per_path",
+                 "data.max_train_documents", "grid.levels")
 
 
 def resolve_derived(cfg: Config) -> Config:

@@ -39,16 +39,25 @@ class _Parser(argparse.ArgumentParser):
         fail(f"{message} (see {self.prog} --help)")
 
 
-def _positive(name: str):
+# Every numeric argument has a domain, as every config key does (dipaco/domains.py): an
+# upper bound where a larger value only costs time or memory, checked before any work.
+_HUGE = 2**20
+
+
+def _int_in(name: str, lo: int, hi: int):
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must lie in [{lo}, {hi}], got {v}")
         return v
     return parse
+
+
+def _positive(name: str, hi: int = _HUGE):
+    return _int_in(name, 1, hi)
 
 
 def _non_negative_float(s: str) -> float:
@@ -56,8 +65,8 @@ def _non_negative_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    if not 0 <= v <= 100:  # nan and inf fail too: inf would sample uniformly, silently
+        raise argparse.ArgumentTypeError(f"must lie in [0, 100], got {s}")
     return v
 
 
@@ -119,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature; 0 is greedy (default 0.8)")
     g.add_argument("--top-k", type=_positive("--top-k"), default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
-    g.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    g.add_argument("--seed", type=_int_in("--seed", 0, 2**32 - 1), default=0, metavar="S",
+                   help="sampling seed (default 0)")
     g.add_argument("--reroute-every", type=_positive("--reroute-every"), default=None, metavar="W",
                    help="re-route every W tokens")
     g.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context each step (slow)")
@@ -137,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     inputs(s, allow_text=False)
     s.add_argument("--reroute-every", type=_positive("--reroute-every"), default=None, metavar="W",
                    help="score token j with the path of window j//W")
-    s.add_argument("--batch-size", type=_positive("--batch-size"), default=None, metavar="B",
+    s.add_argument("--batch-size", type=_positive("--batch-size", 2**16), default=None, metavar="B",
                    help="documents per forward (default: trainer.eval_batch_size)")
     s.add_argument("--seq-len", type=_positive("--seq-len"), default=None, metavar="L",
                    help="tokens scored per document, per window with --long (default: trainer.seq_len)")
