@@ -19,7 +19,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from dipaco.config import Config, ConfigError, to_config
-from dipaco.run_dir import RunDir, RunDirError
+from dipaco.run_dir import RUN_LAYOUT, RunDir, RunDirError
 from dipaco.schedule import extended_segments
 
 # Keys (or key prefixes) a resume may change: they say how the run executes, not what it
@@ -145,7 +145,18 @@ def finished_summary(cfg: Config, run: RunDir) -> Optional[dict[str, Any]]:
 
 
 def check_fresh(run: RunDir) -> None:
-    """A fresh run (resume=false) refuses a directory holding another run's training."""
+    """A fresh run (resume=false) refuses a directory holding another run's training, or
+    anything dipaco did not write (a fresh run replaces ``tb/``, ``metrics.jsonl``, shards:
+    in a folder of other files it would destroy them)."""
+    names = {p.name for p in run.root.iterdir()} if run.root.is_dir() else set()
+    foreign = sorted(names - RUN_LAYOUT)
+    if not run.config.is_file():  # dipaco writes config.yaml first: what it replaces was not its own
+        foreign += sorted(names & {"tb", "metrics.jsonl"})
+    if foreign or (run.config.is_file() and not _is_dipaco_config(run)):
+        what = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "") if foreign else "a config.yaml of its own"
+        raise RunDirError(f"{run.root} is not empty and is not a dipaco run directory (it holds {what}); a new "
+                          "run writes only into a new or empty directory, or one dipaco made: choose another "
+                          "hydra.run.dir")
     ckpts = run.checkpoints
     if ckpts.is_dir() and any(ckpts.iterdir()):
         raise ConfigError("resume", f"{run.root} already holds checkpoints",
@@ -153,6 +164,14 @@ def check_fresh(run: RunDir) -> None:
     if run.summary.exists():
         raise ConfigError("resume", f"{run.root} already holds a finished run (summary.json)",
                           "choose another hydra.run.dir")
+
+
+def _is_dipaco_config(run: RunDir) -> bool:
+    try:
+        run.load_config()
+    except (RunDirError, ConfigError):
+        return False
+    return True
 
 
 def has_saved_config(run: RunDir) -> bool:

@@ -272,3 +272,40 @@ def test_dipaco_infer_arguments_out_of_range_are_one_line_before_loading(tmp_pat
         code, err = run_cli(infer_cli.main, args, capsys, monkeypatch)
         assert code == 2
         one_line(err, "argument --")
+
+
+@pytest.mark.parametrize("holds", ["notes", "tensorboard_logs", "foreign_config"])
+def test_a_fresh_run_never_writes_into_a_folder_of_other_files(tmp_path, capsys, monkeypatch, holds):
+    """`dipaco-train hydra.run.dir=D` where D is an existing folder of other files (`notes.txt`; a `tb/` of other TensorBoard logs, which a fresh run used to delete; a `config.yaml` that is not dipaco's)
+    — `D is not empty and is not a dipaco run directory (it holds ...); a new run writes only into a new or empty directory, or one dipaco made`; exit 2; D byte-identical."""
+    run_dir = tmp_path / "project"
+    run_dir.mkdir()
+    if holds == "notes":
+        (run_dir / "notes.txt").write_text("a week of notes")
+    elif holds == "tensorboard_logs":
+        (run_dir / "tb").mkdir()
+        (run_dir / "tb" / "events.out.tfevents.1").write_text("another project's curves")
+    else:
+        (run_dir / "config.yaml").write_text("database: {host: localhost}\n")
+    before = snapshot(run_dir)
+    code, err = run_cli(train_cli.main, [*SMOKE, f"hydra.run.dir={run_dir}"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "is not empty and is not a dipaco run directory")
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.slow
+def test_dipaco_report_never_writes_into_a_checkpoint(finished, tmp_path, capsys):
+    """`dipaco-report D/checkpoints/round_000002` (a report.md there would make the checkpoint fail its manifest)
+    — `dipaco-report DIR .../report.md lies in the run directory D ...`; exit 2; D byte-identical. `dipaco-report D` still writes its report at D's top."""
+    from dipaco.cli import report as report_cli
+
+    run_dir = copy_run(finished[0], tmp_path / "run")
+    before = snapshot(run_dir)
+    with pytest.raises(SystemExit) as ended:
+        report_cli.main([str(run_dir / "checkpoints" / "round_000002")])
+    assert ended.value.code == 2
+    one_line(capsys.readouterr().err, "lies in the run directory")
+    assert snapshot(run_dir) == before
+    report_cli.main([str(run_dir)])
+    assert (run_dir / "report.md").is_file()

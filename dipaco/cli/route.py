@@ -20,6 +20,7 @@ from dipaco.cli.hydra_app import config_from_hydra, hydra_record, protect_run_di
 from dipaco.config import register_configs
 from dipaco.path_guard import check_run_root, check_target
 from dipaco.prepare import prepare
+from dipaco.resume import check_fresh
 from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
 from dipaco.run_lock import RunLock, check_unlocked
 from dipaco.validate import validate_config
@@ -37,6 +38,7 @@ def _app(cfg: DictConfig) -> None:
         raise RunDirError(f"{run.root} already holds a run (config.yaml); dipaco-route writes a new run "
                           "directory: choose another hydra.run.dir")
     check_run_root(run.root)
+    check_fresh(run)  # a new directory, or one holding only what dipaco writes
     check_target(conf.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",))
     check_unlocked(run.root)
     with RunLock(run.root), disk_full_guard(run):
