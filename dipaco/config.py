@@ -9,6 +9,7 @@ CLIs print as one line naming the key and the fix.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
@@ -331,8 +332,21 @@ def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
     ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     if cfg.data.tokenizer and "model.vocab_size" not in given:
-        cfg.model.vocab_size = Tokenizer.load(cfg.data.tokenizer).vocab_size
+        cfg.model.vocab_size = tokenizer_size(cfg.data.tokenizer)
     return cfg
+
+
+def tokenizer_size(path: str) -> int:
+    """The vocabulary of the tokenizer at ``path`` (``data.tokenizer``), or one ConfigError
+    (a FIFO or device is never opened: reading one blocks)."""
+    fix = "pass a tokenizer.json (or a transformers tokenizer directory)"
+    p = os.path.expanduser(path)
+    require(os.path.isfile(p) or os.path.isdir(p), "data.tokenizer", f"{path} is not a file or directory", fix)
+    try:
+        return Tokenizer.load(p).vocab_size
+    except Exception as e:  # noqa: BLE001 - whatever the file holds, the path is the user's to fix
+        raise ConfigError("data.tokenizer", f"cannot read a tokenizer from {path}: {' '.join(str(e).split())[:160]}",
+                          fix) from None
 
 
 def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:

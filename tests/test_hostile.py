@@ -307,7 +307,7 @@ def test_too_few_documents_for_the_splits_names_the_minimum(tmp_path):
 ])
 def test_impossible_values_are_refused_at_validation(override, key):
     """`model.vocab_size=5`; `launcher.group_size=2` under `launcher=local` (an option the launcher never reads)
-    — `config error: model.vocab_size: 5 is too small: a byte-level BPE needs 257 tokens ...` / `launcher=local runs one process ...`; before the corpus loads; exit 2."""
+    — `config error: model.vocab_size: 5 is out of range: must be >= 257 and <= 1048576 (a byte-level BPE needs 257; ...)` / `launcher=local runs one process ...`; before the corpus loads; exit 2."""
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config(SMOKE + [override]))
     assert err.value.key == key
