@@ -17,7 +17,7 @@ import pytest
 
 from dipaco.cli import train as train_cli
 from dipaco.config import Config, ConfigError, compose_config
-from dipaco.domains import DOMAINS, Domain, _bound, value_of
+from dipaco.domains import DOMAINS, Domain, _bound
 from dipaco.resume import flat_config
 from dipaco.train import train
 from dipaco.validate import validate_config
@@ -165,16 +165,14 @@ def test_cli_refuses_out_of_domain_values_in_one_line_and_writes_nothing(tmp_pat
 
 
 def edge_runs() -> list[list[str]]:
-    """Two runs of in-domain edge values, drawn with a fixed seed from a list of edges
-    that change what is computed (so each run means something)."""
-    edges = ["trainer.min_lr_ratio=1.0", "trainer.grad_clip=0", "router.top_k=4", "diloco.outer.momentum=0",
+    """One run of six in-domain edge values, drawn with a fixed seed from a list of edges
+    that change what is computed (so the run means something)."""
+    edges = ["trainer.min_lr_ratio=1.0", "trainer.grad_clip=0", "router.top_k=4", "diloco.outer.momentum=0.999",
              "diloco.outer.nesterov=false", "trainer.warmup_steps=0", "trainer.weight_decay=0",
              "router.capacity_factor=1.0", "trainer.beta1=0", "data.min_doc_chars=0", "router.niter=1",
              "router.feature_dim=1", "diloco.outer.lr=10", "trainer.eval_max_documents=1",
              "diloco.codec=int8", "diloco.codec_block=1", "trainer.micro_batches=4", "router.prefix_tokens=63"]
-    rng = random.Random(SEED)
-    picked = rng.sample(edges, 8)
-    return [picked[:4], picked[4:]]
+    return [random.Random(SEED).sample(edges, 6)]
 
 
 @pytest.mark.slow
