@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from dipaco.checkpoint import CheckpointError, sha256_file, write_json
+from dipaco.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file, write_json
 from dipaco.config import Config
 from dipaco.resume import allowed_on_resume, flat_config
 from dipaco.run_dir import RunDir, RunDirError
@@ -192,9 +192,10 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> None:
 
 def preflight_resume(run: RunDir, cfg: Config) -> None:
     """Every check a resume makes of what ``run`` holds, before anything is written: the
-    config keys each recorded artefact was made with, the artefacts' files, and the
-    checkpoint the resume would continue from. (The data's fingerprint needs the corpus:
-    preparation checks it, with the tokenizer, before it writes.)"""
+    config keys each recorded artefact was made with, the artefacts' files, and every
+    checkpoint it might continue from (its stamp; the hashes are checked when one is
+    chosen). (The data's fingerprint needs the corpus: preparation checks it, with the
+    tokenizer, before it writes.)"""
     saved = read_fingerprints(run)
     for artefact, recorded in saved.items():
         if artefact not in _DEPENDS_ON or not isinstance(recorded, dict):
@@ -207,9 +208,16 @@ def preflight_resume(run: RunDir, cfg: Config) -> None:
             raise RunDirError(f"{_WHAT[artefact]} in {run.root} was made from something else than this run "
                               f"({_difference(mine, want)}); start a new run in another hydra.run.dir")
     verify_outputs(run)
-    latest = run.latest_checkpoint() if run.checkpoints.is_dir() else None
-    if latest is not None:
-        verify_checkpoint(run, latest)
+    mgr = CheckpointManager(run.checkpoints)
+    for r in mgr.list_rounds():  # every checkpoint the resume might continue from, without hashing
+        ckpt = mgr.final_dir(r)
+        try:
+            files = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # damaged: the resume skips it, with a log line (docs/reliability.md)
+        if "state.json" in files and not (ckpt / "state.json").is_file():
+            continue  # damaged the same way
+        verify_checkpoint(run, ckpt)
 
 
 def _matches(recorded: Optional[dict], want: dict) -> bool:
