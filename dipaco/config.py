@@ -338,7 +338,7 @@ def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
 
 def tokenizer_size(path: str) -> int:
     """The vocabulary of the tokenizer at ``path`` (``data.tokenizer``), or one ConfigError
-    (a FIFO or device is never opened: reading one blocks)."""
+    naming it (a FIFO or device is never opened)."""
     fix = "pass a tokenizer.json (or a transformers tokenizer directory)"
     p = os.path.expanduser(path)
     require(os.path.isfile(p) or os.path.isdir(p), "data.tokenizer", f"{path} is not a file or directory", fix)

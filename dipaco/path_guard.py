@@ -61,7 +61,7 @@ def _kind(p: Path) -> Optional[str]:
         return None
     if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
         return None
-    return "special file (a FIFO, socket or device)"
+    return "a special file (a FIFO, socket or device)"
 
 
 def check_target(path: str | os.PathLike, what: str, *, own_run: Optional[Path] = None,
@@ -81,7 +81,7 @@ def check_target(path: str | os.PathLike, what: str, *, own_run: Optional[Path] 
     target = resolved(path)
     special = _kind(target)
     if special:
-        raise RunDirError(f"{what} {path} is a {special}; {fix}")
+        raise RunDirError(f"{what} {path} is {special}; {fix}")
     mine = resolved(own_run) if own_run is not None else None
     if mine is not None and (target == mine or mine in target.parents):
         # its own run (a run directory even before config.yaml is written): owned places only

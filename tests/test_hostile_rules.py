@@ -299,8 +299,8 @@ def test_a_fresh_run_never_writes_into_a_folder_of_other_files(tmp_path, capsys,
 
 @pytest.mark.slow
 def test_dipaco_report_never_writes_into_a_checkpoint(finished, tmp_path, capsys):
-    """`dipaco-report D/checkpoints/round_000002` (a report.md there would make the checkpoint fail its manifest)
-    — `dipaco-report DIR .../report.md lies in the run directory D ...`; exit 2; D byte-identical. `dipaco-report D` still writes its report at D's top."""
+    """`dipaco-report D/checkpoints/round_000002` (any folder inside a run: a report.md in a checkpoint would fail its manifest)
+    — refused by the path rule before anything is read: `dipaco-report DIR .../report.md lies in the run directory D ...`; exit 2; D byte-identical. `dipaco-report D` still writes its report at D's top."""
     from dipaco.cli import report as report_cli
 
     run_dir = copy_run(finished[0], tmp_path / "run")
