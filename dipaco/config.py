@@ -178,12 +178,10 @@ class TrainerConfig:
     # inner steps per path for the whole run; when set, rounds = total_steps // H, so a
     # sweep over H (diloco.inner_steps) keeps the steps per path fixed
     total_steps: Optional[int] = None
-    # what a resume that adds rounds does to the learning-rate schedule: continue (the
-    # launch's schedule; the added rounds run at min_lr_ratio x lr) | restart (a new
-    # warm-up and cosine over the added rounds). dipaco/schedule.py
+    # what more rounds on resume do to the learning-rate schedule: continue (the launch's;
+    # the added rounds at min_lr_ratio x lr) | restart (a new warm-up and cosine). dipaco/schedule.py
     extend_schedule: str = "continue"
-    # the round each schedule segment ends at; [] = one segment to trainer.rounds. Kept in
-    # config.yaml so that a resume knows the launch's schedule; set by resume=true
+    # [start, end, ...] rounds of each schedule segment ([]: one over trainer.rounds); set by resume=true
     lr_segments: List[int] = field(default_factory=list)
     batch_size: int = 16  # sequences per inner step per path (split over the worker group)
     seq_len: int = 128

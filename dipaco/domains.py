@@ -181,6 +181,8 @@ DOMAINS: dict[str, Domain] = {
     "launcher.cpus_per_task": Int(1, 4096, null=True), "launcher.mem_gb": Int(1, 10**6, null=True),
     "launcher.timeout_min": Int(1, 10**7), "launcher.account": MAYBE_TEXT, "launcher.qos": MAYBE_TEXT,
     "launcher.constraint": MAYBE_TEXT, "launcher.master_port": Int(1, 65535, why="a TCP port"),
+    "launcher.max_requeues": Int(0, 1000, why="0 never requeues; each requeue waits in the queue again"),
+    "launcher.dry_run": FLAG,
     "logging.tensorboard": FLAG, "logging.wandb": FLAG, "logging.wandb_project": TEXT,
     "logging.wandb_entity": MAYBE_TEXT, "logging.wandb_mode": OneOf(WANDB_MODES),
     "resume": FLAG, "run_dir": PATH, "tag": MAYBE_TEXT,

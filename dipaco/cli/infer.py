@@ -301,8 +301,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _score_out(path: str) -> Path:
-    """``score --out``, checked before any work: the rule of :mod:`dipaco.path_guard`
-    (never in a run directory), and an existing file only when an earlier score wrote it."""
+    """``score --out`` checked before any work (dipaco/path_guard.py); a file only if an earlier score wrote it."""
     out = check_target(path, "score --out", fix="choose a --out outside every run directory")
     if out.is_dir():
         raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")
