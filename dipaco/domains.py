@@ -48,7 +48,7 @@ _BIG = 10**9  # counts of documents, steps or characters beyond any run this cod
 class Domain:
     """What values one setting may take (see the module docstring)."""
 
-    kind: str  # int | real | choice | flag | ints | text | path
+    kind: str  # int | real | choice | flag | ints (a list of integers) | texts | text | path
     lo: Bound = None
     hi: Bound = None
     lo_open: bool = False
@@ -66,21 +66,24 @@ class Domain:
 
 
 def Int(lo: Bound, hi: Bound, null: bool = False, why: str = "") -> Domain:
+    """Integers in ``[lo, hi]`` (``null`` allowed or not)."""
     return Domain("int", lo, hi, null=null, why=why)
 
 
 def Real(lo: Bound, hi: Bound, lo_open: bool = False, null: bool = False, why: str = "") -> Domain:
+    """Finite numbers in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
     return Domain("real", lo, hi, lo_open=lo_open, null=null, why=why)
 
 
 def OneOf(choices: Union[tuple, Callable[[], Iterable[str]]], null: bool = False) -> Domain:
+    """One of fixed names (or of the names a function lists: the optimisers torch has)."""
     return Domain("choice", choices=choices, null=null)
 
 
 FLAG, MAYBE_FLAG = Domain("flag"), Domain("flag", null=True)
 TEXT, MAYBE_TEXT = Domain("text"), Domain("text", null=True)  # free-form: a name, a field, a tag
 PATH = Domain("path", null=True)  # a file or directory; written ones also pass dipaco/path_guard.py
-ATTENTION = "a larger value exhausts memory or time"
+COSTLY = "a larger value exhausts memory or time"
 
 
 class Rel:
@@ -105,18 +108,18 @@ DOMAINS: dict[str, Domain] = {
     "data.id_field": MAYBE_TEXT, "data.group_field": MAYBE_TEXT,
     "data.max_documents": Int(1, _BIG, null=True), "data.max_train_documents": Int(1, _BIG, null=True),
     "data.documents_per_path": Int(1, _BIG, null=True), "data.exclude_packages": Domain("texts"),
-    "data.domain_max_chars": Int(1, 10**11, why=ATTENTION),
+    "data.domain_max_chars": Int(1, 10**11, why=COSTLY),
     "data.target_doc_chars": Int("data.min_doc_chars", "data.max_doc_chars",
                                  why="chunks are cut between the shortest and the longest document kept"),
-    "data.max_doc_chars": Int(1, 10**8, why=ATTENTION), "data.min_doc_chars": Int(0, "data.max_doc_chars"),
+    "data.max_doc_chars": Int(1, 10**8, why=COSTLY), "data.min_doc_chars": Int(0, "data.max_doc_chars"),
     "data.val_fraction": Real(0, 0.5, lo_open=True, why="the validation split scores the run"),
     "data.test_fraction": Real(0, 0.5), "data.cache_dir": PATH, "data.tokenizer": PATH,
-    "model.vocab_size": Int(MIN_VOCAB, 2**20, why=f"a byte-level BPE needs {MIN_VOCAB}; " + ATTENTION),
-    "model.d_model": Int(2, 16384, why=ATTENTION), "model.n_heads": Int(1, "model.d_model"),
-    "model.layers_per_level": Int(1, 512, why=ATTENTION), "model.max_seq_len": Int(2, 2**17, why=ATTENTION),
-    "model.mlp_hidden": Int(1, 2**17, null=True, why=ATTENTION), "model.rope_theta": Real(0, 1e12, lo_open=True),
+    "model.vocab_size": Int(MIN_VOCAB, 2**20, why=f"a byte-level BPE needs {MIN_VOCAB}; " + COSTLY),
+    "model.d_model": Int(2, 16384, why=COSTLY), "model.n_heads": Int(1, "model.d_model"),
+    "model.layers_per_level": Int(1, 512, why=COSTLY), "model.max_seq_len": Int(2, 2**17, why=COSTLY),
+    "model.mlp_hidden": Int(1, 2**17, null=True, why=COSTLY), "model.rope_theta": Real(0, 1e12, lo_open=True),
     "model.norm_eps": Real(0, 1, lo_open=True), "model.tie_embeddings": FLAG, "model.init_std": Real(0, 10, lo_open=True),
-    "grid.levels": Domain("ints", 1, MAX_PATHS, items=(1, 64), max_product=MAX_PATHS, why=ATTENTION),
+    "grid.levels": Domain("ints", 1, MAX_PATHS, items=(1, 64), max_product=MAX_PATHS, why=COSTLY),
     "grid.private_embed": FLAG, "grid.private_head": FLAG,
     "grid.replicas": Int(1, Rel(lambda c: MAX_PATHS // _paths(c), f"{MAX_PATHS} / the number of paths", ("grid.levels",)),
                           why="paths x replicas is bounded like paths"),
@@ -124,16 +127,16 @@ DOMAINS: dict[str, Domain] = {
                                  why="the routing prefix carries no loss"),
     "router.cluster_tokens": Int("router.prefix_tokens", "model.max_seq_len", null=True),
     "router.reroute_context": Int(1, 2**20, null=True), "router.method": OneOf(ROUTER_METHODS),
-    "router.fine_clusters": Int(_paths, 2**16, null=True, why=ATTENTION), "router.prompt_classifier": FLAG,
-    "router.featurizer": OneOf(FEATURIZERS), "router.feature_dim": Int(1, 4096, why=ATTENTION),
+    "router.fine_clusters": Int(_paths, 2**16, null=True, why=COSTLY), "router.prompt_classifier": FLAG,
+    "router.featurizer": OneOf(FEATURIZERS), "router.feature_dim": Int(1, 4096, why=COSTLY),
     "router.top_k": Int(1, _paths, why="a document goes to at most every path"),
     "router.capacity_factor": Real(1, 1e6), "router.balance": OneOf(ROUTER_BALANCES),
-    "router.soft_capacity_factor": Real(1, 1e6), "router.niter": Int(1, 10_000, why=ATTENTION),
+    "router.soft_capacity_factor": Real(1, 1e6), "router.niter": Int(1, 10_000, why=COSTLY),
     "router.reshard_at_round": Int(1, Rel(lambda c: c.trainer.rounds - 1, "trainer.rounds - 1", ("trainer.rounds",)), null=True,
                                    why="a re-shard happens between rounds"),
-    "router.reshard_every": Int(1, 10**6, null=True), "router.reshard_documents": Int(1, 10**7, why=ATTENTION),
+    "router.reshard_every": Int(1, 10**6, null=True), "router.reshard_documents": Int(1, 10**7, why=COSTLY),
     "router.reshard_assign": OneOf(RESHARD_ASSIGNS), "router.reroute_every": Int(1, 2**20, null=True),
-    "diloco.inner_steps": Int(1, 10**7, why=ATTENTION), "diloco.mode": OneOf(MODES),
+    "diloco.inner_steps": Int(1, 10**7, why=COSTLY), "diloco.mode": OneOf(MODES),
     "diloco.outer.name": OneOf(optimizer_names), "diloco.outer.lr": Real(0, 10, lo_open=True),
     "diloco.outer.momentum": Real(0, 0.999), "diloco.outer.nesterov": FLAG,
     "diloco.codec": OneOf(lambda: sorted(CODECS)), "diloco.codec_block": Int(1, 2**24),
@@ -156,17 +159,17 @@ DOMAINS: dict[str, Domain] = {
     "diloco.decoupled.keep_archive": FLAG,
     "diloco.decoupled.slow_learners": Domain("ints", 0, MAX_PATHS - 1, items=(0, MAX_PATHS)),
     "diloco.decoupled.slow_factor": Real(1, 1000),
-    "trainer.rounds": Int(1, 10**6, why=ATTENTION), "trainer.total_steps": Int(1, _BIG, null=True, why=ATTENTION),
+    "trainer.rounds": Int(1, 10**6, why=COSTLY), "trainer.total_steps": Int(1, _BIG, null=True, why=COSTLY),
     "trainer.lr_segments": Domain("ints", 0, "trainer.rounds", items=(0, 10**4), rising=True,
                                   why="[start, end, ...] rounds of each learning-rate segment"),
     "trainer.extend_schedule": OneOf(EXTEND_SCHEDULES),
-    "trainer.batch_size": Int(1, 2**16, why=ATTENTION), "trainer.seq_len": Int(2, "model.max_seq_len"),
+    "trainer.batch_size": Int(1, 2**16, why=COSTLY), "trainer.seq_len": Int(2, "model.max_seq_len"),
     "trainer.lr": Real(0, 1, lo_open=True), "trainer.min_lr_ratio": Real(0, 1),
     "trainer.warmup_steps": Int(0, _BIG), "trainer.weight_decay": Real(0, 10), "trainer.beta1": Real(0, 0.9999),
     "trainer.beta2": Real(0, 0.99999), "trainer.grad_clip": Real(0, 1e6, why="0 turns clipping off"),
     "trainer.warmup_fraction": Real(0, 0.9, why="the warm-up is fraction / (1 - fraction) x the rounds' steps"),
     "trainer.dense_baseline": FLAG, "trainer.eval_max_documents": Int(1, _BIG, null=True),
-    "trainer.eval_split": OneOf(("validation", "test")), "trainer.eval_batch_size": Int(1, 2**16, why=ATTENTION),
+    "trainer.eval_split": OneOf(("validation", "test")), "trainer.eval_batch_size": Int(1, 2**16, why=COSTLY),
     "trainer.eval_long": FLAG, "trainer.eval_seq_len": Int(2, "model.max_seq_len", null=True),
     "trainer.path_early_stopping": FLAG, "trainer.eval_every": Int(1, 10**6), "trainer.checkpoint_every": Int(1, 10**6),
     "trainer.keep_last": Int(1, 10**6), "trainer.stop_after_rounds": Int(1, "trainer.rounds", null=True),
@@ -267,7 +270,7 @@ def _range(dom: Domain, v: Any, cfg: Optional[Config]) -> Optional[str]:
     if lo == 0 and dom.lo_open or lo == 1 and dom.kind != "real":
         rng = f"positive ({rng})"
     # the bound's reason; "exhausts memory or time" only says why a value is too large
-    why = dom.why if dom.why and (hi is not None and v > hi or dom.why != ATTENTION) else ""
+    why = dom.why if dom.why and (hi is not None and v > hi or dom.why != COSTLY) else ""
     return f"{v} is out of range: must be {rng}" + (f" ({why})" if why else "")
 
 
