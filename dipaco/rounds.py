@@ -26,6 +26,7 @@ from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
 from dipaco.device import peak_memory_bytes, rank_device, reset_peak_memory, set_deterministic
 from dipaco.early_stopping import PathEarlyStopping
+from dipaco.fingerprint import checkpoint_stamp
 from dipaco.launch import stop_requested
 from dipaco.learner import PathLearner
 from dipaco.progress import progress_bar
@@ -116,7 +117,7 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
         learners[p] = PathLearner(p, PathModel(grid, p // cfg.grid.replicas), stream, cfg.trainer, total,
                                   grad_sync=grad_sync, step_offset=n_warm)
 
-    ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last)
+    ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last, stamp=checkpoint_stamp(run))
     start_round = 0
     if cfg.resume:
         latest = ckpts.latest_valid(log=lambda m: _log(rank, m))

@@ -12,6 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+# the hostile-input tests' two shared tiny runs, made once per session when asked for
+from _hostile import finished, sigterm_stopped  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip tests marked ``gpu`` when CUDA is absent (CPU-only CI)."""
