@@ -166,9 +166,12 @@ class CheckpointManager:
     after ``begin`` and a barrier before ``commit``.
     """
 
-    def __init__(self, root: Path | str, keep_last: int = 2) -> None:
+    def __init__(self, root: Path | str, keep_last: int = 2, stamp: Optional[str] = None) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        # what the run's checkpoints are made from (dipaco.fingerprint.checkpoint_stamp),
+        # written into state.json so that a read can tell a checkpoint of another run
+        self.stamp = stamp
 
     def partial_dir(self, round_idx: int) -> Path:
         return self.root / (round_dir_name(round_idx) + ".partial")
@@ -179,7 +182,9 @@ class CheckpointManager:
     def begin(self, round_idx: int) -> Path:
         """Create an empty ``.partial`` directory for this round (a stale one is removed)."""
         part = self.partial_dir(round_idx)
-        if part.exists():
+        if part.is_symlink() or part.is_file():  # never follow a link out of the run directory
+            part.unlink()
+        elif part.exists():
             shutil.rmtree(part)
         part.mkdir(parents=True)
         return part
@@ -187,7 +192,7 @@ class CheckpointManager:
     def commit(self, round_idx: int, state: dict) -> Path:
         """Write ``state.json`` and the manifest, then rename ``.partial`` to final."""
         part = self.partial_dir(round_idx)
-        write_json(part / "state.json", state)
+        write_json(part / "state.json", {**state, "made_from": self.stamp} if self.stamp else state)
         files = sorted(p for p in part.rglob("*") if p.is_file() and p.name != MANIFEST)
         manifest = {
             "round": round_idx,

@@ -1,42 +1,25 @@
 """The configuration schema: dataclasses registered in Hydra's ConfigStore.
 
 The YAML files in ``conf/<group>/`` are choices *within* this schema; a key that is not
-declared here is rejected by Hydra before any work starts. ``validate_config`` checks
-the combinations a schema cannot express (docs/design.md contract 6): it lives in
-:mod:`dipaco.validate`, beside this schema, and raises :class:`ConfigError`, which the
+declared here is rejected by Hydra before any work starts. Every key's domain (range,
+names, bounds) is declared in :mod:`dipaco.domains`, in one table keyed by dotted name;
+``validate_config`` (:mod:`dipaco.validate`) checks the domains and the combinations
+before any work (docs/design.md contract 6) and raises :class:`ConfigError`, which the
 CLIs print as one line naming the key and the fix.
 """
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from dipaco.config_error import ConfigError, composition_error, require  # noqa: F401 (re-exported)
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.decoupled.config import DecoupledConfig
 from modules.config import ModelConfig
-
-DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub")
-LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
-GROUP_PARALLEL = ("replicate", "fsdp")  # launcher.group_parallel
-ROUTER_METHODS = ("product", "tree", "flat", "grouped", "merge", "random")
-ROUTER_BALANCES = ("hard", "soft")
-RESHARD_ASSIGNS = ("classifier", "loss")  # router.em.RESHARD_ASSIGNS
-FEATURIZERS = ("tfidf", "lm")
-MODES = ("sync", "decoupled")
-ALPHAS = ("tokens", "shard_size")  # what weighs a path's pseudo-gradient (dipaco/sync/alpha.py)
-MIN_VOCAB = 257  # 256 byte tokens + <|endoftext|> (dipaco/data/tokenizer.py)
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the key and the fix."""
-
-    def __init__(self, key: str, problem: str, fix: str) -> None:
-        self.key = key
-        super().__init__(f"config error: {key}: {problem}. Fix: {fix}")
 
 
 @dataclass
@@ -195,6 +178,11 @@ class TrainerConfig:
     # inner steps per path for the whole run; when set, rounds = total_steps // H, so a
     # sweep over H (diloco.inner_steps) keeps the steps per path fixed
     total_steps: Optional[int] = None
+    # what more rounds on resume do to the learning-rate schedule: continue (the launch's;
+    # the added rounds at min_lr_ratio x lr) | restart (a new warm-up and cosine). dipaco/schedule.py
+    extend_schedule: str = "continue"
+    # [start, end, ...] rounds of each schedule segment ([]: one over trainer.rounds); set by resume=true
+    lr_segments: List[int] = field(default_factory=list)
     batch_size: int = 16  # sequences per inner step per path (split over the worker group)
     seq_len: int = 128
     lr: float = 3e-3  # inner AdamW peak learning rate
@@ -342,8 +330,21 @@ def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
     ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     if cfg.data.tokenizer and "model.vocab_size" not in given:
-        cfg.model.vocab_size = Tokenizer.load(cfg.data.tokenizer).vocab_size
+        cfg.model.vocab_size = tokenizer_size(cfg.data.tokenizer)
     return cfg
+
+
+def tokenizer_size(path: str) -> int:
+    """The vocabulary of the tokenizer at ``path`` (``data.tokenizer``), or one ConfigError
+    naming it (a FIFO or device is never opened)."""
+    fix = "pass a tokenizer.json (or a transformers tokenizer directory)"
+    p = os.path.expanduser(path)
+    require(os.path.isfile(p) or os.path.isdir(p), "data.tokenizer", f"{path} is not a file or directory", fix)
+    try:
+        return Tokenizer.load(p).vocab_size
+    except Exception as e:  # noqa: BLE001 - whatever the file holds, the path is the user's to fix
+        raise ConfigError("data.tokenizer", f"cannot read a tokenizer from {path}: {' '.join(str(e).split())[:160]}",
+                          fix) from None
 
 
 def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
@@ -356,36 +357,6 @@ def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
         elif isinstance(v, dict) and OmegaConf.is_dict(schema[k]):
             out += _unknown_keys(v, schema[k], key + ".")
     return out
-
-
-def require(ok: bool, key: str, problem: str, fix: str) -> None:
-    """Raise :class:`ConfigError` ``(key, problem, fix)`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(key, problem, fix)
-
-
-def resolve_derived(cfg: Config) -> Config:
-    """Fill settings derived from others (``trainer.total_steps`` → ``trainer.rounds``)."""
-    t, H = cfg.trainer, cfg.diloco.inner_steps
-    if t.total_steps is not None:
-        require(H > 0 and t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
-                 f"{t.total_steps} steps are not a whole number of rounds of H={H}",
-                 "use a multiple of diloco.inner_steps")
-        t.rounds = t.total_steps // H
-    d = cfg.data
-    if d.documents_per_path is not None:
-        require(d.documents_per_path >= 1, "data.documents_per_path",
-                f"must be >= 1, got {d.documents_per_path}", "e.g. data.documents_per_path=500")
-        want = int(d.documents_per_path) * math.prod(cfg.grid.levels)
-        # (idempotent: a config resolved before, e.g. the saved one of a resumed run, passes)
-        require(d.max_train_documents in (None, want), "data.documents_per_path",
-                f"set together with data.max_train_documents={d.max_train_documents}", "drop one of the two")
-        d.max_train_documents = want
-    if math.prod(cfg.grid.levels) == 1 and cfg.router.top_k > 1:
-        # One routed path takes every document whatever top_k says: the default top_k=2
-        # must not make grid=dense or the flat-DiLoCo baseline a config error.
-        cfg.router.top_k = 1
-    return cfg
 
 
 def eval_window(cfg: Config) -> int:
@@ -419,7 +390,10 @@ def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str]
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_module(config_module="dipaco.conf", version_base="1.3"):
-        cfg = to_config(compose("config", overrides=list(overrides or [])))
+        try:
+            cfg = to_config(compose("config", overrides=list(overrides or [])))
+        except HydraException as e:  # a value of the wrong type, a malformed override
+            raise composition_error(e) from None
     resolve_tokenizer_vocab(cfg, list(overrides or []))
     if run_dir is not None:
         cfg.run_dir = str(run_dir)

@@ -19,7 +19,8 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from dipaco.config import Config, ConfigError, to_config
-from dipaco.run_dir import RunDir, RunDirError
+from dipaco.run_dir import RUN_LAYOUT, RunDir, RunDirError
+from dipaco.schedule import extended_segments
 
 # Keys (or key prefixes) a resume may change: they say how the run executes, not what it
 # computes. Everything else shapes the run (data, tokenizer, model, grid, router, seed,
@@ -28,7 +29,7 @@ ALLOWED_ON_RESUME = (
     "launcher", "trainer.progress", "trainer.plots", "trainer.threads", "trainer.checkpoint_every",
     "trainer.keep_last", "trainer.eval_batch_size", "trainer.deterministic",
     "diloco.outer_device", "trainer.stop_after_rounds", "trainer.rounds",
-    "trainer.total_steps", "data.cache_dir", "tag", "logging",
+    "trainer.total_steps", "trainer.extend_schedule", "data.cache_dir", "tag", "logging",
 )
 # May only grow: a resume adds rounds, it cannot un-train them.
 _ONLY_MORE = ("trainer.rounds", "trainer.total_steps")
@@ -71,7 +72,8 @@ def _covered(key: str, explicit: Optional[set[str]]) -> bool:
     return any(key == e or key.startswith(e + ".") for e in explicit)
 
 
-def _allowed(key: str) -> bool:
+def allowed_on_resume(key: str) -> bool:
+    """Whether a resume may change ``key``: it says how the run executes, not what it computes."""
     return any(key == a or key.startswith(a + ".") for a in ALLOWED_ON_RESUME)
 
 
@@ -94,7 +96,7 @@ def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = N
             continue
         fix = (f"drop {key}=... (resume=true needs only hydra.run.dir), or start a new run in "
                "another hydra.run.dir")
-        if not _allowed(key):
+        if not allowed_on_resume(key):
             raise ConfigError(key, f"{run.root} was trained with {key}={sv!r}; this resume asks for "
                                    f"{gv!r}, which would change the run", fix)
         if key in _ONLY_MORE and sv is not None and (gv is None or gv < sv):
@@ -113,7 +115,20 @@ def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = N
     elif explicit is None:
         cfg.trainer.stop_after_rounds = given.trainer.stop_after_rounds
     cfg.resume, cfg.run_dir = True, given.run_dir
+    _extend_schedule(cfg, saved, changes)
     return cfg, changes
+
+
+def _extend_schedule(cfg: Config, saved: Config, changes: dict[str, list[Any]]) -> None:
+    """More rounds than the launch's: ``trainer.lr_segments`` records what the learning
+    rate does over them (``trainer.extend_schedule``, :mod:`dipaco.schedule`), as a change
+    of the resume (logged, ``resumes.jsonl``)."""
+    t, H = cfg.trainer, cfg.diloco.inner_steps
+    rounds = t.total_steps // H if t.total_steps is not None and H >= 1 else t.rounds
+    segments = extended_segments(saved.trainer.rounds, saved.trainer.lr_segments, rounds, t.extend_schedule)
+    if rounds > saved.trainer.rounds and segments != list(saved.trainer.lr_segments):
+        changes["trainer.lr_segments"] = [list(saved.trainer.lr_segments), segments]
+        t.lr_segments = segments
 
 
 def finished_summary(cfg: Config, run: RunDir) -> Optional[dict[str, Any]]:
@@ -130,7 +145,18 @@ def finished_summary(cfg: Config, run: RunDir) -> Optional[dict[str, Any]]:
 
 
 def check_fresh(run: RunDir) -> None:
-    """A fresh run (resume=false) refuses a directory holding another run's training."""
+    """A fresh run (resume=false) refuses a directory holding another run's training, or
+    anything dipaco did not write (a fresh run replaces ``tb/``, ``metrics.jsonl``, shards:
+    in a folder of other files it would destroy them)."""
+    names = {p.name for p in run.root.iterdir()} if run.root.is_dir() else set()
+    foreign = sorted(names - RUN_LAYOUT)
+    if not run.config.is_file():  # dipaco writes config.yaml first: what it replaces was not its own
+        foreign += sorted(names & {"tb", "metrics.jsonl"})
+    if foreign or (run.config.is_file() and not _is_dipaco_config(run)):
+        what = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "") if foreign else "a config.yaml of its own"
+        raise RunDirError(f"{run.root} is not empty and is not a dipaco run directory (it holds {what}); a new "
+                          "run writes only into a new or empty directory, or one dipaco made: choose another "
+                          "hydra.run.dir")
     ckpts = run.checkpoints
     if ckpts.is_dir() and any(ckpts.iterdir()):
         raise ConfigError("resume", f"{run.root} already holds checkpoints",
@@ -138,6 +164,14 @@ def check_fresh(run: RunDir) -> None:
     if run.summary.exists():
         raise ConfigError("resume", f"{run.root} already holds a finished run (summary.json)",
                           "choose another hydra.run.dir")
+
+
+def _is_dipaco_config(run: RunDir) -> bool:
+    try:
+        run.load_config()
+    except (RunDirError, ConfigError):
+        return False
+    return True
 
 
 def has_saved_config(run: RunDir) -> bool:

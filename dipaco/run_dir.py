@@ -20,6 +20,17 @@ from dipaco.results import RoundsResult
 from dipaco.config import to_config
 
 
+# Every name dipaco writes at the top of a run directory (the properties below, and the
+# files other modules add: locks, resumes, Hydra's record, decoupled mode, the early
+# stopping shards, an old Hydra log). A fresh run refuses a directory holding anything else.
+RUN_LAYOUT = frozenset({
+    "config.yaml", "tokenizer.json", "router", "shards", "routing_report.json", "warmup", "val_shards",
+    "checkpoints", "metrics.jsonl", "tb", "baseline", "summary.json", "plots", "cache", "fingerprints.json",
+    "resumes.jsonl", ".dipaco.lock", ".hydra", "decoupled", "decoupled_metrics.json", "train.log", "route.log",
+    "report.md", "report.json", "report.png",
+})
+
+
 class RunDirError(ValueError):
     """A run directory that is missing, incomplete or corrupt (message names the file)."""
 

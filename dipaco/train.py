@@ -21,12 +21,15 @@ from omegaconf import OmegaConf
 from dipaco.build import build_comm_plan, build_grid
 from dipaco.checkpoint import atomic_write_text, write_json
 from dipaco.config import Config, ConfigError, eval_window
+from dipaco.decoupled.owner import check_store
 from dipaco.decoupled.run import run_decoupled
 from dipaco.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.device import set_deterministic
 from dipaco.evaluate import evaluate_single
+from dipaco.fingerprint import preflight_resume
 from dipaco.job_eval import evaluate_run
 from dipaco.launch import StopSignals, init_distributed, launch, require_torchrun_env
+from dipaco.path_guard import check_run_root, check_target
 from dipaco.plots import write_plots
 from dipaco.preempt import RequeueDeadline, requeued_resume, stopped
 from dipaco.prepare import Prepared, prepare
@@ -36,6 +39,7 @@ from dipaco.resume import check_fresh, finished_summary, has_saved_config, resum
 from dipaco.rounds import run_rank
 from dipaco.run_dir import RunDir, disk_full_guard, prior_totals
 from dipaco.run_lock import RunLock, check_unlocked
+from dipaco.schedule import describe_segments, extension_note
 from dipaco.slurm import slurm_rendezvous, task_threads
 from dipaco.tracking import MetricsWriter
 from dipaco.validate import validate_config
@@ -46,22 +50,28 @@ def _log(msg: str) -> None:
     print(f"[dipaco] {msg}", flush=True)
 
 
-def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+def train(cfg: Config, overrides: Optional[list[str]] = None,
+          hydra_files: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Run the job described by ``cfg`` in ``cfg.run_dir``; return the summary dict.
 
     With ``resume=true`` the run's saved ``config.yaml`` is the config; ``overrides``
     (the command line, as Hydra's task overrides) says which keys were asked for, and
     only keys that do not shape the run may change (:mod:`dipaco.resume`). ``None``:
     every key of ``cfg`` counts as asked for. Nothing is written to the run directory
-    before every check has passed.
+    before every check has passed (docs/design.md contract 9): a resume is checked
+    against ``fingerprints.json`` and writes its config and ``resumes.jsonl`` only after
+    preparation accepted the data. ``hydra_files`` (relative path → text: Hydra's
+    ``.hydra/`` record, which the CLIs hold back) is written into a fresh run once accepted.
     """
     validate_config(cfg)
     cfg = requeued_resume(cfg, os.environ, _log)  # a requeued SLURM job continues its run
     if not cfg.run_dir:
         raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
+    check_run_root(cfg.run_dir)
     run = RunDir.at(cfg.run_dir)
     changes: dict[str, list] = {}
     if cfg.resume and has_saved_config(run):
+        saved_rounds = run.load_config().trainer.rounds
         cfg, changes = resume_config(cfg, run, overrides)
         validate_config(cfg)
         done = finished_summary(cfg, run)
@@ -69,10 +79,14 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
             _log(f"{run.root} is already finished ({done.get('rounds')} rounds, summary.json); nothing to do "
                  "(to train longer: resume=true trainer.rounds=N)")
             return done
+        preflight_resume(run, cfg)
+        if cfg.trainer.rounds > saved_rounds:
+            _log(extension_note(cfg, saved_rounds))
     elif cfg.resume:
         _log(f"resume=true: {run.root} holds no run yet (no config.yaml); starting a new run from round 0")
     else:
         check_fresh(run)
+    _check_write_targets(cfg, run)
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA work (the warm-up, the features)
     if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
         os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
@@ -86,9 +100,23 @@ def train(cfg: Config, overrides: Optional[list[str]] = None) -> dict[str, Any]:
                 return _train_under_torchrun(cfg, run, changes)
     check_unlocked(run.root)
     with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
+        if hydra_files and not run.config.is_file():  # a new run, accepted
+            for rel, text in hydra_files.items():
+                atomic_write_text(run.root / rel, text)
         if cfg.launcher.name in ("torchrun", "slurm"):
             return _train_under_torchrun(cfg, run, changes)
         return _train(cfg, run, changes)
+
+
+def _check_write_targets(cfg: Config, run: RunDir) -> None:
+    """Every place the run will write, by the rule of :mod:`dipaco.path_guard`, before it
+    writes anything: the token cache, the checkpoints folder, the decoupled store."""
+    fix = "leave it null (the run's own folder) or choose a path outside every run directory"
+    check_target(cfg.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",), fix=fix)
+    check_target(run.checkpoints, "checkpoints/", own_run=run.root, owned=("checkpoints",),
+                 fix="make checkpoints/ a folder of this run (or a link to storage outside every run)")
+    if cfg.diloco.mode == "decoupled":
+        check_store(cfg.diloco.decoupled.store_url or str(run.root / "decoupled"), run, cfg.resume)
 
 
 def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
@@ -111,10 +139,12 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
 
 def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]:
     """The job, with the checks passed and the directory locked."""
-    _save_config(cfg, run, changes)
     wall0 = time.perf_counter()
-
-    prep = prepare(cfg, run)
+    if not cfg.resume or not run.config.is_file():
+        _save_config(cfg, run, changes)
+    prep = prepare(cfg, run)  # on resume: refuses other data before it writes anything
+    if cfg.resume and run.config.is_file():
+        _save_config(cfg, run, changes)  # the resume is accepted: its changes are recorded
 
     t0 = time.perf_counter()
     if cfg.diloco.mode == "decoupled":
@@ -174,8 +204,12 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
     wall0 = time.perf_counter()
     prep = None
     if rank == 0:
-        _save_config(cfg, run, changes)
+        resumed = cfg.resume and run.config.is_file()
+        if not resumed:
+            _save_config(cfg, run, changes)
         prep = prepare(cfg, run)
+        if resumed:
+            _save_config(cfg, run, changes)
     dist.barrier()
     t0 = time.perf_counter()
     result = launch(run_rank, cfg, run)
@@ -286,6 +320,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "rounds_s": rounds_s,
         "wall_s": wall_s,
         "rounds": result.rounds,
+        # what the learning rate did, segment by segment (an extended run: trainer.extend_schedule)
+        "lr_schedule": describe_segments(cfg),
         "inner_steps": cfg.diloco.inner_steps,
         "warmup_steps": prep.warmup_steps,
         "num_paths": grid.num_paths,

@@ -71,12 +71,16 @@ def _agreement(assigned: np.ndarray, k: int, labels: list[Any]) -> dict[str, flo
     """NMI and purity of ``assigned`` (ids in [0, k), -1 = none) against ``labels``."""
     from sklearn.metrics import normalized_mutual_info_score  # lazy: keeps `import router` light
 
-    if not assigned.size:
+    # a document whose label is missing (null, or absent from its record) is left out:
+    # its domain is unknown, and mixing None with names would not sort
+    known = np.array([x is not None for x in labels], bool)
+    if not known.any():
         return {"nmi": None, "purity": None}
-    _, lab = np.unique(np.asarray([str(x) for x in labels]), return_inverse=True)
+    assigned = np.asarray(assigned)[known]
+    _, lab = np.unique(np.asarray([str(x) for x, ok in zip(labels, known) if ok]), return_inverse=True)
     table = np.zeros((k + 1, lab.max() + 1), np.int64)
     np.add.at(table, (assigned, lab), 1)  # row -1 (a document with no path) never counts as correct
-    return {"nmi": float(normalized_mutual_info_score(labels, assigned)),
+    return {"nmi": float(normalized_mutual_info_score(lab, assigned)),
             "purity": float(table[:k].max(axis=1).sum() / assigned.size)}
 
 

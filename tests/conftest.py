@@ -14,6 +14,9 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 
+# the hostile-input tests' two shared tiny runs, made once per session when asked for
+from _hostile import finished, sigterm_stopped  # noqa: E402,F401
+
 
 @pytest.fixture(autouse=True)
 def _dipaco_log_reaches_caplog():

@@ -98,14 +98,14 @@ def test_setup_cfg_lists_every_package() -> None:
 def test_cluster_tokens_shorter_than_the_routing_prefix_is_refused() -> None:
     validate_config(compose_config(["router.cluster_tokens=128"]))
     validate_config(compose_config(["router.cluster_tokens=null"]))
-    with pytest.raises(ConfigError, match=r"router.cluster_tokens: must be >= router.prefix_tokens \(32\)"):
+    with pytest.raises(ConfigError, match=r"router.cluster_tokens: 16 is out of range: must be >= 32 \(router.prefix_tokens\)"):
         validate_config(compose_config(["router.cluster_tokens=16"]))
 
 
 def test_merge_router_options_are_validated() -> None:
     validate_config(compose_config(["router=merge"]))
     validate_config(compose_config(["router=merge", "grid=4x4", "router.fine_clusters=16"]))
-    with pytest.raises(ConfigError, match=r"router.fine_clusters: must be >= the number of paths \(16\)"):
+    with pytest.raises(ConfigError, match=r"router.fine_clusters: 8 is out of range: must be >= 16 \(the number of paths\)"):
         validate_config(compose_config(["router=merge", "grid=4x4", "router.fine_clusters=8"]))
     with pytest.raises(ConfigError, match="router.prompt_classifier: learns content-based shards"):
         validate_config(compose_config(["router=random", "router.prompt_classifier=true"]))

@@ -2,11 +2,13 @@
 exception the CLI turns into it), the one line, and that the files it must not touch
 are byte-identical (sha256 of every file under the directory, before and after).
 
-Two tiny runs are shared by the whole module: a finished one (in-process ``train``)
-and one stopped by SIGTERM through the real ``dipaco-train`` CLI. Tests work on copies.
+Two tiny runs are shared by the session (tests/_hostile.py): a finished one (in-process
+``train``) and one stopped by SIGTERM through the real ``dipaco-train`` CLI. Tests work
+on copies. The cases of issue #32 (rules for config values, paths, fingerprints,
+resumes, run extension) are in tests/test_hostile_rules.py.
 
-The table in docs/reliability.md ("Hostile input") is generated from this file's test
-docstrings (first line: the attack; the rest: what dipaco does), and
+The table in docs/reliability.md ("Hostile input") is generated from the test
+docstrings of both files (first line: the attack; the rest: what dipaco does), and
 ``test_reliability_table_is_current`` fails when the two drift apart::
 
     .venv/bin/python tests/test_hostile.py     # prints the table
@@ -15,15 +17,13 @@ from __future__ import annotations
 
 import ast
 import errno
-import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -41,82 +41,11 @@ from dipaco.run_lock import LOCK_NAME, RunLock
 from dipaco.train import train
 from dipaco.validate import validate_config
 
-SMOKE = ["experiment=smoke", "data.max_documents=200"]
+from _hostile import SMOKE, copy_run, one_line, run_cli, snapshot, subprocess_cli, tiny_jsonl
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
-
-
-# ------------------------------------------------------------------ helpers
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root`` (hidden ones included), by relative path."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def tiny_jsonl(path: Path, n: int) -> list[str]:
-    """``n`` small documents as jsonl; the overrides that train on them."""
-    path.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}  # document {i}\n" * 3}) + "\n"
-                            for i in range(n)))
-    return ["data=jsonl", f"data.path={path}"]
-
-
-def copy_run(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
-def run_cli(main: Callable[[], Any], argv: list[str], capsys: pytest.CaptureFixture,
-            monkeypatch: pytest.MonkeyPatch) -> tuple[int, str]:
-    """A console script in-process: (exit code, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["dipaco", *map(str, argv)])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    return code, capsys.readouterr().err
-
-
-def one_line(err: str, *needles: str) -> str:
-    """The single non-empty stderr line, which must contain every needle."""
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
-
-
-def subprocess_cli(module: str, *args: str, cwd: Path, **kw: Any) -> subprocess.Popen:
-    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-c", f"from {module} import main; main()", *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
-
-# ------------------------------------------------------------------ shared runs
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    return run_dir, train(compose_config(SMOKE, run_dir))
-
-
-@pytest.fixture(scope="module")
-def sigterm_stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """The real CLI, SIGTERM while it prepares: it trains round 1, checkpoints, stops."""
-    base = tmp_path_factory.mktemp("sigterm")
-    run_dir = base / "run"
-    proc = subprocess_cli("dipaco.cli.train", *SMOKE, f"hydra.run.dir={run_dir}", cwd=base)
-    assert proc.stdout is not None
-    for line in proc.stdout:  # the corpus is loaded: the rounds have not started
-        if line.startswith("[dipaco] corpus:"):
-            proc.send_signal(signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 1, (out[-2000:], err[-2000:])
-    return run_dir, err
+# the hostile-input tests of issue #32, kept beside this file (files stay small); one table
+RULES = Path(__file__).resolve().parent / "test_hostile_rules.py"
 
 
 # ------------------------------------------------------------------ resume
@@ -378,7 +307,7 @@ def test_too_few_documents_for_the_splits_names_the_minimum(tmp_path):
 ])
 def test_impossible_values_are_refused_at_validation(override, key):
     """`model.vocab_size=5`; `launcher.group_size=2` under `launcher=local` (an option the launcher never reads)
-    — `config error: model.vocab_size: 5 is too small: a byte-level BPE needs 257 tokens ...` / `launcher=local runs one process ...`; before the corpus loads; exit 2."""
+    — `config error: model.vocab_size: 5 is out of range: must be >= 257 and <= 1048576 (a byte-level BPE needs 257; ...)` / `launcher=local runs one process ...`; before the corpus loads; exit 2."""
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config(SMOKE + [override]))
     assert err.value.key == key
@@ -432,9 +361,9 @@ def test_environment_failures_exit_1_and_user_errors_exit_2(capsys):
 
 def table() -> str:
     """The markdown table of docs/reliability.md's "Hostile input" section."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
     rows = ["| attack | what dipaco does | test |", "|---|---|---|"]
-    for node in tree.body:
+    nodes = [n for f in (Path(__file__), RULES) for n in ast.parse(f.read_text(encoding="utf-8")).body]
+    for node in nodes:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and node.name != \
                 "test_reliability_table_is_current":
             doc = " ".join((ast.get_docstring(node) or "").split())

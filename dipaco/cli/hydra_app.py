@@ -4,21 +4,31 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
-from dipaco.config import Config, resolve_tokenizer_vocab, to_config
+from dipaco.config import Config, compose_config, resolve_tokenizer_vocab, to_config
+from dipaco.path_guard import check_run_root
 from dipaco.slurm import dry_run_text
 from dipaco.validate import validate_config
 
-# Written by Hydra into the run directory before any dipaco code runs; on an existing
-# run they are switched off, so a refused command leaves the directory byte-identical.
+# Written by Hydra into the output directory before any dipaco code runs: switched off
+# for every single run, so a refused command (a resume, a new run) leaves the directory as
+# it was, however it is spelled on the command line; the CLIs write Hydra's record
+# (`.hydra/`) themselves once a new run is accepted (hydra_record). Multirun jobs keep
+# Hydra's own: each writes a new folder of the sweep.
 _QUIET_HYDRA = ("hydra.output_subdir=null", "hydra/job_logging=none")
+# Folders that existed before Hydra made the output directory: a refused new run removes
+# only the empty folders Hydra made for it (protect_run_dir, remove_if_refused).
+_EXISTING: set[Path] = set()
+_OUTPUT_DIR: list[Path] = []
 
 
 def config_from_hydra(cfg: DictConfig) -> Config:
@@ -27,8 +37,9 @@ def config_from_hydra(cfg: DictConfig) -> Config:
     With ``data.tokenizer`` set, ``model.vocab_size`` comes from that tokenizer unless
     given on the command line (then ``validate_config`` refuses a size too small for it).
     """
-    conf = to_config(cfg)
     hydra = HydraConfig.get()
+    _OUTPUT_DIR[:] = [Path(hydra.runtime.output_dir).resolve()]
+    conf = to_config(cfg)
     if conf.run_dir is None:
         conf.run_dir = hydra.runtime.output_dir
     return resolve_tokenizer_vocab(conf, hydra.overrides.task)
@@ -53,21 +64,74 @@ def register_launcher() -> None:
     Plugins.instance().register(DipacoSlurmLauncher)
 
 
+def hydra_record(cfg: DictConfig) -> dict[str, str]:
+    """Hydra's ``.hydra/`` files (config, hydra, overrides), for the run to write once it
+    is accepted (Hydra's own writing is switched off: :data:`_QUIET_HYDRA`)."""
+    hydra = HydraConfig.get()
+    return {".hydra/config.yaml": OmegaConf.to_yaml(cfg),
+            ".hydra/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})),
+            ".hydra/overrides.yaml": OmegaConf.to_yaml(OmegaConf.create(list(hydra.overrides.task)))}
+
+
+def _run_dir_argument(argv: list[str]) -> Optional[str]:
+    """``hydra.run.dir`` as Hydra will read it (quotes and escapes parsed), or ``None``."""
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in argv if not a.startswith("-")])
+    except HydraException:
+        return None  # Hydra reports a malformed override itself (check_overrides)
+    given = [o.value() for o in parsed if o.key_or_group == "hydra.run.dir"]
+    return str(given[-1]) if given and isinstance(given[-1], str) else None
+
+
 def protect_run_dir(argv: list[str]) -> list[str]:
     """The command line to hand to Hydra: ``--debug`` taken out (it sets DIPACO_DEBUG,
-    keeping tracebacks), and Hydra's own files (``.hydra/``, ``<job>.log``) switched off
-    when ``hydra.run.dir`` already holds a run, so nothing there is touched before
-    dipaco's checks have passed."""
+    keeping tracebacks); for a single run, Hydra's own files switched off, the run
+    directory checked (:func:`dipaco.path_guard.check_run_root`: not a file, not inside
+    another run) and every override checked against the schema, each a one-line refusal
+    before Hydra makes any folder."""
     if "--debug" in argv:
         os.environ["DIPACO_DEBUG"] = "1"
         argv = [a for a in argv if a != "--debug"]
-    if "-m" in argv or "--multirun" in argv:
-        return argv
-    run_dirs = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-    if run_dirs and (Path(run_dirs[-1]).expanduser() / "config.yaml").is_file():
-        given = {a.split("=", 1)[0] for a in argv}
-        argv = argv + [q for q in _QUIET_HYDRA if q.split("=", 1)[0] not in given]
-    return argv
+    if "-m" in argv or "--multirun" in argv or any(a.startswith("-") for a in argv):
+        return argv  # a sweep, --help, --cfg, ...: Hydra's own behaviour
+    run_dir = _run_dir_argument(argv)
+    try:
+        if run_dir is not None and "${" not in run_dir:
+            check_run_root(run_dir)
+        check_overrides(argv)
+    except user_errors() as e:
+        fail(str(e))
+    base = Path(run_dir).expanduser().resolve() if run_dir else Path.cwd() / "outputs"
+    _EXISTING.update(d for d in (base, *base.parents) if d.exists())
+    given = {a.split("=", 1)[0] for a in argv}
+    return argv + [q for q in _QUIET_HYDRA if q.split("=", 1)[0] not in given]
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Compose the config from the command line: a value of the wrong type, a malformed
+    override or an unknown key is a :class:`ConfigError` naming the key, not Hydra's
+    multi-line report."""
+    compose_config([a for a in argv if not a.lstrip("+~").startswith("hydra")])
+
+
+def remove_if_refused() -> None:
+    """After a refusal: remove the output directory Hydra made for it (and its parents)
+    while empty, never a folder that existed before."""
+    made = [_OUTPUT_DIR[0], *_OUTPUT_DIR[0].parents] if _OUTPUT_DIR else []
+    for d in made:
+        if d in _EXISTING or d == Path.cwd() or not d.is_dir() or any(d.iterdir()):
+            break
+        d.rmdir()
+
+
+def run_protected(app: Any) -> None:
+    """Run a Hydra app; a refused run (exit code 2) leaves no folder Hydra made for it."""
+    try:
+        app()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            remove_if_refused()
+        raise
 
 
 def print_dry_run(conf: Config, config: DictConfig) -> None:

@@ -21,7 +21,10 @@ from typing import Any, Optional, Sequence
 from dipaco.checkpoint import write_json
 from dipaco.cli.errors import fail, report_user_errors
 from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, export_routed_hf, parse_path
+from dipaco.inference.export import check_export_target
+from dipaco.path_guard import check_target
 from dipaco.prepare import validation_ids
+from dipaco.run_dir import RunDirError
 
 _COMMON_EPILOG = (
     "The newest checkpoint is used; every file in its manifest is hash-checked first and a "
@@ -36,16 +39,25 @@ class _Parser(argparse.ArgumentParser):
         fail(f"{message} (see {self.prog} --help)")
 
 
-def _positive(name: str):
+# Every numeric argument has a domain, as every config key does (dipaco/domains.py): an
+# upper bound where a larger value only costs time or memory, checked before any work.
+_HUGE = 2**20
+
+
+def _int_in(name: str, lo: int, hi: int):
     def parse(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must lie in [{lo}, {hi}], got {v}")
         return v
     return parse
+
+
+def _positive(name: str, hi: int = _HUGE):
+    return _int_in(name, 1, hi)
 
 
 def _non_negative_float(s: str) -> float:
@@ -53,8 +65,8 @@ def _non_negative_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    if not 0 <= v <= 100:  # nan and inf fail too: inf would sample uniformly, silently
+        raise argparse.ArgumentTypeError(f"must lie in [0, 100], got {s}")
     return v
 
 
@@ -116,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature; 0 is greedy (default 0.8)")
     g.add_argument("--top-k", type=_positive("--top-k"), default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
-    g.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    g.add_argument("--seed", type=_int_in("--seed", 0, 2**32 - 1), default=0, metavar="S",
+                   help="sampling seed (default 0)")
     g.add_argument("--reroute-every", type=_positive("--reroute-every"), default=None, metavar="W",
                    help="re-route every W tokens")
     g.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context each step (slow)")
@@ -134,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     inputs(s, allow_text=False)
     s.add_argument("--reroute-every", type=_positive("--reroute-every"), default=None, metavar="W",
                    help="score token j with the path of window j//W")
-    s.add_argument("--batch-size", type=_positive("--batch-size"), default=None, metavar="B",
+    s.add_argument("--batch-size", type=_positive("--batch-size", 2**16), default=None, metavar="B",
                    help="documents per forward (default: trainer.eval_batch_size)")
     s.add_argument("--seq-len", type=_positive("--seq-len"), default=None, metavar="L",
                    help="tokens scored per document, per window with --long (default: trainer.seq_len)")
@@ -287,7 +300,24 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"path of each window: {gen.window_paths}", file=sys.stderr)
 
 
+def _score_out(path: str) -> Path:
+    """``score --out`` checked before any work (dipaco/path_guard.py); a file only if an earlier score wrote it."""
+    out = check_target(path, "score --out", fix="choose a --out outside every run directory")
+    if out.is_dir():
+        raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")
+    if out.exists():
+        try:
+            earlier = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and {"ppl", "run_dir", "checkpoint"} <= set(earlier)):
+            raise RunDirError(f"score --out {path} exists and is not an earlier dipaco-infer score report: it is "
+                              "never overwritten; choose a new --out")
+    return out
+
+
 def cmd_score(args: argparse.Namespace) -> None:
+    out = _score_out(args.out) if args.out else None
     run = _open(args)
     from_corpus = args.validation or args.split is not None
     texts, skipped = ([], 0) if from_corpus else _texts(args)
@@ -311,8 +341,8 @@ def cmd_score(args: argparse.Namespace) -> None:
     if report["num_tokens"] == 0:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
               "perplexity is undefined (nan)", file=sys.stderr)
-    if args.out:
-        write_json(Path(args.out), report)
+    if out is not None:
+        write_json(out, report)
         print(f"dipaco: wrote {args.out}", file=sys.stderr)
     else:
         _emit(json.dumps(report, sort_keys=True))
@@ -321,6 +351,7 @@ def cmd_score(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     if args.all and args.format != "hf":
         fail("--all writes the routed Hugging Face export: add --format hf (or export one path with --path P)")
+    check_export_target(Path(args.out).expanduser().resolve(), args.force)  # before any work
     run = _open(args)
     if args.all:
         try:

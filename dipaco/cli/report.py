@@ -10,7 +10,10 @@ import argparse
 from pathlib import Path
 
 from dipaco.cli.errors import report_user_errors
+from dipaco.path_guard import check_target, is_run_directory
 from dipaco.report import IGNORED, write_report
+
+REPORT_FILES = ("report.md", "report.json", "report.png")
 
 
 @report_user_errors
@@ -26,6 +29,13 @@ def main(argv: list[str] | None = None) -> None:
     for d in args.directories:
         if not d.is_dir():
             raise FileNotFoundError(f"no such directory: {d}")
+    # the report goes into the first DIR: a sweep folder, or a run directory's top (its own
+    # report files), never inside a run (a checkpoint holding report.md would fail its manifest)
+    first = args.directories[0]
+    own = first if is_run_directory(first.expanduser().resolve()) else None
+    for name in REPORT_FILES:
+        check_target(first / name, "dipaco-report DIR", own_run=own, owned=REPORT_FILES,
+                     fix="pass the sweep folder or the run directory itself first")
     print(write_report(args.directories[0], args.metric, more=tuple(args.directories[1:]),
                        ignore=IGNORED | frozenset(args.ignore)))
 

@@ -16,9 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from dipaco.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
 from dipaco.cli.help import usage, wants_help
-from dipaco.cli.hydra_app import config_from_hydra, protect_run_dir, register_launcher
+from dipaco.cli.hydra_app import config_from_hydra, hydra_record, protect_run_dir, register_launcher, run_protected
 from dipaco.config import register_configs
+from dipaco.path_guard import check_run_root, check_target
 from dipaco.prepare import prepare
+from dipaco.resume import check_fresh
 from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
 from dipaco.run_lock import RunLock, check_unlocked
 from dipaco.validate import validate_config
@@ -35,8 +37,13 @@ def _app(cfg: DictConfig) -> None:
     if run.config.exists():
         raise RunDirError(f"{run.root} already holds a run (config.yaml); dipaco-route writes a new run "
                           "directory: choose another hydra.run.dir")
+    check_run_root(run.root)
+    check_fresh(run)  # a new directory, or one holding only what dipaco writes
+    check_target(conf.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",))
     check_unlocked(run.root)
     with RunLock(run.root), disk_full_guard(run):
+        for rel, text in hydra_record(cfg).items():
+            atomic_write_text(run.root / rel, text)
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(conf)))
         prep = prepare(conf, run)
     keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity", "levels")
@@ -50,7 +57,7 @@ def main() -> None:
         return
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
     register_launcher()
-    _app()
+    run_protected(_app)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 
 from dipaco.cli.errors import report_user_errors
 from dipaco.cli.help import usage, wants_help
-from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, protect_run_dir, register_launcher
+from dipaco.cli.hydra_app import (command_line_overrides, config_from_hydra, hydra_record, protect_run_dir,
+                                  register_launcher, run_protected)
 from dipaco.config import register_configs
 from dipaco.train import train
 
@@ -24,7 +25,7 @@ register_configs()
 @report_user_errors
 def _app(cfg: DictConfig) -> float:
     conf = config_from_hydra(cfg)
-    summary = train(conf, overrides=command_line_overrides())
+    summary = train(conf, overrides=command_line_overrides(), hydra_files=hydra_record(cfg))
     # Returned for Hydra sweepers that optimise an objective.
     return float(summary.get("routed_ppl", float("nan")))
 
@@ -36,7 +37,7 @@ def main() -> None:
         return
     sys.argv[1:] = protect_run_dir(sys.argv[1:])
     register_launcher()
-    _app()
+    run_protected(_app)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import math
 import multiprocessing as mp
 import os
 import random
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -36,12 +35,14 @@ from dipaco.config import Config, ConfigError
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease
+from dipaco.decoupled.owner import PLAN_KEY, claim_store
 from dipaco.decoupled.merge import ModuleSynchronizer
 from dipaco.decoupled.metrics import compute_metrics, worker_events
 from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_steps_done, progress_key,
                                       write_module)
 from dipaco.decoupled.store import Store
 from dipaco.decoupled.worker import RESIDUALS, path_state_key, worker_main
+from dipaco.fingerprint import checkpoint_stamp
 from dipaco.dense import load_dense_state
 from dipaco.progress import say
 from dipaco.run_dir import RunDir
@@ -55,8 +56,6 @@ from dipaco.results import RoundsResult
 from modules import init_grid_from_dense
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
-
-PLAN_KEY = "plan.json"
 
 
 class DecoupledError(RuntimeError):
@@ -143,13 +142,8 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     if problems:
         raise ConfigError(*problems[0])
     store_url = dcfg.store_url or str(run.root / "decoupled")
-    if not cfg.resume and "://" not in store_url and Path(store_url).is_dir():
-        # a fresh run never inherits updates, leases or ledgers of an earlier one
-        if not (Path(store_url) / PLAN_KEY).exists() and any(Path(store_url).iterdir()):
-            raise ConfigError("diloco.decoupled.store_url", f"{store_url} is not empty and not a dipaco store",
-                              "point it to an empty or dipaco-made directory")
-        shutil.rmtree(store_url)
-    store = open_store(store_url)
+    # this run's store only: another run's is never emptied or continued (owner.json)
+    store = claim_store(store_url, run, resume=cfg.resume)
     plan = init_store(cfg, run, store, dcfg)
     R, P, H = plan["rounds"], plan["num_paths"], plan["inner_steps"]
     start_round = min(_rounds_done(store, p, H) for p in range(P))
@@ -342,7 +336,7 @@ def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
     """
     grid = build_grid(cfg)
     R = int(plan["rounds"])
-    ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last)
+    ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last, stamp=checkpoint_stamp(run))
     part = ckpts.begin(R)
     residuals: dict[str, dict[str, torch.Tensor]] = {m: {} for m in plan["module_ids"]}
     for p in range(plan["num_paths"]):

@@ -15,6 +15,7 @@ from dipaco.data import Tokenizer
 from dipaco.early_stopping import load_best_path
 from dipaco.file_mode import follow_umask
 from dipaco.inference.run import InferenceRun
+from dipaco.path_guard import check_target
 from modules import ModelConfig, ModuleGrid, PathModel
 
 EXPORT_FORMAT = "dipaco-path"
@@ -29,6 +30,9 @@ _RUN_FILES = ("config.yaml", "checkpoints", "router", "metrics.jsonl")
 def check_export_target(out: Path, overwrite: bool) -> None:
     """Refuse an ``--out`` that is a file, a run directory, or a non-empty directory
     without :data:`EXPORT_MARKER` (``overwrite`` only replaces an earlier export)."""
+    # the rule every writing command follows: nothing inside a run directory, no special file
+    check_target(out, "--out", replaces=overwrite, marker=EXPORT_MARKER,
+                 fix="choose a new --out outside every run directory")
     if not out.exists():
         return
     if not out.is_dir():

@@ -22,6 +22,7 @@ from dipaco.data import Tokenizer
 from dipaco.dense import load_dense_grid
 from dipaco.early_stopping import load_best_path
 from dipaco.evaluate import evaluate_routed, evaluate_single
+from dipaco.fingerprint import verify_checkpoint, verify_outputs
 from dipaco.inference.generate import Generation, generate_routed
 from dipaco.prepare import lm_featurizer
 from dipaco.run_dir import RunDir, RunDirError
@@ -82,12 +83,16 @@ class InferenceRun:
         cfg = run.load_config()
         if device is not None:
             cfg.trainer.device = device
-        tokenizer = Tokenizer.load(str(run.require(run.tokenizer, "tokenizer")))
+        run.require(run.tokenizer, "tokenizer")
+        # every file read is the one the run was made with (docs/design.md contract 9)
+        verify_outputs(run, ("tokenizer", "router", "warmup"))
+        tokenizer = Tokenizer.load(str(run.tokenizer))
         router = _load_router(run, cfg)
         ckpt, manifest = Path(), {}
         if need_weights:
             ckpt = _find_checkpoint(run, checkpoint)
             manifest = CheckpointManager.verify(ckpt) if verify == "all" else _read_manifest(ckpt)
+            verify_checkpoint(run, ckpt)
         best = need_weights and checkpoint is None and bool(cfg.trainer.path_early_stopping) \
             and run.best_paths.is_dir()
         return cls(run=run, cfg=cfg, tokenizer=tokenizer, router=router, checkpoint=ckpt,

@@ -20,6 +20,7 @@ from dipaco.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
 from dipaco.dense import load_dense_state
+from dipaco.fingerprint import checkpoint_stamp
 from dipaco.device import rank_device, reset_peak_memory, set_deterministic
 from dipaco.learner import PathLearner
 from dipaco.progress import say
@@ -119,7 +120,8 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
     return RankState(cfg=cfg, run=run, rank=rank, world_size=world_size, device=device, grid=grid, topo=topo,
                      local_rank=local_rank, paths=my_paths, modules=my_modules, sync=sync, learners=learners,
                      alpha=PathAlpha.from_config(cfg.diloco.alpha, run.shards), warmup_steps=n_warm,
-                     ckpts=CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last))
+                     ckpts=CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last,
+                                             stamp=checkpoint_stamp(run)))
 
 
 def resume(rs: RankState) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from dipaco.config import DiLoCoConfig
 
-__all__ = ["DelayedNesterov", "make_outer_optimizer", "outer_options", "resolve_optimizer_class"]
+__all__ = ["DelayedNesterov", "make_outer_optimizer", "optimizer_names", "outer_options", "resolve_optimizer_class"]
 
 
 class DelayedNesterov(torch.optim.Optimizer):
@@ -85,6 +85,11 @@ def _optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
             out[attr.lower()] = obj
     out["delayed_nesterov"] = DelayedNesterov
     return out
+
+
+def optimizer_names() -> list[str]:
+    """Every ``diloco.outer.name`` this install accepts (lower case), sorted."""
+    return sorted(_optimizer_classes())
 
 
 def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
