@@ -75,7 +75,7 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
     "routing": (_script("routing"), _routing, "k-means time, sklearn KMeans / dipaco", ">= 3"),
     "infer": (_script("infer"), lambda d: "see infer.json", "generate memory, KV-cache speed-up", "see bench_infer"),
     "decoupled": (_module("decoupled"), _get(["headline", "decoupled_goodput"]),
-                  "decoupled goodput, one learner 3x slower", ">= 0.8"),
+                  "decoupled goodput, one decoupled worker 3x slower", ">= 0.8"),
     "large_corpus": (_module("large_corpus"), lambda d: f"{d['peak_rss_mib']:.0f} MiB for {d['corpus_mib']:.0f} MiB",
                      "peak RSS routing + training from memmapped shards", "flat, << corpus"),
     "route_sharing": (_module("route_sharing"),

@@ -1,4 +1,4 @@
-"""Synchronous rounds vs decoupled mode with one artificially slow learner (3× slower).
+"""Synchronous rounds vs decoupled mode with one artificially slow decoupled worker (3× slower).
 
     python -m benchmarks.bench_decoupled --quick   # model=tiny, [2,2], 6 phases of H=256
     python -m benchmarks.bench_decoupled --full    # 12 phases of H=384
@@ -9,10 +9,10 @@ with 4 single-threaded worker processes:
 
 * **sync**: the real job (``launcher=spawn``, 4 gloo ranks, one path each); rank 0
   sleeps after each inner step for twice the step's duration (3× slower);
-* **decoupled**: ``run_decoupled`` with 4 learners and 1 synchroniser; learner 0 is 3×
+* **decoupled**: ``run_decoupled`` with 4 decoupled workers and 1 synchroniser; worker 0 is 3×
   slower in the same way. Learners are not bound to paths, so the fast ones take over
   the phases the slow one does not get to. Two rows: the defaults (dynamic local
-  updates: the slow learner runs ~H/3 steps per phase), and fixed H for every phase
+  updates: the slow worker runs ~H/3 steps per phase), and fixed H for every phase
   (``dynamic_steps=false``, the waiting cap off), to show what dynamic steps buy (full
   mode or ``--fixed-h`` only: a third run is a third of the time, and the suite's quick
   budget is 10 minutes).
@@ -69,12 +69,12 @@ def slow_run_rank(cfg: Any, run: Any, rank: Optional[int], world: int, slow_rank
     def train_steps(self: Any, n: int, on_step: Any = None, **kw: Any) -> Any:
         last = [time.time()]
 
-        def hook(loss: float) -> None:
+        def hook() -> None:
             if rank == slow_rank:
                 time.sleep((factor - 1.0) * (time.time() - last[0]))
             last[0] = time.time()
             if on_step is not None:
-                on_step(loss)
+                on_step()
 
         t0 = time.time()
         stats = original(self, n, on_step=hook, **kw)
@@ -140,7 +140,7 @@ def run_dec(run_dir: Path, size: dict[str, Any], side: str = "decoupled", **sett
     cfg = compose_config(overrides(size) + ["diloco.mode=decoupled"], run_dir)
     t0 = time.time()
     res = run_decoupled(cfg, RunDir.at(run_dir),
-                        DecoupledConfig(learners=4, slow_learners=[0], slow_factor=SLOW_FACTOR, **settings))
+                        DecoupledConfig(workers=4, slow_workers=[0], slow_factor=SLOW_FACTOR, **settings))
     wall = time.time() - t0
     m = res.decoupled
     return {"side": side, "wall_s": wall, "train_window_s": m["wall_s"], "goodput": m["goodput"],
@@ -169,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows.append(run_dec(run_dir, size, "decoupled, fixed H", dynamic_steps=False, pull_wait_fraction=None))
     sync, dec = rows[:2]
     print_table(rows, ["side", "wall_s", "train_window_s", "goodput", "inner_steps", "routed_loss"],
-                title=f"\none learner {SLOW_FACTOR:g}x slower, 4 paths x {size['rounds']} phases x H={size['inner_steps']}")
+                title=f"\none decoupled worker {SLOW_FACTOR:g}x slower, 4 paths x {size['rounds']} phases x H={size['inner_steps']}")
     headline = {
         "decoupled_goodput": dec["goodput"],
         "sync_goodput": sync["goodput"],

@@ -7,7 +7,7 @@
 Each side starts 2 fresh rank processes (gloo on the CPU; nccl with one GPU per rank, so
 CUDA needs 2 GPUs: FSDP2 over gloo on a GPU is refused by ``dipaco/sync/fsdp.py``). Both
 ranks form one worker group training the one path of a ``[1, 1]`` grid, exactly as
-``dipaco/rounds.py`` drives it: ``begin_path`` → ``PathLearner.train_steps(H)`` (gradients
+``dipaco/rounds/loop.py`` drives it: ``begin_path`` → ``PathLearner.train_steps(H)`` (gradients
 all-reduced by hand under ``replicate``, reduce-scattered by FSDP2 under ``fsdp``) →
 ``end_path`` → ``finish_round`` (the outer step; sharded under ``fsdp``). One round warms
 up, then R rounds are timed.

@@ -166,7 +166,7 @@ class DiLoCoConfig:
     # module's own device (a GPU: no PCIe round trip per path and round) for the
     # synchronous, unsharded sync with codec none; cpu otherwise, or when set to cpu
     outer_device: str = "auto"
-    # diloco.mode=decoupled: learners, synchronisers, quorum, grace, staleness (docs/decoupled.md)
+    # diloco.mode=decoupled: decoupled workers, synchronisers, quorum, grace, staleness (docs/decoupled.md)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
 
 

@@ -56,12 +56,8 @@ def train_dense(
     learner = PathLearner(0, model, stream, cfg.trainer, total_inner_steps(cfg), step_offset=step_offset)
     bar = progress_bar(cfg.trainer.progress, steps, progress_desc, "step")
 
-    def tick(loss: float) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
-
-    stats = learner.train_steps(steps, on_step=tick)
+    # the bar counts steps only: the loss stays on the device until the turn ends
+    stats = learner.train_steps(steps, on_step=(lambda: bar.update(1)) if bar is not None else None)
     if bar is not None:
         bar.close()
     return grid, stats

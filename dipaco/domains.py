@@ -143,7 +143,9 @@ DOMAINS: dict[str, Domain] = {
     "diloco.codec_topk_fraction": Real(0, 1, lo_open=True), "diloco.error_feedback": FLAG,
     "diloco.lossy_exchange": OneOf(("auto", "reduce_scatter", "all_gather")), "diloco.sharing_rescale": FLAG,
     "diloco.alpha": OneOf(ALPHAS), "diloco.outer_device": OneOf(("auto", "cpu")),
-    "diloco.decoupled.learners": Int(1, MAX_PATHS, null=True), "diloco.decoupled.sync_procs": Int(1, 1024),
+    "diloco.decoupled.workers": Int(1, MAX_PATHS, null=True),
+    "diloco.decoupled.learners": Int(1, MAX_PATHS, null=True),  # deprecated name of workers
+    "diloco.decoupled.sync_procs": Int(1, 1024),
     "diloco.decoupled.store_url": PATH, "diloco.decoupled.quorum": Real(0, 1, lo_open=True),
     "diloco.decoupled.grace_factor": Real(0, 1000, lo_open=True),
     "diloco.decoupled.grace_init_s": Real(0, 86400, lo_open=True),
@@ -157,7 +159,8 @@ DOMAINS: dict[str, Domain] = {
     "diloco.decoupled.poll_s": Real(0, 60, lo_open=True), "diloco.decoupled.timeout_s": Real(0, 10**7, lo_open=True),
     "diloco.decoupled.restart_dead": FLAG, "diloco.decoupled.max_restarts": Int(0, 10**6),
     "diloco.decoupled.keep_archive": FLAG,
-    "diloco.decoupled.slow_learners": Domain("ints", 0, MAX_PATHS - 1, items=(0, MAX_PATHS)),
+    "diloco.decoupled.slow_workers": Domain("ints", 0, MAX_PATHS - 1, items=(0, MAX_PATHS)),
+    "diloco.decoupled.slow_learners": Domain("ints", 0, MAX_PATHS - 1, items=(0, MAX_PATHS)),  # deprecated name
     "diloco.decoupled.slow_factor": Real(1, 1000),
     "trainer.rounds": Int(1, 10**6, why=COSTLY), "trainer.total_steps": Int(1, _BIG, null=True, why=COSTLY),
     "trainer.lr_segments": Domain("ints", 0, "trainer.rounds", items=(0, 10**4), rising=True,

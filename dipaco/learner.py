@@ -39,16 +39,37 @@ class InnerStats:
         return self.loss_sum / max(1, self.steps)
 
 
-def make_inner_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.AdamW:
+class _TurnTotals:
+    """A turn's loss sum, applied and skipped steps and tokens, accumulated on the device
+    (float64 for the loss, as Python's float sum it replaces) and read once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.counts = torch.zeros(3, dtype=torch.int64, device=device)  # applied, skipped, tokens
+
+    def add(self, loss: torch.Tensor, bad: torch.Tensor, tokens: int) -> None:
+        ok = ~bad
+        self.loss += torch.where(ok, loss.detach().to(torch.float64), 0.0)  # a skipped step's loss is NaN
+        ok = ok.to(torch.int64)
+        self.counts += torch.stack([ok, 1 - ok, ok * tokens])
+
+    def read(self) -> InnerStats:
+        loss_sum, steps, skipped, tokens = torch.cat([self.loss.view(1), self.counts.to(torch.float64)]).tolist()
+        return InnerStats(steps=int(steps), tokens=int(tokens), loss_sum=loss_sum, skipped=int(skipped))
+
+
+def make_inner_optimizer(model: nn.Module, cfg: TrainerConfig, fused: Optional[bool] = None) -> torch.optim.AdamW:
     """AdamW; no weight decay on vectors (norm gains), as is usual for transformers.
 
-    Fused (one kernel for every parameter) when the parameters are on CUDA.
+    Fused (one kernel for every parameter, and a non-finite step skipped on the device)
+    when the parameters are on CUDA, or when ``fused`` says so.
     """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in model.parameters())
+    if fused is None:
+        fused = all(p.is_cuda for p in model.parameters())
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None)
 
 
@@ -128,16 +149,19 @@ class PathLearner:
     def _backward(self, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    def train_steps(self, n: int, on_step: Optional[Callable[[float], None]] = None,
+    def train_steps(self, n: int, on_step: Optional[Callable[[], None]] = None,
                     should_stop: Optional[Callable[[], bool]] = None) -> InnerStats:
         """Run ``n`` inner steps; return tokens (α), mean loss and time.
 
-        ``on_step(loss)`` runs after each applied step; ``should_stop()`` after each step
-        ends the phase early when it returns True (decoupled mode's dynamic steps).
+        ``on_step()`` runs after each step (applied or skipped); ``should_stop()`` after
+        each step ends the turn early when it returns True (decoupled mode's dynamic
+        steps). Loss, tokens and the skip count stay on the device and are read once, at
+        the end of the turn.
         """
-        stats = InnerStats()
         self.model.train()
         t0 = time.perf_counter()
+        acc = _TurnTotals(self.device)
+        gated = self._gate_on_device()
         for _ in range(n):
             lr = lr_at(self.step + self.step_offset, self.total_steps, self.cfg)
             for group in self.optimizer.param_groups:
@@ -154,31 +178,48 @@ class PathLearner:
             # sharded (fsdp) gradients give a DTensor norm: the whole group's norm, same on every rank
             norm = full_value(torch.nn.utils.clip_grad_norm_(self.params, clip))
             self.step += 1
-            value = float(loss)
-            if not bool(torch.isfinite(norm)):
-                # One NaN/inf gradient would poison AdamW's moments and so every later
-                # step of this path. Skip it instead; after grad_sync every rank of the
-                # worker group sees the same norm, so they all skip together. (fp16: the
-                # scaler lowers its scale, as its own skip would.)
+            # One NaN/inf gradient would poison AdamW's moments and so every later step of
+            # this path: such a step is skipped. After grad_sync every rank of the worker
+            # group sees the same norm, so they all skip together.
+            bad = ~torch.isfinite(norm)
+            if gated:
+                self._step_unless(bad)
+            elif bool(bad):
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.scaler is not None:
-                    self.scaler.update()
-                stats.skipped += 1
-                continue
-            if self.scaler is None:
+                    self.scaler.update()  # fp16: the scaler lowers its scale, as its own skip would
+            elif self.scaler is None:
                 self.optimizer.step()
             else:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-            stats.steps += 1
-            stats.tokens += int((y != -100).sum())
-            stats.loss_sum += value
+            acc.add(loss, bad, int((y != -100).sum()))  # y is the host batch: no device read
             if on_step is not None:
-                on_step(value)
+                on_step()
             if should_stop is not None and should_stop():
                 break
+        stats = acc.read()  # the turn's one device → host read
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _gate_on_device(self) -> bool:
+        """Whether a non-finite step is skipped on the device: the fused AdamW (CUDA) takes
+        a ``found_inf`` flag, skips the update of the parameters and moments when it is set
+        and takes its step count back, so nothing is read on the host. Otherwise (the CPU's
+        AdamW, fp16's loss scaler, FSDP-sharded parameters) the flag is read each step: on
+        the CPU that read costs nothing."""
+        fused = bool(self.optimizer.defaults.get("fused"))
+        return fused and self.scaler is None and not self.sharded
+
+    def _step_unless(self, bad: torch.Tensor) -> None:
+        """One fused AdamW step that is a no-op where ``bad`` (a device flag) is set."""
+        # the optimiser reads these attributes in step(), as torch's GradScaler sets them
+        self.optimizer.found_inf = bad.to(torch.float32)
+        self.optimizer.grad_scale = None
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf, self.optimizer.grad_scale
 
     @property
     def sharded(self) -> bool:

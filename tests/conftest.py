@@ -10,10 +10,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 
 # the hostile-input tests' two shared tiny runs, made once per session when asked for
 from _hostile import finished, sigterm_stopped  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True)
+def _dipaco_log_reaches_caplog():
+    """The ``dipaco`` logger prints its own ``[dipaco]`` lines and stops there (so Hydra's
+    root handler does not print them twice); ``caplog`` listens at the root, so during a
+    test its records go on up as well."""
+    log = logging.getLogger("dipaco")
+    before, log.propagate = log.propagate, True
+    yield
+    log.propagate = before
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

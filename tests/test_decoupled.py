@@ -6,16 +6,18 @@ idempotence across a simulated crash, and the ledger invariant of a whole servic
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from dipaco.config import DiLoCoConfig
+from dipaco.config import DiLoCoConfig, to_config
 from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
-from dipaco.decoupled.metrics import ledger_report
+from dipaco.decoupled.metrics import ledger_report, worker_events
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
@@ -24,7 +26,7 @@ from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, p
 from dipaco.decoupled.store import FileStore, decode_state, encode_state
 from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.sync.codecs import make_codec
-from dipaco.sync.module_state import ModuleState
+from dipaco.sync.module_core import ModuleCore
 from dipaco.sync.outer import DelayedNesterov, make_outer_optimizer, outer_options
 
 AVG = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
@@ -90,7 +92,7 @@ def test_delayed_nesterov_matches_hand_reference() -> None:
     torch.testing.assert_close(mine, torch.tensor(th), rtol=1e-6, atol=1e-6)
     # the state round-trips through the per-module core's layout (outer/<module>)
     kw = {"name": "delayed_nesterov", "lr": lr, "momentum": beta, "nesterov": True, "every": N, "scale": c}
-    a, b = ModuleState("m", torch.tensor([1.0, 1.0]), kw), ModuleState("m", torch.zeros(2), kw)
+    a, b = ModuleCore("m", torch.tensor([1.0, 1.0]), kw), ModuleCore("m", torch.zeros(2), kw)
     for g in gs:
         a.outer_step(g)
     b.load_state_dict(a.state_dict())
@@ -346,6 +348,25 @@ def test_validate_decoupled_names_the_key() -> None:
     probs = validate_decoupled(DecoupledConfig(quorum=0.0, lease_s=1.0, heartbeat_s=1.0))
     keys = [k for k, _, _ in probs]
     assert "diloco.decoupled.quorum" in keys and "diloco.decoupled.lease_s" in keys
+
+
+def test_the_old_name_of_the_decoupled_worker_keys_still_loads(tmp_path: Path) -> None:
+    """``diloco.decoupled.learners`` / ``slow_learners`` (run directories written before
+    the decoupled process was named a decoupled worker) load as ``workers`` /
+    ``slow_workers``; set both ways at once they must agree. Event logs of such stores
+    (``events/learner-*.jsonl``, events naming a ``learner``) are read as workers'."""
+    cfg = to_config(OmegaConf.from_dotlist(["diloco.mode=decoupled", "diloco.decoupled.learners=3",
+                                            "diloco.decoupled.slow_learners=[1]"]))
+    d = cfg.diloco.decoupled
+    assert (d.num_workers, d.slow) == (3, [1]) and len(d.deprecated_keys()) == 2
+    assert validate_decoupled(d) == []
+    assert DecoupledConfig(workers=2).num_workers == 2 and DecoupledConfig().num_workers is None
+    keys = [k for k, _, _ in validate_decoupled(DecoupledConfig(workers=2, learners=3))]
+    assert keys == ["diloco.decoupled.learners"]
+    st = FileStore(tmp_path)
+    st.append_line("events/learner-L0.1-abc.jsonl", json.dumps({"t": 1.0, "e": "begin", "learner": "L0.1-abc"}))
+    st.append_line("events/worker-W1.0-def.jsonl", json.dumps({"t": 2.0, "e": "begin", "worker": "W1.0-def"}))
+    assert [e["worker"] for e in worker_events(st)] == ["L0.1-abc", "W1.0-def"]
 
 
 def _bare_learner(dcfg: DecoupledConfig, my_sps: float | None, others_sps: float | None, H: int = 48):

@@ -3,11 +3,11 @@
 One synchronous run of the smoke experiment (6 rounds of H=8 on a [2,2] grid) is the
 reference. On its prepared run directory (same tokenizer, router and shards):
 
-* the chaos run: 4 learner processes, randomly stalled inside phases, 4 of them SIGKILLed
+* the chaos run: 4 decoupled worker processes, randomly stalled inside phases, 4 of them SIGKILLed
   and restarted; it must finish, every pushed update must be applied or dropped with a
   reason (none lost, none applied twice), and the routed validation loss must stay
   within ``LOSS_TOL`` nats of the synchronous run at the same number of inner steps;
-* the degenerate run: quorum 1, learners wait for their own update, no grace expiry —
+* the degenerate run: quorum 1, workers wait for their own update, no grace expiry —
   decoupled mode then *is* the synchronous algorithm, and ends on the same weights.
 
 Bounded: about 60-80 s in all on a quiet 2-core machine (most of it process start-up).
@@ -76,13 +76,13 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     cfg = compose_config(SMOKE, run_dir)
     # the one fault-injection mechanism of both modes (dipaco/faults.py); spawned workers inherit it
     monkeypatch.setenv("DIPACO_FAULT", "worker_kill:every_s=1:max=4:seed=3;worker_delay:prob=0.5:s=0.8:seed=3")
-    dcfg = DecoupledConfig(learners=4, lease_s=1.5, heartbeat_s=0.3, timeout_s=200)
+    dcfg = DecoupledConfig(workers=4, lease_s=1.5, heartbeat_s=0.3, timeout_s=200)
     res = run_decoupled(cfg, RunDir.at(run_dir), dcfg)
     m = res.decoupled
     assert res.completed_rounds == R
     assert m["kills"] == 4 and m["restarts"] >= 4
     # kills land mid-phase (the supervisor prefers lease holders): those paths were taken
-    # over by other learners after the lease expired
+    # over by other workers after the lease expired
     assert m["lease_takeovers"] >= 1 and m["killed_phases"] >= 1
 
     # the ledger: every pushed update applied XOR dropped with a known reason, none twice
@@ -98,7 +98,7 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
         assert set(state["dropped"].values()) <= set(DROP_REASONS), state["dropped"]
         # each applied id went into exactly one version, versions 1..V all used
         assert set(state["applied"].values()) == set(range(1, meta["version"] + 1)), mid
-    for p in range(4):  # phases may be shorter than H (dynamic steps for stalled learners)
+    for p in range(4):  # phases may be shorter than H (dynamic steps for stalled workers)
         assert store.get_json(progress_key(p))["steps_done"] == R * H
     # the work that counted: every path's R·H steps, once each, in every module of the path
     assert m["useful_inner_steps"] >= 4 * R * H - 1e-6
@@ -114,7 +114,7 @@ def test_full_quorum_and_waiting_learners_reproduce_sync(sync_run: tuple[Path, f
     run_dir, sync_loss, sync_weights = sync_run
     _fresh(run_dir)
     cfg = compose_config(SMOKE, run_dir)
-    dcfg = DecoupledConfig(learners=4, quorum=1.0, pull_wait_s=120, pull_wait_fraction=None, grace_init_s=120,
+    dcfg = DecoupledConfig(workers=4, quorum=1.0, pull_wait_s=120, pull_wait_fraction=None, grace_init_s=120,
                            grace_min_s=120, grace_max_s=120, dynamic_steps=False, momentum_every=1,
                            timeout_s=200)
     res = run_decoupled(cfg, RunDir.at(run_dir), dcfg)

@@ -65,7 +65,7 @@ def topology(world: int, group_size: int) -> Topology:
 
 def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replicate",
           rounds: int = ROUNDS) -> DiLoCoSync:
-    """ROUNDS rounds of the [2, 2] grid as dipaco/rounds.py drives them; returns the sync."""
+    """ROUNDS rounds of the [2, 2] grid as dipaco/rounds/loop.py drives them; returns the sync."""
     grid = ModuleGrid(MODEL, LEVELS, seed=0)
     fsdp = mode.startswith("fsdp")
     G = topo.group_size

@@ -1,9 +1,14 @@
 """Both sync modes on the same inputs: one per-module core, one merge.
 
 With every sharing path present and fresh (full quorum, staleness 0), a decoupled outer
-step must equal the synchronous one for unequal α, any arrival order, lossy codecs with
-error feedback, the √P rescale and any outer optimiser; the per-module state of one mode
-loads into the other; error-feedback residuals survive a round without contributions.
+step must equal the synchronous one for unequal α, any arrival order, the √P rescale and
+any outer optimiser; with a lossy codec (and error feedback) bit for bit where the
+synchronous exchange encodes each contribution once (``lossy_exchange=all_gather``, or
+``auto`` where it picks all_gather): the two-phase exchange re-encodes the reduced chunks,
+a second codec error that decoupled mode, which has no collective to save bytes on, does
+not make. The per-module state of one mode loads into the other (the default decoupled
+optimiser too); error-feedback residuals survive a round without contributions; a path's
+late alternative phase lands where its group would have, whatever the timing.
 """
 from __future__ import annotations
 
@@ -17,15 +22,17 @@ from torch import nn
 
 from dipaco import faults
 from dipaco.checkpoint import load_state, save_state
-from dipaco.config import ConfigError, to_config
+from dipaco.config import ConfigError, DiLoCoConfig, to_config
 from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
 from dipaco.decoupled.service import read_update
 from dipaco.decoupled.store import encode_state
 from dipaco.decoupled.worker import encode_contribution
+from dipaco.comm_plan import module_exchange
 from dipaco.sync.codecs import make_codec
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from dipaco.sync.module_core import ModuleCore, flatten_params, pseudo_gradient
+from dipaco.sync.outer import outer_options
 from dipaco.topology import Topology
 from dipaco.validate import validate_config
 
@@ -52,11 +59,12 @@ def _alpha(r: int, p: int) -> float:
     return float([300, 100, 50, 170][(r + p) % 4])  # unequal, and different every round
 
 
-def _run_sync(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: bool) -> dict[str, torch.Tensor]:
+def _run_sync(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: bool,
+              lossy_exchange: str = "all_gather") -> dict[str, torch.Tensor]:
     mods = _modules()
     topo = Topology(IDS, PATHS, world_size=3)  # each path its own worker group
     sync = DiLoCoSync(topo, mods, codec=codec, codec_kw=codec_kw, error_feedback=True, outer=outer,
-                      sharing_rescale=rescale, lossy_exchange="all_gather")
+                      sharing_rescale=rescale, lossy_exchange=lossy_exchange)
     for r in range(rounds):
         for p in range(3):
             sync.begin_path(p)
@@ -124,6 +132,23 @@ def test_full_quorum_decoupled_equals_sync(codec: str, codec_kw: dict, outer: di
             assert got[m].version == rounds
 
 
+@pytest.mark.parametrize("codec,codec_kw", [("topk", {"fraction": 0.1}), ("none", {})])
+def test_the_lossy_equivalence_holds_where_sync_encodes_once(codec: str, codec_kw: dict) -> None:
+    """The condition of the bit-for-bit equality, shown at the default ``auto``: top-k 10%
+    over the 3 worker groups of "s" picks the two-phase exchange (fewer bytes), whose
+    second encoding moves sync mode away from decoupled mode; codec none is exact."""
+    topo = Topology(IDS, PATHS, world_size=3)
+    kind = module_exchange(topo, "s", NUMEL, make_codec(codec, **codec_kw), "auto").kind
+    auto = _run_sync(4, codec, codec_kw, NESTEROV, False, lossy_exchange="auto")
+    dec = _run_decoupled(4, codec, codec_kw, NESTEROV, False, [(0, 1, 2)])
+    for m in IDS:
+        equal = torch.equal(auto[m], dec[m].theta)
+        assert equal == (m != "s" or kind != "reduce_scatter"), (m, kind)
+    assert kind == ("reduce_scatter" if codec == "topk" else "all_reduce")
+    gap = float((auto["s"] - dec["s"].theta).abs().max())
+    assert gap < 0.05 if codec == "topk" else gap == 0.0
+
+
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_issue_example_unequal_alpha_is_the_token_weighted_mean(order: tuple[int, int]) -> None:
     """2 paths, quorum 1, lr 1, Δ = 1 each, α = 300 and 100: θ = −1.0 (it was −0.769)."""
@@ -163,6 +188,63 @@ def test_piled_up_phases_weigh_as_one_contributor_beside_other_paths() -> None:
     s.offer(Update("c", "m", 1, 0, 0, 100.0, torch.full((1,), 2.0)), 0.0)
     s.step(0.0)
     assert float(s.theta[0]) == -2.0
+
+
+TOY = {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False}
+
+
+def _toy_phase(s: ModuleSynchronizer, phase: int, base: int, delta: float) -> None:
+    assert s.offer(Update(f"u{phase}", "m", 0, phase, base, 1.0, torch.full((1,), delta)), 0.0) is None
+
+
+@pytest.mark.parametrize("d1,d2", [(-0.9, -0.9), (-0.9, -0.5), (-0.5, -0.9)])
+def test_a_late_alternative_lands_where_both_at_once_would(d1: float, d2: float) -> None:
+    """The issue's toy: loss (θ − 1)², a phase moves θ 90% of the way, so Δ = −0.9 from
+    θ = 0. Two phases from the same base (the second pulled before the first was applied)
+    gave θ = 0.900 in one step but 1.536 when the synchroniser stepped between them (past
+    the optimum: loss 0.010 → 0.288). Now both timings land on the mean of the two."""
+    together = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), TOY)
+    _toy_phase(together, 0, 0, d1)
+    _toy_phase(together, 1, 0, d2)
+    together.step(0.0)
+    apart = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), TOY)
+    _toy_phase(apart, 0, 0, d1)
+    apart.step(0.0)
+    _toy_phase(apart, 1, 0, d2)  # staleness 1: its discount must not change the outcome
+    rec = apart.step(0.0)
+    want = -(d1 + d2) / 2
+    assert float(together.theta[0]) == pytest.approx(want, abs=1e-6)
+    assert float(apart.theta[0]) == pytest.approx(want, abs=1e-6)
+    assert rec.staleness == [1]
+    # the next phase starts from weights holding both: an increment again, as in sync
+    # DiLoCo (0.9 → 0.99 on the toy)
+    theta = float(apart.theta[0])
+    _toy_phase(apart, 2, apart.version, -0.9 * (1 - theta))
+    apart.step(0.0)
+    assert float(apart.theta[0]) == pytest.approx(theta + 0.9 * (1 - theta), abs=1e-6)
+    if d1 == d2:
+        assert float(apart.theta[0]) == pytest.approx(0.99, abs=1e-6)
+
+
+def test_a_synchronous_optimiser_state_loads_into_the_default_decoupled_synchroniser() -> None:
+    """A sync checkpoint's outer state is torch SGD's momentum buffer alone; the default
+    decoupled optimiser (delayed Nesterov, momentum every 4 steps) raised KeyError 'step'
+    on its first step. It now keeps the loaded momentum and applies it at its 4th step."""
+    sync = ModuleCore("m", torch.zeros(1), NESTEROV)
+    sync.outer_step(torch.full((1,), 2.0))  # θ = −0.7·(2 + 0.9·2) = −2.66, momentum 2
+    state = sync.state_dict()
+    assert set(state) == {"global", "outer.momentum_buffer"}
+    outer = outer_options(DiLoCoConfig(mode="decoupled"))
+    assert outer["name"] == "delayed_nesterov" and outer["every"] == 4
+    dec = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), outer)
+    dec.load_state_dict(state)
+    applied = []
+    for k in range(4):  # each step's outer gradient is 1 (one path, α = 1, Δ = 1)
+        dec.offer(Update(f"u{k}", "m", 0, k, dec.version, 1.0, torch.ones(1)), 0.0)
+        applied.append(dec.step(0.0).momentum_applied)
+    assert applied == [False, False, False, True]
+    # three plain steps, then m = 0.9·2 + 4/4 = 2.8 and a Nesterov step −0.7·(1 + 0.9·2.8)
+    assert float(dec.theta[0]) == pytest.approx(-2.66 - 3 * 0.7 - 0.7 * (1 + 0.9 * 2.8), abs=1e-5)
 
 
 def test_decoupled_runs_a_non_sgd_outer_optimiser() -> None:

@@ -7,10 +7,12 @@ hash check, so the whole file stays around 20-30 s on 2 cores.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from _dist import run_ranks
@@ -68,12 +70,13 @@ def train(
     rounds: int = ROUNDS,
     outer: dict[str, Any] | None = None,
     lossy_exchange: str = "reduce_scatter",
+    overlap: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], list[Any], DiLoCoSync]:
     """Drive DiLoCoSync exactly as the trainer will; returns per-round global weights."""
     mods = toy_modules()
     sync = DiLoCoSync(
         topo, mods, rank=rank, codec=codec, codec_kw=codec_kw, error_feedback=ef, outer=outer or OUTER,
-        process_groups=pg, lossy_exchange=lossy_exchange,
+        process_groups=pg, lossy_exchange=lossy_exchange, overlap=overlap,
     )
     sync.check_identical_start()
     G = topo.group_size
@@ -98,6 +101,7 @@ def train(
             sync.end_path(p, tokens=BATCH * H * (p + 1))  # unequal α on purpose
         stats.append(sync.finish_round())
         snaps.append({m: s.global_weights.detach().clone() for m, s in sync.syncs.items()})
+    sync.close()
     return snaps, stats, sync
 
 
@@ -115,6 +119,21 @@ def _worker(rank: int, world: int, group_size: int, out_dir: str) -> None:
             "total": [sync.total_bytes(st) for st in stats],
             "trace": list(sync.comm.trace),
         }
+    # the exchanges on the communication thread (overlap): the same numbers, and the
+    # collectives really issued from that thread
+    threads: set[str] = set()
+    real = dist.all_to_all_single
+
+    def spy(*a: Any, **k: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(*a, **k)
+
+    dist.all_to_all_single = spy
+    try:
+        snaps, _, _ = train(topo, rank, "int8", {"block_size": 16}, True, pg=pg, overlap=True)
+    finally:
+        dist.all_to_all_single = real
+    result["int8_overlap"] = {"snaps": snaps, "threads": sorted(threads)}
     # contract 4: a module that differs on one rank fails loudly on EVERY rank (no hang)
     mods = toy_modules()
     if rank == world - 1:
@@ -196,6 +215,12 @@ def test_torch_backend_equals_local(group_size: int, tmp_path: Any, local_runs: 
             for rank in range(world):
                 for m, t in res[rank][codec]["snaps"][-1].items():
                     assert torch.equal(t, local_runs[(1, codec)][0][-1][m]), (codec, rank, m)
+    for rank in range(world):  # overlap: bit-identical to the same rank without it
+        got = res[rank]["int8_overlap"]
+        assert got["threads"] and all(t.startswith("dipaco-comm") for t in got["threads"]), got["threads"]
+        for rnd in range(ROUNDS):
+            for m, t in got["snaps"][rnd].items():
+                assert torch.equal(t, res[rank]["int8"]["snaps"][rnd][m]), (rank, rnd, m)
     errors = [r["hash_error"] for r in res]
     assert all(e is not None for e in errors)
     holders = [r for r in range(world) if "head" in topo.modules_of_group(topo.group_of_rank(r))]

@@ -1,12 +1,14 @@
-"""Decoupled mode (``diloco.mode=decoupled``): asynchronous path learners and per-module
+"""Decoupled mode (``diloco.mode=decoupled``): asynchronous decoupled workers and per-module
 synchronisers that meet only through a shared store.
 
 * :mod:`~dipaco.decoupled.store`: the store (a shared directory, atomic writes);
   :mod:`~dipaco.decoupled.fsspec_store`: object stores and ``open_store``;
   :mod:`~dipaco.decoupled.lease`: path leases;
-* :mod:`~dipaco.decoupled.worker`: the decoupled worker process loop;
+* :mod:`~dipaco.decoupled.worker`: the decoupled worker process loop, and
+  :mod:`~dipaco.decoupled.scheduling` its choice of path and phase length;
+* :mod:`~dipaco.decoupled.alternatives`: which of a path's updates are alternatives;
 * :mod:`~dipaco.decoupled.merge`: per-module quorum, grace window, staleness and the
-  merge rule on the core shared with sync mode (:mod:`dipaco.sync.module_state`);
+  merge rule on the core shared with sync mode (:mod:`dipaco.sync.module_core`);
 * :mod:`~dipaco.decoupled.service`: the synchroniser process loop and the ledger;
 * :mod:`~dipaco.decoupled.run`: the supervisor, ``run_decoupled(cfg, run)``;
 * :mod:`~dipaco.decoupled.metrics`: goodput, staleness, version rates, drops, ledger check.

@@ -3,7 +3,7 @@
 The outer optimiser's lr/momentum/nesterov come from ``diloco.outer`` as in sync mode;
 the codec from ``diloco.codec``; the budget from ``trainer.rounds`` × ``diloco.inner_steps``
 (every path runs ``trainer.rounds`` × H inner steps, as many as a sync run, so the two
-compare at equal steps; phases have H steps, fewer for a slow learner with
+compare at equal steps; phases have H steps, fewer for a slow decoupled worker with
 ``dynamic_steps``).
 """
 from __future__ import annotations
@@ -17,9 +17,11 @@ __all__ = ["DecoupledConfig", "validate_decoupled", "mode_problems"]
 
 @dataclass
 class DecoupledConfig:
-    """Asynchronous learners + per-module synchronisers (see docs/decoupled.md)."""
+    """Asynchronous decoupled workers + per-module synchronisers (see docs/decoupled.md)."""
 
-    # learner processes on this host; None: launcher.nproc if > 1, else one per path
+    # decoupled worker processes on this host; None: launcher.nproc if > 1, else one per path
+    workers: Optional[int] = None
+    # deprecated name of `workers` (runs written before the rename keep loading)
     learners: Optional[int] = None
     # synchroniser processes on this host; modules are dealt round-robin among them
     sync_procs: int = 1
@@ -49,7 +51,7 @@ class DecoupledConfig:
     momentum_every: int = 4
     momentum_scale: float = 0.0
 
-    # ---- learners
+    # ---- decoupled workers
     lease_s: float = 10.0  # a path whose holder stops heartbeating is free after this
     heartbeat_s: float = 1.0
     # before a phase, wait up to this long for each module's ledger to account for this
@@ -57,14 +59,14 @@ class DecoupledConfig:
     # that miss the path's own last contribution. The synchroniser's grace window bounds
     # the actual wait; 0: never wait, pull whatever is latest (more staleness).
     pull_wait_s: float = 10.0
-    # ... and at most this share of the learner's own expected phase time (None: only
+    # ... and at most this share of the worker's own expected phase time (None: only
     # pull_wait_s bounds it). Waiting longer than a sliver of a phase costs more goodput
     # than the staleness it saves: the path's own update still lands, one version later.
     pull_wait_fraction: Optional[float] = 0.1
-    # Dynamic local updates (DyLU, Liu et al. 2024): a learner markedly slower than the
+    # Dynamic local updates (DyLU, Liu et al. 2024): a worker markedly slower than the
     # others (> slow_threshold × their median time per step) runs proportionally fewer
     # inner steps per phase (at least min_phase_steps), so its phases end about when the
-    # fast learners' do and the path it holds does not fall behind. A path's budget stays
+    # fast workers' do and the path it holds does not fall behind. A path's budget stays
     # trainer.rounds × H inner steps; its updates weigh by their tokens as always.
     dynamic_steps: bool = True
     min_phase_steps: int = 4
@@ -73,14 +75,30 @@ class DecoupledConfig:
 
     # ---- supervisor
     timeout_s: float = 3600.0  # the whole decoupled phase; exceeded: everything is killed
-    restart_dead: bool = True  # restart a learner that died (chaos, OOM, ...)
+    restart_dead: bool = True  # restart a worker that died (chaos, OOM, ...)
     max_restarts: int = 50
     keep_archive: bool = True  # keep processed updates under archive/ (audits, tests)
 
     # ---- benchmarks (off by default; fault injection is DIPACO_FAULT, dipaco/faults.py)
     # worker indices slowed down: each inner step is followed by (slow_factor-1)× its time asleep
-    slow_learners: List[int] = field(default_factory=list)
+    slow_workers: List[int] = field(default_factory=list)
     slow_factor: float = 1.0
+    slow_learners: List[int] = field(default_factory=list)  # deprecated name of `slow_workers`
+
+    @property
+    def num_workers(self) -> Optional[int]:
+        """``workers`` (or its deprecated name ``learners``); None: the default."""
+        return self.workers if self.workers is not None else self.learners
+
+    @property
+    def slow(self) -> list[int]:
+        """``slow_workers`` (or its deprecated name ``slow_learners``)."""
+        return list(self.slow_workers or self.slow_learners)
+
+    def deprecated_keys(self) -> list[str]:
+        """The deprecated names this config sets, to tell the user once."""
+        return [f"diloco.decoupled.{old} (now {new})" for old, new in
+                (("learners", "workers"), ("slow_learners", "slow_workers")) if getattr(self, old)]
 
 def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     """Problems as ``(key, problem, fix)`` triples (empty when the settings can work)."""
@@ -91,7 +109,14 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
         if not ok:
             out.append((k + key, problem, fix))
 
-    need(d.learners is None or d.learners >= 1, "learners", "must be >= 1 or null", "e.g. learners=4")
+    need(d.workers is None or d.workers >= 1, "workers", "must be >= 1 or null", "e.g. workers=4")
+    need(d.learners is None or d.learners >= 1, "learners", "must be >= 1 or null (deprecated: use workers)",
+         "e.g. workers=4")
+    need(d.learners is None or d.workers is None or d.learners == d.workers, "learners",
+         f"is the deprecated name of workers and disagrees with it ({d.learners} vs {d.workers})",
+         "drop diloco.decoupled.learners")
+    need(not (d.slow_learners and d.slow_workers), "slow_learners",
+         "is the deprecated name of slow_workers; both are set", "drop diloco.decoupled.slow_learners")
     need(d.sync_procs >= 1, "sync_procs", "must be >= 1", "sync_procs=1")
     need(0 < d.quorum <= 1, "quorum", f"must lie in (0, 1], got {d.quorum}", "e.g. quorum=0.5")
     need(0 < d.grace_min_s <= d.grace_max_s, "grace_min_s", "need 0 < grace_min_s <= grace_max_s",

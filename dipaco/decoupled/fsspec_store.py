@@ -43,8 +43,8 @@ class FsspecStore(Store):
       (objects cannot be appended to). Lines are buffered per process and written as one
       chunk when 64 are pending, when 1 s has passed since the key's last chunk (checked
       on the next append), on :meth:`flush`, at interpreter exit (best effort), and at
-      once for the learner's lifecycle events (``begin``, ``end``, ``abort``, ``hello``,
-      ``bye``), so a SIGKILLed learner loses at most its last few other lines
+      once for the decoupled worker's lifecycle events (``begin``, ``end``, ``abort``, ``hello``,
+      ``bye``), so a SIGKILLed worker loses at most its last few other lines
       (``progress``, ``takeover``…). The writer tag starts with the writer's start time,
       so chunks sort by writer start, then by sequence. :meth:`list` shows a chunk folder
       ``<key>.d`` as ``<key>``, like the FileStore's log file (so no other folder name
@@ -53,7 +53,7 @@ class FsspecStore(Store):
 
     FLUSH_LINES = 64
     FLUSH_S = 1.0
-    # learner events that must survive a kill right after them (they delimit phases)
+    # worker events that must survive a kill right after them (they delimit phases)
     FLUSH_EVENTS = frozenset({"begin", "end", "abort", "hello", "bye"})
 
     def __init__(self, url: str, **storage_options: Any) -> None:
@@ -260,6 +260,6 @@ def open_store(url: str) -> Store:
         how = f"exclusive create raised {err!r}" if err is not None else "a second create overwrote the first"
         raise ValueError(
             f"{where}: this fsspec backend lacks atomic create-if-absent ({how}), which "
-            f"leases need (exactly one of two learners may take a path); {fix}"
+            f"leases need (exactly one of two decoupled workers may take a path); {fix}"
         ) from err
     return store

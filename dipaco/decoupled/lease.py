@@ -21,7 +21,7 @@ class Lease:
 
     Layout: ``leases/<name>/<epoch:010d>.json`` holding ``{owner, expires_at, released}``.
     The live lease is the highest epoch. To take a resource whose lease expired or was
-    released, a learner creates epoch+1 with ``put_new``: of two learners racing, exactly
+    released, a decoupled worker creates epoch+1 with ``put_new``: of two workers racing, exactly
     one create succeeds. The holder renews by rewriting its own epoch file, then checks
     that no higher epoch exists; if one does, somebody took over while it was late and
     it must abandon the work (its pushes would be duplicates; see the synchroniser's
@@ -86,7 +86,7 @@ class Lease:
                 return False
         body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
         if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
-            return False  # another learner won the race for this epoch
+            return False  # another worker won the race for this epoch
         self.epoch = top + 1
         # taken from a holder that never released it (died or stalled past its expiry)
         self.took_over_from = info.get("owner") if epochs and not info.get("released") else None

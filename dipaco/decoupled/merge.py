@@ -1,6 +1,6 @@
 """The merge rule of decoupled mode: one module's quorum, grace window, staleness and
 outer step, on top of the per-module core both modes share
-(:class:`dipaco.sync.module_state.ModuleState`).
+(:class:`dipaco.sync.module_core.ModuleCore`).
 
 :class:`ModuleSynchronizer` is pure logic on tensors with an injected clock (unit tests
 drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
@@ -16,17 +16,20 @@ worker group encodes its contribution). One outer step over the pending updates 
     g ← g·√n_sharing                             with diloco.sharing_rescale
 
 where s_u is the update's staleness in versions of the module and n_u the number of
-pending updates of u's path. A path's updates in one step are *alternatives*, not
-increments: a learner starts each phase from the pulled θ_global, which cannot contain
-its own still-pending update, so phases k and k+1 of one path are two displacements from
-about the same point. Summing them moved the module n times as far; when the
-synchroniser fell behind a path running alone (a loaded host, the other learners being
-restarted), six such phases piled up and the routed loss ended above its initial value.
-A path therefore weighs as one contributor with the mean of its pending updates. Updates are summed in
-(path, phase) order, the order the synchronous exchange sums worker groups in, so with
-every sharing path present and fresh the step is synchronous mode's, bit for bit,
-whatever the arrival order. A partial step (quorum < 1) moves only by its share of a
-full round: the others' updates, arriving later from the same version, add theirs
+pending *alternatives* of u (updates of u's path with the same anchor,
+:mod:`dipaco.decoupled.alternatives`). A decoupled worker starts each phase from the
+pulled θ_global, which cannot contain the path's own still-pending update, so such
+phases are two displacements from about the same point, not increments. Summing them
+moved the module n times as far; when the synchroniser fell behind a path running alone
+(a loaded host, the other workers being restarted), six such phases piled up and the
+routed loss ended above its initial value. A path's alternatives therefore weigh as one
+contributor with their mean; one that lands after its siblings were applied adds only
+the difference between the mean of all of them and what was applied, so the module
+ends where applying them together would have put it, whatever the timing. Updates are
+summed in (path, phase) order, the order the synchronous exchange sums worker groups in,
+so with every sharing path present and fresh the step is synchronous mode's, bit for
+bit, whatever the arrival order. A partial step (quorum < 1) moves only by its share of
+a full round: the others' updates, arriving later from the same version, add theirs
 (with lr 1 and no momentum the result equals the synchronous average when α is as
 expected). Updates with s > max_staleness are dropped ("stale").
 
@@ -37,14 +40,14 @@ SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
+from dipaco.decoupled.alternatives import Alternatives
 from dipaco.decoupled.config import DecoupledConfig
-from dipaco.sync.module_state import ModuleState
+from dipaco.sync.module_core import ModuleCore, contribution
 
 __all__ = ["Update", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]
 
@@ -56,7 +59,7 @@ DROP_REASONS = (
     "non_finite",  # NaN/inf in the decoded pseudo-gradient
     "bad_shape",  # numel does not match the module
     "corrupt",  # the update file cannot be decoded
-    "unprocessed_after_finish",  # found in the inbox after every learner and synchroniser stopped
+    "unprocessed_after_finish",  # found in the inbox after every decoupled worker and synchroniser stopped
 )
 
 
@@ -70,7 +73,7 @@ class Update:
     phase: int
     base_version: int
     tokens: float
-    # flat fp32: Δ = θ_base − θ_path (dipaco.sync.module_sync.pseudo_gradient), or, with
+    # flat fp32: Δ = θ_base − θ_path (dipaco.sync.module_core.pseudo_gradient), or, with
     # ``weighted``, the decoded contribution α·Δ as a worker pushes it
     delta: torch.Tensor
     arrived_at: float = 0.0
@@ -81,7 +84,7 @@ class Update:
         """α·Δ (computed like a sync worker group's accumulator when not ``weighted``)."""
         if self.weighted:
             return self.delta.to(torch.float32)
-        return torch.zeros(self.delta.numel(), dtype=torch.float32).add_(self.delta.reshape(-1), alpha=self.tokens)
+        return contribution(self.delta, self.tokens)
 
 
 @dataclass
@@ -122,7 +125,7 @@ class ModuleSynchronizer:
                  sharing_rescale: bool = False) -> None:
         self.module_id = module_id
         # θ_global, outer optimiser (and the residual layout): the core shared with sync mode
-        self.core = ModuleState(module_id, weights, outer)
+        self.core = ModuleCore(module_id, weights, outer)
         self.sharing_paths = sorted(int(p) for p in sharing_paths)
         self.cfg = cfg
         self.sharing_rescale = bool(sharing_rescale)
@@ -132,6 +135,7 @@ class ModuleSynchronizer:
         self.applied: dict[str, int] = {}
         self.dropped: dict[str, str] = {}
         self.phases: dict[str, str] = {}  # "path:phase" → update id holding that slot
+        self.alternatives = Alternatives()  # anchors and applied groups of alternatives
         self.pending: list[Update] = []
         self.first_pending_at: Optional[float] = None
         self.fill_ema: Optional[float] = None  # seconds from first pending update to quorum
@@ -229,7 +233,7 @@ class ModuleSynchronizer:
         if trigger == "quorum" and self.first_pending_at is not None:
             fill = now - self.first_pending_at
             self.fill_ema = fill if self.fill_ema is None else 0.7 * self.fill_ema + 0.3 * fill
-        # (a grace expiry leaves the EMA alone: widening it would make every learner that
+        # (a grace expiry leaves the EMA alone: widening it would make every worker that
         # waits for this module wait longer whenever one sharing path is slow)
         keep: list[Update] = []
         for u in self.pending:
@@ -242,33 +246,43 @@ class ModuleSynchronizer:
             return None
         keep.sort(key=lambda u: (u.path_id, u.phase))  # the synchronous exchange's order
         stal = [self.version - u.base_version for u in keep]
-        # n_u: one path's pending updates share one contributor's weight (module doc)
-        per_path = Counter(u.path_id for u in keep)
-        n = [per_path[u.path_id] for u in keep]
-        w = [float(u.tokens) * self.discount(s) / k for u, s, k in zip(keep, stal, n)]
+        disc = [self.discount(s) for s in stal]
+        # one path's pending alternatives (same anchor) share one contributor's weight, n_u
+        # each; a group whose siblings were applied before lands as a correction (module doc)
+        keys = [(u.path_id, self.alternatives.anchor(u.path_id, u.base_version)) for u in keep]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        prior = {key: self.alternatives.prior(*key) for key in groups}
+        n = [len(groups[key]) for key in keys]
+        w = [float(u.tokens) * (d if prior[key] is None else prior[key].discount) / (k if prior[key] is None else prior[key].n + k)
+             for u, d, k, key in zip(keep, disc, n, keys)]
         alpha_sum = 0.0
         for u, k in zip(keep, n):
             alpha_sum += float(u.tokens) if k == 1 else float(u.tokens) / k
-        if set(per_path) >= set(self.sharing_paths):
+        if {u.path_id for u in keep} >= set(self.sharing_paths):
             denom = alpha_sum  # a whole round: synchronous mode's token-weighted mean
         else:
             denom = max(alpha_sum, len(self.sharing_paths) * float(self.alpha_ema or 0.0))
+        contribs = [u.contribution() for u in keep]
         g = torch.zeros(self.core.numel, dtype=torch.float32)
-        for u, s, k in zip(keep, stal, n):
-            d = self.discount(s) / k
-            # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
-            g += u.contribution() if d == 1.0 else u.contribution() * d
-        g = g / max(denom, 1e-12)
-        norm = float(g.norm())
-        if self.sharing_rescale:
-            g = g * math.sqrt(len(self.sharing_paths))
-        momentum = self.core.outer_step(g)
+        for i, key in enumerate(keys):
+            if prior[key] is None:
+                d = disc[i] / n[i]
+                # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
+                g += contribs[i] if d == 1.0 else contribs[i] * d
+            elif i == groups[key][0]:
+                g += prior[key].correction([contribs[j] for j in groups[key]])
+        update = self.core.step(g, max(denom, 1e-12), len(self.sharing_paths), rescale=self.sharing_rescale)
         self.version += 1
+        for key, members in groups.items():
+            self.alternatives.record(*key, [contribs[j] for j in members], [disc[j] for j in members])
         for u in keep:
             self.applied[u.update_id] = self.version
+            self.alternatives.note_applied(u.path_id, u.phase, self.version)
         self.last_step_at = now
         return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
-                          [u.path_id for u in keep], stal, w, norm, trigger, momentum)
+                          [u.path_id for u in keep], stal, w, update.norm, trigger, update.momentum_applied)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -300,3 +314,4 @@ class ModuleSynchronizer:
         self.fill_ema = state.get("fill_ema")
         self.alpha_ema = state.get("alpha_ema")
         self.pending, self.first_pending_at = [], None
+        self.alternatives.rebuild(self.phases, self.applied)

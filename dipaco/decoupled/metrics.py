@@ -1,11 +1,11 @@
 """Metrics of a decoupled run, computed from the store (ledgers + event logs).
 
-* **goodput** (time): Σ seconds of inner phases whose update was applied ÷ (learner
+* **goodput** (time): Σ seconds of inner phases whose update was applied ÷ (worker
   slots × wall time of the training phase). Idle waiting, killed or aborted phases,
   dropped updates and restart downtime all count against it. Sync mode's rounds loop's
   number is the same formula over its rounds (a fast path idles while the slow one
   finishes), so the two compare directly.
-* **step goodput**: useful inner steps ÷ inner steps executed (any learner, any outcome).
+* **step goodput**: useful inner steps ÷ inner steps executed (any worker, any outcome).
 * **staleness histogram**: over applied updates, versions of the module between the
   version an update started from and the version it was applied to.
 * **version rate**: outer steps per second, per module.
@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from dipaco.decoupled.store import Store, iter_jsonl
 from dipaco.decoupled.service import archive, inbox, module_key
 
-__all__ = ["ledger_report", "compute_metrics", "load_events"]
+__all__ = ["ledger_report", "compute_metrics", "load_events", "worker_events"]
 
 
 def load_events(store: Store, prefix: str) -> list[dict]:
@@ -31,6 +31,18 @@ def load_events(store: Store, prefix: str) -> list[dict]:
     for name in store.list("events"):
         if name.startswith(prefix) and name.endswith(".jsonl"):
             out.extend(iter_jsonl(store, f"events/{name}"))
+    return sorted(out, key=lambda e: e.get("t", 0.0))
+
+
+def worker_events(store: Store) -> list[dict]:
+    """Every decoupled worker's events, time-ordered, each naming its ``worker``.
+
+    Stores written before the rename keep loading: their logs are
+    ``events/learner-*.jsonl`` and their events name a ``learner``."""
+    out = load_events(store, "worker-") + load_events(store, "learner-")
+    for e in out:
+        if "worker" not in e and "learner" in e:
+            e["worker"] = e["learner"]
     return sorted(out, key=lambda e: e.get("t", 0.0))
 
 
@@ -66,9 +78,9 @@ def ledger_report(store: Store, module_ids: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> dict[str, Any]:
+def compute_metrics(store: Store, module_ids: list[str], num_workers: int) -> dict[str, Any]:
     """Everything in the module doc, as one JSON-able dict."""
-    lev = load_events(store, "learner-")
+    lev = worker_events(store)
     sev = load_events(store, "sync-")
     ledger = ledger_report(store, module_ids)
     # (module, "path:phase") slots whose update went into a version. Counted by slot, not
@@ -84,7 +96,7 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
 
     ends = [e for e in lev if e["e"] == "end"]
     # the training window: first phase begun → last phase ended (interpreter start-up
-    # and the idle tail of learners restarted after the work ran out are left out;
+    # and the idle tail of workers restarted after the work ran out are left out;
     # restarts *during* training count against goodput)
     begins = [e["t"] for e in lev if e["e"] == "begin"]
     t_start = min(begins) if begins else 0.0
@@ -107,7 +119,7 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
     # phases that never ended: aborted (lease lost) or killed; count their last known steps
     open_phases: dict[tuple, int] = {}
     for e in lev:
-        key = (e["learner"], e.get("path"), e.get("phase"))
+        key = (e["worker"], e.get("path"), e.get("phase"))
         if e["e"] == "begin":
             open_phases[key] = 0
         elif e["e"] == "progress" and key in open_phases:
@@ -142,12 +154,12 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
         dropped.update(rec["dropped_by_reason"])
     kills = [e for e in load_events(store, "supervisor") if e.get("e") == "kill"]
     return {
-        "goodput": useful_s / (num_learners * wall),
+        "goodput": useful_s / (num_workers * wall),
         "step_goodput": useful_steps / max(1.0, executed),
         "useful_inner_steps": useful_steps,
         "executed_inner_steps": executed,
         "wall_s": wall,
-        "learners": num_learners,
+        "workers": num_workers,
         "phases_pushed": len(ends),
         "tokens": tokens,
         "bytes_pushed": bytes_pushed,
@@ -159,7 +171,7 @@ def compute_metrics(store: Store, module_ids: list[str], num_learners: int) -> d
         "killed_phases": len(open_phases),
         "wasted_steps_killed": wasted_killed,
         "lease_takeovers": sum(1 for e in lev if e["e"] == "takeover"),
-        "killed_learners": len(kills),
+        "killed_workers": len(kills),
         "ledger_ok": ledger["ok"],
         "ledger": ledger["modules"],
     }

@@ -1,7 +1,7 @@
 """``run_decoupled(cfg, run)``: the supervisor of decoupled mode on one host.
 
 It writes version 0 of every module to the store, starts the synchroniser process(es)
-and N learner processes (``multiprocessing`` spawn: fork is unsafe after torch/faiss
+and N decoupled worker processes (``multiprocessing`` spawn: fork is unsafe after torch/faiss
 started OpenMP threads: docs/design.md, "Processes"), watches them with a bounded timeout, restarts dead
 ones (and, in chaos runs, kills some on purpose with SIGKILL), then, when every path
 has its budget, writes the final module weights as an ordinary checkpoint
@@ -9,8 +9,8 @@ has its budget, writes the final module weights as an ordinary checkpoint
 ``dipaco-infer`` work unchanged, and returns the same :class:`~dipaco.results.RoundsResult`
 as the rounds loop of sync mode.
 
-More hosts: run learners anywhere that mounts the store (``python -m dipaco.decoupled
-learner ...``); exactly one synchroniser per module must run at a time.
+More hosts: run decoupled workers (:func:`dipaco.decoupled.worker.worker_main`) anywhere that
+mounts the store; exactly one synchroniser per module must run at a time.
 """
 from __future__ import annotations
 
@@ -37,18 +37,18 @@ from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.owner import PLAN_KEY, claim_store
 from dipaco.decoupled.merge import ModuleSynchronizer
-from dipaco.decoupled.metrics import compute_metrics, load_events
+from dipaco.decoupled.metrics import compute_metrics, worker_events
 from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_steps_done, progress_key,
                                       write_module)
 from dipaco.decoupled.store import Store
 from dipaco.decoupled.worker import RESIDUALS, path_state_key, worker_main
 from dipaco.fingerprint import checkpoint_stamp
 from dipaco.dense import load_dense_state
+from dipaco.progress import say
 from dipaco.run_dir import RunDir
 from dipaco.schedule import warmup_steps
 from dipaco.sync.checkpointing import write_module_files
-from dipaco.sync.module_state import load_flat
-from dipaco.sync.module_sync import flatten_params
+from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
 from dipaco.tracking import MetricsWriter
@@ -60,10 +60,6 @@ __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
 
 class DecoupledError(RuntimeError):
     """The decoupled phase could not finish (timeout, too many restarts)."""
-
-
-def _log(msg: str) -> None:
-    print(f"[dipaco] {msg}", flush=True)
 
 
 def decoupled_config(cfg: Config, override: Optional[DecoupledConfig] = None) -> DecoupledConfig:
@@ -126,7 +122,7 @@ def init_store(cfg: Config, run: RunDir, store: Store, dcfg: DecoupledConfig) ->
 
 
 class _Slot:
-    """One learner slot: its current process and how often it was started."""
+    """One decoupled worker slot: its current process and how often it was started."""
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -151,7 +147,9 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     plan = init_store(cfg, run, store, dcfg)
     R, P, H = plan["rounds"], plan["num_paths"], plan["inner_steps"]
     start_round = min(_rounds_done(store, p, H) for p in range(P))
-    n_learners = dcfg.learners or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
+    n_workers = dcfg.num_workers or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
+    for key in dcfg.deprecated_keys():
+        say(f"{key} is deprecated: the decoupled process is a decoupled worker")
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     dcfg_dict = dataclasses.asdict(dcfg)
     outer = outer_settings(cfg, dcfg)
@@ -174,20 +172,20 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
         proc.start()
         return proc
 
-    def start_learner(slot: _Slot) -> None:
+    def start_worker(slot: _Slot) -> None:
         slot.incarnation += 1
-        slot.proc = ctx.Process(target=worker_main, name=f"dipaco-learner-{slot.index}",
+        slot.proc = ctx.Process(target=worker_main, name=f"dipaco-worker-{slot.index}",
                                 args=(cfg_dict, str(run.root), store_url, slot.index, slot.incarnation, dcfg_dict))
         slot.proc.start()
         sup_event({"e": "start", "slot": slot.index, "incarnation": slot.incarnation, "pid": slot.proc.pid})
 
-    _log(f"decoupled: {n_learners} learners, {nsync} synchroniser(s), {P} paths x {R} phases of "
-         f"{cfg.diloco.inner_steps} steps; store {store_url}")
+    say(f"decoupled: {n_workers} workers, {nsync} synchroniser(s), {P} paths x {R} phases of "
+        f"{cfg.diloco.inner_steps} steps; store {store_url}")
     t0 = time.time()
     syncs = [start_sync(i) for i in range(nsync)]
-    slots = [_Slot(i) for i in range(n_learners)]
+    slots = [_Slot(i) for i in range(n_workers)]
     for s in slots:
-        start_learner(s)
+        start_worker(s)
     chaos = faults.worker_chaos()  # DIPACO_FAULT worker_kill (none in real runs)
     rng = random.Random(chaos.seed)
     kills = restarts = 0
@@ -202,16 +200,16 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
             now = time.time()
             if now > deadline:
                 raise DecoupledError(f"decoupled phase exceeded diloco.decoupled.timeout_s={dcfg.timeout_s}s")
-            if not started and len(store.list("control")) >= n_learners:
-                store.put_json("control/start", {"t": now})  # every first learner is built: go
+            if not started and len(store.list("control")) >= n_workers:
+                store.put_json("control/start", {"t": now})  # every first worker is built: go
                 started = True
             if not chaos_armed and store.list("paths"):
                 chaos_armed = True
                 next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
-            # chaos: SIGKILL a random live learner (no clean-up runs in it: the point)
+            # chaos: SIGKILL a random live worker (no clean-up runs in it: the point)
             if now >= next_kill and kills < chaos.max_kills:
                 alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
-                # prefer a learner in the middle of a phase (holding a path lease): killing
+                # prefer a worker in the middle of a phase (holding a path lease): killing
                 # one that is starting up or idle tests little
                 holders = {Lease.holder(store, f"path_{p}") for p in range(P)}
                 busy = [s for s in alive if any(h and h.startswith(f"L{s.index}.{s.incarnation}-") for h in holders)]
@@ -235,7 +233,7 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
                     s.proc = None  # slot abandoned; the others take its paths after the lease expires
                     continue
                 restarts += 1
-                start_learner(s)
+                start_worker(s)
             for i, proc in enumerate(syncs):
                 if not proc.is_alive() and proc.exitcode != 0:
                     sup_event({"e": "sync_died", "index": i, "exitcode": proc.exitcode})
@@ -243,10 +241,10 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
                         raise DecoupledError(f"synchroniser {i} died with exit code {proc.exitcode}")
                     restarts += 1
                     syncs[i] = start_sync(i)
-            learners_done = all(s.finished or s.proc is None for s in slots)
-            if learners_done and not any(s.finished for s in slots):
-                raise DecoupledError("every learner slot was abandoned after repeated failures")
-            if learners_done and all(not p.is_alive() and p.exitcode == 0 for p in syncs):
+            workers_done = all(s.finished or s.proc is None for s in slots)
+            if workers_done and not any(s.finished for s in slots):
+                raise DecoupledError("every decoupled worker slot was abandoned after repeated failures")
+            if workers_done and all(not p.is_alive() and p.exitcode == 0 for p in syncs):
                 break
             time.sleep(0.05)
     finally:
@@ -256,27 +254,27 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
             proc.join(timeout=10)
     train_s = time.time() - t0
     _account_leftovers(store, plan["module_ids"])
-    metrics = compute_metrics(store, plan["module_ids"], n_learners)
+    metrics = compute_metrics(store, plan["module_ids"], n_workers)
     metrics.update({"kills": kills, "restarts": restarts, "supervisor_s": train_s})
     (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _append_round_metrics(cfg, run, store)
     ckpt = write_checkpoint(cfg, run, store, plan)
     done_rounds = min(_rounds_done(store, p, H) for p in range(P))
-    _log(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
+    say(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
          f"versions {metrics['module_versions']}, dropped {metrics['dropped'] or 'none'}, "
          f"ledger {'ok' if metrics['ledger_ok'] else 'VIOLATED'}")
-    lev = load_events(store, "learner-")
-    per_learner: dict[str, float] = {}
+    lev = worker_events(store)
+    per_worker: dict[str, float] = {}
     for e in lev:
         if e["e"] == "end":
-            per_learner[e["learner"]] = per_learner.get(e["learner"], 0.0) + float(e["seconds"])
-    compute_s = max(per_learner.values(), default=0.0)
+            per_worker[e["worker"]] = per_worker.get(e["worker"], 0.0) + float(e["seconds"])
+    compute_s = max(per_worker.values(), default=0.0)
     return RoundsResult(
         rounds=R,
         completed_rounds=done_rounds,
         start_round=start_round,
-        # for the summary's DDP-bytes plan: one worker group per learner, at most one per path
-        world_size=min(n_learners, P) * cfg.launcher.group_size,
+        # for the summary's DDP-bytes plan: one worker group per decoupled worker, at most one per path
+        world_size=min(n_workers, P) * cfg.launcher.group_size,
         tokens=int(metrics["tokens"]),
         bytes_sent=int(metrics["bytes_pushed"]),
         compute_s=compute_s,
@@ -317,7 +315,7 @@ def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
     """One round record per phase index (:func:`dipaco.sync.records.round_record`),
     persisted by sync mode's writer (metrics.jsonl, TensorBoard, W&B)."""
     by_phase: dict[int, dict[str, dict]] = {}
-    for e in load_events(store, "learner-"):
+    for e in worker_events(store):
         if e["e"] == "end":
             by_phase.setdefault(int(e["phase"]), {}).setdefault(
                 str(e["path"]), {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]})

@@ -2,7 +2,7 @@
 :mod:`dipaco.decoupled.lease`, the fsspec backend and :func:`open_store` in
 :mod:`dipaco.decoupled.fsspec_store`).
 
-Everything learners and synchronisers exchange goes through a :class:`Store`: module
+Everything decoupled workers and synchronisers exchange goes through a :class:`Store`: module
 versions, pushed updates, path states (inner optimiser + data position), leases and
 event logs. There are two implementations: :class:`FileStore`, a directory on a shared
 filesystem (local disk for one host, NFS for several; the default and the tested one

@@ -1,19 +1,20 @@
 """The decoupled worker process loop: lease a path, pull its modules, train H steps, push, repeat.
 
-A learner is not bound to a path. Each turn it leases the unfinished path with the
-fewest completed inner steps that nobody holds, so a slow learner simply completes fewer
-phases and the fast ones pick up the rest, and a dead learner's path is picked up by
-another once its lease expires. The path's inner state (AdamW moments, step count, data
-position, phases and steps done) travels through the store with the path, not with the
-learner. A path's budget is ``trainer.rounds × H`` inner steps; a phase has H of them,
-or fewer when a markedly slow learner runs it (dynamic local updates, below).
+A decoupled worker is not bound to a path. Each turn it leases the unfinished path with
+the fewest completed inner steps that nobody holds, so a slow worker simply completes
+fewer phases and the fast ones pick up the rest, and a dead worker's path is picked up
+by another once its lease expires (:mod:`dipaco.decoupled.scheduling`). The path's inner
+state (its path learner's AdamW moments, step count and data position, phases and steps
+done, error-feedback residuals) travels through the store with the path, not with the
+worker. A path's budget is ``trainer.rounds × H`` inner steps; a phase has H of them, or
+fewer when a markedly slow worker runs it (dynamic local updates).
 
 One phase of path p:
 
 1. acquire the lease of p (``leases/path_p``), load ``paths/path_p.st`` (if any);
 2. pull the latest version of each of p's modules (optionally waiting up to
    ``pull_wait_s`` for the versions to include p's previous update);
-3. H inner steps, or ``H × (others' time per step ÷ mine)`` for a slow learner
+3. H inner steps, or ``H × (others' time per step ÷ mine)`` for a slow worker
    (heartbeat: renew the lease every ``heartbeat_s``; a lost lease aborts the phase and
    its work is discarded, counted as wasted steps);
 4. push, per module, ``Δ = θ_pulled − θ_path`` encoded with ``diloco.codec``, tagged with
@@ -34,9 +35,8 @@ import os
 import random
 import time
 import uuid
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 
 from dipaco import faults
@@ -46,6 +46,7 @@ from dipaco.data import Tokenizer, TokenStream
 from dipaco.decoupled.config import DecoupledConfig
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
+from dipaco.decoupled.scheduling import WorkerScheduling
 from dipaco.decoupled.service import inbox, module_key, path_steps_done, progress_key
 from dipaco.decoupled.store import Store, encode_state
 from dipaco.dense import load_dense_state
@@ -54,8 +55,8 @@ from dipaco.run_dir import RunDir
 from dipaco.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.codecs import Codec, make_codec
-from dipaco.sync.module_state import encode_with_feedback, load_flat
-from dipaco.sync.module_sync import flatten_params, pseudo_gradient
+from dipaco.sync.module_core import (contribution, encode_with_feedback, flatten_params, load_flat, pseudo_gradient,
+                                     wire_codec)
 from modules import PathModel, init_grid_from_dense
 
 __all__ = ["worker_main", "DecoupledWorker", "encode_contribution", "path_state_key", "RESIDUALS"]
@@ -73,19 +74,18 @@ def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
     """The contribution α·Δ of one path to one module, accumulated and encoded (with the
     path's error-feedback ``residual``, or None) exactly as a sync worker group of one
     path encodes it: ``(payload, new residual)``."""
-    value = torch.zeros(delta.numel(), dtype=torch.float32).add_(delta.reshape(-1), alpha=float(tokens))
-    return encode_with_feedback(value, codec, residual)
+    return encode_with_feedback(contribution(delta, tokens), codec, residual, feedback=residual is not None)
 
 
-class DecoupledWorker:
-    """One decoupled worker process's state (the grid copy, per-path PathLearners, the store).
+class DecoupledWorker(WorkerScheduling):
+    """One decoupled worker process's state (the grid copy, a path learner per path, the store).
 
     Args:
         cfg: the run's config.
         run: the run directory (tokenizer, shards, warm-up).
         store: the shared store.
-        index: this learner's slot (0..N-1); ``slow_learners`` refer to it.
-        incarnation: how many times this slot was (re)started; part of the learner id.
+        index: this worker's slot (0..N-1); ``slow_workers`` refer to it.
+        incarnation: how many times this slot was (re)started; part of the worker id.
         dcfg: decoupled settings.
     """
 
@@ -94,7 +94,7 @@ class DecoupledWorker:
         self.cfg, self.dcfg, self.store = cfg, dcfg, store
         self.run = run
         self.index, self.incarnation = index, incarnation
-        self.id = f"L{index}.{incarnation}-{uuid.uuid4().hex[:6]}"
+        self.id = f"W{index}.{incarnation}-{uuid.uuid4().hex[:6]}"
         self.grid = build_grid(cfg)
         self.n_warm = warmup_steps(cfg)
         if self.n_warm > 0:
@@ -104,17 +104,16 @@ class DecoupledWorker:
         # only where a lossy codec crosses paths
         self.codec_kw = codec_kwargs(cfg.diloco)
         lossy = make_codec(cfg.diloco.codec, **self.codec_kw)
-        exact = make_codec("none")
-        self.shared = {m: len(self.grid.paths_of_module(m)) > 1 for m in self.grid.module_ids}
-        self.codecs = {m: lossy if self.shared[m] else exact for m in self.grid.module_ids}
-        self.feedback = {m: bool(cfg.diloco.error_feedback) and self.shared[m] and lossy.lossy
-                         for m in self.grid.module_ids}
-        self.learners: dict[int, Any] = {}
+        wire = {m: wire_codec(lossy, cfg.diloco.error_feedback, len(self.grid.paths_of_module(m)) > 1)
+                for m in self.grid.module_ids}
+        self.codecs = {m: c for m, (c, _) in wire.items()}
+        self.feedback = {m: f for m, (_, f) in wire.items()}
+        self.learners: dict[int, PathLearner] = {}
         # meta "tokens" is the α the merge weighs by; "trained_tokens" what the phase trained
         self.alpha = PathAlpha.from_config(cfg.diloco.alpha, self.run.shards)
         self.chaos = faults.worker_chaos()  # DIPACO_FAULT worker_delay (none in real runs)
         self.rng = random.Random(self.chaos.seed * 1000 + index * 17 + incarnation)
-        self.slow = float(dcfg.slow_factor) if index in dcfg.slow_learners else 1.0
+        self.slow_factor = float(dcfg.slow_factor) if index in dcfg.slow else 1.0
         self.eos = Tokenizer.load(self.run.tokenizer).eos_id
         # Build every path's learner (shard, stream, model view) BEFORE taking any lease:
         # loading shards can take seconds on a busy host, and a lease held through slow
@@ -128,8 +127,8 @@ class DecoupledWorker:
     # ------------------------------------------------------------------ events
     def event(self, obj: dict) -> None:
         obj.setdefault("t", time.time())
-        obj.setdefault("learner", self.id)
-        self.store.append_line(f"events/learner-{self.id}.jsonl", json.dumps(obj))
+        obj.setdefault("worker", self.id)
+        self.store.append_line(f"events/worker-{self.id}.jsonl", json.dumps(obj))
 
     # ------------------------------------------------------------------- paths
     def _path_learner(self, p: int) -> PathLearner:
@@ -147,98 +146,6 @@ class DecoupledWorker:
         return path_steps_done(self.store.get_json(progress_key(p)), self.cfg.diloco.inner_steps)
 
     # ---------------------------------------------------------------- scheduling
-    def _publish_speed(self, seconds: float, steps: int) -> None:
-        """Publish my seconds per inner step (an EMA over phases and heartbeats)."""
-        sps = seconds / max(1, steps)
-        self.sps = sps if self.sps is None else 0.5 * self.sps + 0.5 * sps
-        self.store.put_json(f"speed/learner_{self.index}.json", {"s_per_step": self.sps, "t": time.time()})
-
-    def _others_sps(self) -> tuple[Optional[float], int]:
-        """Median seconds per inner step of the other learner slots active in the last
-        minute (None: no data yet), and how many there are."""
-        vals = []
-        for name in self.store.list("speed"):
-            if name != f"learner_{self.index}.json":
-                got = self.store.get_json(f"speed/{name}")
-                if got is not None and time.time() - float(got["t"]) < 60.0:
-                    vals.append(float(got["s_per_step"]))
-        return (float(np.median(vals)) if vals else None), len(vals)
-
-    def _slowness(self) -> tuple[Optional[float], int]:
-        """``(my time per step ÷ the others' median, number of others)``; None: unknown."""
-        others, n_others = self._others_sps()
-        if others is None or self.sps is None or others <= 0:
-            return None, n_others
-        return self.sps / others, n_others
-
-    def phase_steps(self, remaining: int) -> int:
-        """Inner steps of my next phase on a path with ``remaining`` steps to go.
-
-        Dynamic local updates (Liu et al. 2024): a learner markedly slower than the
-        others runs ``H ÷ slowness`` steps (at least ``min_phase_steps``), so its phase
-        takes about as long as theirs and the path it holds keeps pace.
-        """
-        H = self.cfg.diloco.inner_steps
-        n = H
-        ratio, _ = self._slowness()
-        if self.dcfg.dynamic_steps and ratio is not None and ratio > self.dcfg.slow_threshold:
-            n = max(min(self.dcfg.min_phase_steps, H), int(round(H / ratio)))
-        return max(1, min(n, remaining))
-
-    def pick(self) -> tuple[Optional[Lease], bool]:
-        """Lease a free unfinished path: ``(lease, all_finished)``.
-
-        A path's phases are sequential (phase k+1 starts from phase k's inner state), so
-        a path held by a slow learner falls behind unless paths change hands. Normal
-        learners take the least-advanced free path. A learner that is markedly slower
-        than the others (> ``slow_threshold``× their median time per step) takes the MOST
-        advanced free path instead, and after a phase it leaves its last path to others
-        for a short while (half of their phase; two without dynamic steps) unless nothing
-        else frees up: the lagging path goes to a fast learner and the slow one works where
-        there is slack, so every path spends about as long in the slow slot.
-        """
-        H = self.cfg.diloco.inner_steps
-        budget = self.cfg.trainer.rounds * H
-        todo = []
-        for p in range(self.grid.num_paths):
-            k = self._progress(p)
-            if k < budget:
-                todo.append((k, self.rng.random(), p))
-        if not todo:
-            return None, True
-        ratio, n_others = self._slowness()
-        slow = ratio is not None and ratio > self.dcfg.slow_threshold
-        others = None if ratio is None else self.sps / ratio
-        if slow:
-            # The tail: when the others can finish what is left in about the time one of
-            # my phases takes, taking one would only make me the last one to finish (or,
-            # with dynamic steps, leave a remainder that someone must run after me).
-            remaining = sum(budget - k for k, _, _ in todo)
-            my_phase = H if self.dcfg.dynamic_steps else H * ratio  # in the others' steps
-            if remaining <= n_others * my_phase:
-                return None, False
-        order = sorted(todo, key=lambda x: (-x[0], x[1]) if slow else (x[0], x[1]))
-        # The path a slow learner just held lags (it advanced at my pace, even with dynamic
-        # steps); leave it to a fast learner for a while so that paths rotate through the
-        # slow slot, unless nothing else frees up. Without dynamic steps my phases last
-        # `ratio` of theirs, so the lag is bigger and the wait worth longer.
-        if slow and self.last_path is not None and len(todo) > 1:
-            if self.avoid_until is None:
-                phases = 0.5 if self.dcfg.dynamic_steps else 2.0
-                self.avoid_until = time.time() + phases * H * float(others)
-            if time.time() < self.avoid_until:
-                order = [x for x in order if x[2] != self.last_path]
-        for _, _, p in order:
-            if not Lease.is_free(self.store, f"path_{p}"):
-                continue
-            lease = Lease(self.store, f"path_{p}", self.id, self.dcfg.lease_s)
-            if lease.acquire():
-                if lease.took_over_from:
-                    self.event({"e": "takeover", "path": p, "from": lease.took_over_from, "epoch": lease.epoch})
-                self.avoid_until = None
-                return lease, False
-        return None, False
-
     def _pull(self, p: int, wait_for: dict[str, str], lease: Lease,
               max_wait_s: float) -> dict[str, tuple[int, torch.Tensor]]:
         """Latest version of each of p's modules: ``{module: (version, flat weights)}``.
@@ -307,12 +214,12 @@ class DecoupledWorker:
         last_end = [t0]
         done_steps = [0]
         stop_at = [n]
-        stalled = [0.0]  # chaos delays: not the learner's speed
+        stalled = [0.0]  # chaos delays: not the worker's speed
 
-        def on_step(_loss: float) -> None:
+        def on_step() -> None:
             done_steps[0] += 1
-            if self.slow > 1.0:  # benchmark: an artificially slow learner (slow_factor× per step)
-                time.sleep((self.slow - 1.0) * (time.time() - last_end[0]))
+            if self.slow_factor > 1.0:  # benchmark: an artificially slow worker (slow_factor× per step)
+                time.sleep((self.slow_factor - 1.0) * (time.time() - last_end[0]))
             if done_steps[0] == delay_at:
                 self.event({"e": "chaos_delay", "path": p, "phase": phase, "s": delay})
                 self._sleep_alive(lease, delay)
@@ -324,7 +231,7 @@ class DecoupledWorker:
                 lease.renew()  # raises LeaseLost → the phase is abandoned
                 last_beat[0] = time.time()
                 if self.dcfg.dynamic_steps:
-                    # Speed is measured during the phase too, so a slow learner finds out
+                    # Speed is measured during the phase too, so a slow worker finds out
                     # in its FIRST phase (not after it) and ends it early: otherwise the
                     # path it holds falls a whole slow phase behind at the start.
                     self._publish_speed(time.time() - t0 - stalled[0], done_steps[0])
@@ -350,7 +257,7 @@ class DecoupledWorker:
                     "base_version": pulled[m][0], "tokens": self.alpha(p, stats.tokens),
                     "trained_tokens": stats.tokens, "codec": codec.name,
                     "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,
-                    "learner": self.id, "inner_steps": stats.steps, "created_at": time.time()}
+                    "worker": self.id, "inner_steps": stats.steps, "created_at": time.time()}
             # put_new: an id is written once; a file name is never reused for other content
             self.store.put_new(f"{inbox(m)}/{uid}.st", encode_state({"payload": list(payload)}, meta))
             ids[m] = uid
@@ -361,9 +268,9 @@ class DecoupledWorker:
         # the residuals travel with the path (in the same atomic put as its inner state)
         self.store.put_state(path_state_key(p), {**pl.state_dict(), RESIDUALS: residuals},
                              meta={"phases_done": phase + 1, "steps_done": steps_done, "last_ids": ids,
-                                   "base_versions": {m: v for m, (v, _) in pulled.items()}, "learner": self.id})
+                                   "base_versions": {m: v for m, (v, _) in pulled.items()}, "worker": self.id})
         self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": steps_done,
-                                              "learner": self.id})
+                                              "worker": self.id})
         self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": seconds,
                     "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes})
         lease.release()
@@ -380,10 +287,10 @@ class DecoupledWorker:
     def serve(self) -> None:
         """Phases until every path has its budget; idle-poll while all free paths are taken."""
         self.event({"e": "hello", "index": self.index, "incarnation": self.incarnation, "pid": os.getpid()})
-        self.store.put_json(f"control/ready_{self.index}", {"learner": self.id})
+        self.store.put_json(f"control/ready_{self.index}", {"worker": self.id})
         if self.incarnation == 0:
-            # start line: the first learners begin together once all are built (process
-            # start-up takes seconds and varies); a restarted learner never waits here
+            # start line: the first workers begin together once all are built (process
+            # start-up takes seconds and varies); a restarted worker never waits here
             deadline = time.time() + 120.0
             while self.store.get("control/start") is None and time.time() < deadline:
                 time.sleep(self.dcfg.poll_s)

@@ -4,7 +4,7 @@ Layout of ``checkpoints/round_NNNNNN/`` (both sync modes; decoupled mode writes 
 files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
 
 * ``modules/<module>.safetensors``: the module's weights (its ``state_dict``);
-* ``outer/<module>.safetensors``: :meth:`dipaco.sync.module_state.ModuleState.state_dict`
+* ``outer/<module>.safetensors``: :meth:`dipaco.sync.module_core.ModuleCore.state_dict`
   (θ_global, outer optimiser state, error-feedback residuals);
 * ``outer/<module>.rank<r>.safetensors``: residuals of the other holders (torch backend);
 * ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
@@ -25,17 +25,13 @@ import torch
 import torch.distributed as dist
 
 from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
+from dipaco.progress import say
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.topology import Topology
 from modules import ModuleGrid
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_module_files"]
-
-
-def _log(rank: Optional[int], msg: str) -> None:
-    if rank is None or rank == 0:
-        print(f"[dipaco] {msg}", flush=True)
 
 
 def _barrier(distributed: bool) -> None:
@@ -46,7 +42,7 @@ def _barrier(distributed: bool) -> None:
 def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict[str, torch.Tensor],
                        weights: Optional[dict[str, torch.Tensor]] = None) -> None:
     """``modules/<module>`` (the live module's weights, or ``weights``) and ``outer/<module>``
-    (its ModuleState)."""
+    (its ModuleCore)."""
     weights = grid.module_state_dict(module_id) if weights is None else weights
     save_state(part / "modules" / f"{module_id}.safetensors", weights)
     save_state(part / "outer" / f"{module_id}.safetensors", outer)
@@ -112,9 +108,9 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
     saved_groups = (state.get("worker_groups"), state.get("group_size"))
     regrouped = saved_groups != (topo.num_groups, topo.group_size)
     if regrouped:
-        _log(rank, f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
-                   f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
-                   "re-dealt and error-feedback residuals are dropped")
+        say(f"checkpoint {path.name} was written by {saved_groups[0]} worker group(s) of "
+            f"{saved_groups[1]} rank(s); now {topo.num_groups} of {topo.group_size}: paths are "
+            "re-dealt and error-feedback residuals are dropped", rank)
     for mid in my_modules:
         weights = load_state(path / "modules" / f"{mid}.safetensors")
         if sync.sharded:  # full tensors: this rank keeps its rows (any group size, either group_parallel)

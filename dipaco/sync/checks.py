@@ -1,4 +1,5 @@
-"""Start-up check that every copy of a module holds the same weights (docs/design.md contract 4).
+"""Start-up checks: every copy of a module holds the same weights (docs/design.md contract 4),
+and no parameter belongs to two modules.
 
 HAZARD: the all-gathers below are collectives on the module groups; every rank must run
 :func:`check_identical_modules` (members or not), visiting modules in the global order,
@@ -18,7 +19,21 @@ from torch import nn
 from dipaco.sync.fsdp import local_shard
 from dipaco.topology import Topology
 
-__all__ = ["check_identical_modules", "module_digest"]
+__all__ = ["check_disjoint_parameters", "check_identical_modules", "module_digest"]
+
+
+def check_disjoint_parameters(modules: dict[str, nn.Module]) -> None:
+    """Each parameter belongs to exactly one module: one synchronised by two modules'
+    syncs would be stepped twice. Raises ValueError naming both modules."""
+    owner: dict[int, str] = {}
+    for m, module in modules.items():
+        for q in module.parameters():
+            if id(q) in owner:
+                raise ValueError(
+                    f"modules {owner[id(q)]!r} and {m!r} share a parameter; each parameter must belong to "
+                    "exactly one module (e.g. a tied embedding belongs to 'embed' only)"
+                )
+            owner[id(q)] = m
 
 
 def module_digest(module: nn.Module) -> bytes:

@@ -1,16 +1,23 @@
-"""DiLoCoSync: the per-round driver over the ModuleSyncs of the modules a process holds.
+"""The round's sync points: :class:`RoundSchedule` says when each module syncs, and
+:class:`DiLoCoSync` drives the per-module syncs of the modules a process holds by it.
 
-How the rounds loop (:mod:`dipaco.rounds`) drives a round (the same code in both backends)::
+How the rounds loop (:mod:`dipaco.rounds.loop`) drives a round (the same code in both backends)::
 
     sync = DiLoCoSync.from_config(cfg.diloco, topology, modules, rank=None or rank)
     sync.check_identical_start()                 # once, before round 0 (collective in torch)
     for round in range(R):
         for p in sync.paths_to_train():          # local: every path; torch: my group's paths
             sync.begin_path(p)                   # live modules of p ← θ_global
-            ...H inner AdamW steps of path p (torch, G > 1: allreduce_gradients after
-               each backward over sync.worker_group)...
+            ...H inner AdamW steps of path p...
             sync.end_path(p, alpha)              # contribute α·Δ, α = tokens of p this round (sync/alpha.py)
-        stats = sync.finish_round()              # collectives in torch: every rank calls it
+        stats = sync.finish_round()              # the schedule's sync points: collectives in torch
+
+A sync point of module m is two calls, :meth:`DiLoCoSync.launch` (encode, start the
+exchange) and :meth:`DiLoCoSync.finish` (wait, average, outer step, put the new global
+weights into the live module). In the synchronous schedule (:meth:`RoundSchedule.synchronous`,
+DiLoCo's round) every module launches after the round's H-th inner step and finishes at
+once; the modules of one sync point are launched in the global module order on every
+rank (docs/design.md contract 2).
 
 In the ``local`` backend (``rank=None``) this process plays every worker group: it holds
 every module and trains every path in turn. In the ``torch`` backend it is one rank of
@@ -22,8 +29,8 @@ process saw (all paths of the module in ``local``; only its own group's paths in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,50 +38,86 @@ from torch import nn
 
 from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
 from dipaco.config import DiLoCoConfig, codec_kwargs
-from dipaco.sync.checks import check_identical_modules
+from dipaco.sync.checks import check_disjoint_parameters, check_identical_modules
 from dipaco.sync.codecs import make_codec
-from dipaco.sync.comm import LocalComm, TorchComm
+from dipaco.sync.comm import LocalComm
 from dipaco.sync.groups import ProcessGroups
-from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync
+from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync, RoundStats
 from dipaco.sync.outer import outer_options
 from dipaco.sync.sharded import ShardedModuleSync
+from dipaco.sync.torch_comm import TorchComm
 from dipaco.topology import Topology
 
-__all__ = ["DiLoCoSync", "OUTER_DEVICES", "RoundStats"]
+__all__ = ["DiLoCoSync", "OUTER_DEVICES", "RoundSchedule", "RoundStats", "SyncEvent", "SyncPoint"]
 
 #: diloco.outer_device choices (see DiLoCoSync._state_device)
 OUTER_DEVICES = ("auto", "cpu")
+_DEFAULTS = DiLoCoConfig()  # one source of the defaults: the config schema
 
 
-@dataclass
-class RoundStats:
-    """Per-round sync statistics (``modules`` in the global module order)."""
+# ----------------------------------------------------------------- the schedule
+@dataclass(frozen=True)
+class SyncPoint:
+    """When one module syncs within a round of H inner steps."""
 
-    round: int
-    modules: dict[str, ModuleRoundStats] = field(default_factory=dict)
+    launch: int  # after this inner step of the round (1..H) the module's exchange starts
+    finish: int  # after this inner step its outer step lands (launch ≤ finish ≤ H)
+
+
+@dataclass(frozen=True)
+class SyncEvent:
+    """What happens after one inner step: modules launched, then modules finished."""
+
+    step: int
+    launch: tuple[str, ...]
+    finish: tuple[str, ...]
+
+
+class RoundSchedule:
+    """At which inner step of a round each module launches its exchange and finishes it.
+
+    Args:
+        inner_steps: H, the inner steps of a round.
+        points: the sync point of every module, in the global module order (the order
+            modules are launched in at one step).
+    """
+
+    def __init__(self, inner_steps: int, points: dict[str, SyncPoint]) -> None:
+        self.inner_steps = int(inner_steps)
+        if self.inner_steps < 1:
+            raise ValueError(f"a round has H >= 1 inner steps, got {inner_steps}")
+        for m, pt in points.items():
+            if not 1 <= pt.launch <= pt.finish <= self.inner_steps:
+                raise ValueError(f"module {m!r}: sync point {pt} must have 1 <= launch <= finish <= H = {self.inner_steps}")
+        self.points = dict(points)
+
+    @classmethod
+    def synchronous(cls, module_ids: Sequence[str], inner_steps: int) -> "RoundSchedule":
+        """DiLoCo's round: every module launches after step H and finishes at once."""
+        H = int(inner_steps)
+        return cls(H, {m: SyncPoint(H, H) for m in module_ids})
 
     @property
-    def bytes_sent(self) -> int:
-        """Bytes sent by the ranks this process plays (local: all ranks; torch: this rank)."""
-        return sum(s.bytes_sent for s in self.modules.values())
+    def is_synchronous(self) -> bool:
+        """Whether every module launches and finishes after the round's last inner step."""
+        H = self.inner_steps
+        return all(pt.launch == pt.finish == H for pt in self.points.values())
 
-    @property
-    def dropped(self) -> int:
-        """Non-finite contributions dropped this round (module-group totals, summed)."""
-        return sum(s.dropped for s in self.modules.values())
+    def restrict(self, module_ids: Iterable[str]) -> "RoundSchedule":
+        """The same schedule for the modules of ``module_ids`` only (kept in this order)."""
+        keep = set(module_ids)
+        return RoundSchedule(self.inner_steps, {m: pt for m, pt in self.points.items() if m in keep})
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly view."""
-        return {
-            "round": self.round,
-            "bytes_sent": self.bytes_sent,
-            "dropped": self.dropped,
-            "modules": {m: s.to_dict() for m, s in self.modules.items()},
-        }
+    def events(self) -> list[SyncEvent]:
+        """The sync points of a round in step order; each lists modules in the global order."""
+        steps = sorted({s for pt in self.points.values() for s in (pt.launch, pt.finish)})
+        return [SyncEvent(s, tuple(m for m, pt in self.points.items() if pt.launch == s),
+                          tuple(m for m, pt in self.points.items() if pt.finish == s)) for s in steps]
 
 
+# ----------------------------------------------------------------- the driver
 class DiLoCoSync:
-    """DiLoCo per module over the modules this process holds.
+    """DiLoCo per module over the modules this process holds, driven by a round schedule.
 
     Args:
         topology: the run's topology.
@@ -91,33 +134,28 @@ class DiLoCoSync:
         backend: process-group backend when creating them (``auto``|``gloo``|``nccl``).
         track_cosine: report the cosine similarity between contributions.
         lossy_exchange: how lossy codecs cross a module subgroup of k worker groups:
-            ``"reduce_scatter"`` (default: compressed two-phase all-reduce, ~2·(k−1)/k of
-            an encoded slice per rank, two codec errors), ``"all_gather"`` ((k−1) encoded
-            slices per rank, one codec error) or ``"auto"`` (fewer bytes, per module).
-            Codec ``none`` always uses all_reduce. See :meth:`Topology.exchange`.
+            ``"reduce_scatter"`` (compressed two-phase all-reduce, ~2·(k−1)/k of an encoded
+            slice per rank, two codec errors), ``"all_gather"`` ((k−1) encoded slices per
+            rank, one codec error) or ``"auto"`` (default, as ``diloco.lossy_exchange``:
+            fewer bytes, per module). Codec ``none`` always uses all_reduce. See
+            :func:`dipaco.comm_plan.module_exchange`.
         sharded: ``launcher.group_parallel=fsdp``: the modules are FSDP2-sharded inside the
             worker group (:func:`dipaco.sync.fsdp.apply_fsdp`) and each rank synchronises its
             shard (:class:`dipaco.sync.sharded.ShardedModuleSync`); torch backend only.
+        outer_device: ``diloco.outer_device`` (default ``auto``, as the schema).
+        schedule: the round's sync points (default: the synchronous schedule).
+        overlap: torch backend: run each launched exchange on a communication thread, so
+            the outer steps of finished modules overlap the exchanges of later ones
+            (:mod:`dipaco.sync.torch_comm`); same numbers. Call :meth:`close` at the end.
     """
 
-    def __init__(
-        self,
-        topology: Topology,
-        modules: dict[str, nn.Module],
-        *,
-        rank: int | None = None,
-        codec: str = "none",
-        codec_kw: dict[str, Any] | None = None,
-        error_feedback: bool = False,
-        outer: dict[str, Any] | None = None,
-        sharing_rescale: bool = False,
-        process_groups: Any = None,
-        backend: str = "auto",
-        track_cosine: bool = True,
-        lossy_exchange: str = "reduce_scatter",
-        sharded: bool = False,
-        outer_device: str = "cpu",
-    ) -> None:
+    def __init__(self, topology: Topology, modules: dict[str, nn.Module], *, rank: int | None = None,
+                 codec: str = _DEFAULTS.codec, codec_kw: dict[str, Any] | None = None,
+                 error_feedback: bool = _DEFAULTS.error_feedback, outer: dict[str, Any] | None = None,
+                 sharing_rescale: bool = _DEFAULTS.sharing_rescale, process_groups: Any = None,
+                 backend: str = "auto", track_cosine: bool = True, lossy_exchange: str = _DEFAULTS.lossy_exchange,
+                 sharded: bool = False, outer_device: str = _DEFAULTS.outer_device,
+                 schedule: RoundSchedule | None = None, overlap: bool = False) -> None:
         self.topology = topology
         self.sharded = bool(sharded)
         self.rank = rank
@@ -125,6 +163,13 @@ class DiLoCoSync:
         if lossy_exchange not in LOSSY_EXCHANGES:  # before any collective (process groups)
             raise ValueError(f"lossy_exchange={lossy_exchange!r} must be one of {list(LOSSY_EXCHANGES)}")
         self.lossy_exchange = lossy_exchange
+        # without a config (tests, benchmarks) the round's length does not matter: H = 1
+        schedule = schedule or RoundSchedule.synchronous(topology.module_ids, 1)
+        if not schedule.is_synchronous:  # before any collective, too
+            raise ValueError("DiLoCoSync runs synchronous schedules (every module launches and finishes after "
+                             "the round's last inner step); sync points inside a path's turn (streaming) are "
+                             "not built yet")
+        self.overlap = bool(overlap) and rank is not None
         if rank is None:
             self.comm: LocalComm | TorchComm = LocalComm(topology, lossy_exchange)
             self.group: int | None = None
@@ -134,7 +179,7 @@ class DiLoCoSync:
             if process_groups is None:
                 process_groups = ProcessGroups(topology, rank, backend)
             self.process_groups = process_groups
-            self.comm = TorchComm(topology, rank, process_groups, lossy_exchange)
+            self.comm = TorchComm(topology, rank, process_groups, lossy_exchange, overlap=self.overlap)
             self.group = topology.group_of_rank(rank)
             held = topology.modules_of_group(self.group)
         missing = [m for m in held if m not in modules]
@@ -142,29 +187,13 @@ class DiLoCoSync:
             where = "the local backend" if rank is None else f"rank {rank} (worker group {self.group})"
             raise ValueError(f"{where} must hold modules {missing} but they were not passed to DiLoCoSync")
         self.modules = {m: modules[m] for m in held}
-        owner: dict[int, str] = {}
-        for m in held:  # a parameter synchronised by two ModuleSyncs would be stepped twice
-            for q in modules[m].parameters():
-                if id(q) in owner:
-                    raise ValueError(
-                        f"modules {owner[id(q)]!r} and {m!r} share a parameter; each parameter must belong to "
-                        "exactly one module (e.g. a tied embedding belongs to 'embed' only)"
-                    )
-                owner[id(q)] = m
+        check_disjoint_parameters(self.modules)
+        self.schedule = schedule.restrict(held)
         kind = ShardedModuleSync if self.sharded else ModuleSync
         extra = {} if self.sharded else {"state_device": self._state_device(outer_device, modules, held)}
         self.syncs: dict[str, ModuleSync] = {
-            m: kind(
-                m,
-                list(modules[m].parameters()),
-                self.comm,
-                codec=self.codec,
-                error_feedback=error_feedback,
-                outer=outer,
-                sharing_rescale=sharing_rescale,
-                track_cosine=track_cosine,
-                **extra,
-            )
+            m: kind(m, list(modules[m].parameters()), self.comm, codec=self.codec, error_feedback=error_feedback,
+                    outer=outer, sharing_rescale=sharing_rescale, track_cosine=track_cosine, **extra)
             for m in held
         }
         self.round = 0
@@ -186,11 +215,18 @@ class DiLoCoSync:
                     rank: int | None = None, process_groups: Any = None, backend: str = "auto",
                     track_cosine: bool = True, sharded: bool = False) -> "DiLoCoSync":
         """Build it from ``cfg.diloco``: codec and its options, error feedback, the outer
-        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange."""
-        return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d), error_feedback=d.error_feedback,
-                   outer=outer_options(d), sharing_rescale=d.sharing_rescale, process_groups=process_groups,
-                   backend=backend, track_cosine=track_cosine, lossy_exchange=d.lossy_exchange,
-                   sharded=sharded, outer_device=d.outer_device)
+        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange and
+        the synchronous schedule of H = ``inner_steps``."""
+        return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d),
+                   error_feedback=d.error_feedback, outer=outer_options(d), sharing_rescale=d.sharing_rescale,
+                   process_groups=process_groups, backend=backend, track_cosine=track_cosine,
+                   lossy_exchange=d.lossy_exchange, sharded=sharded, outer_device=d.outer_device,
+                   schedule=RoundSchedule.synchronous(topology.module_ids, d.inner_steps))
+
+    def close(self) -> None:
+        """Stop the communication thread (``overlap``); nothing to do otherwise."""
+        if isinstance(self.comm, TorchComm):
+            self.comm.close()
 
     # ----------------------------------------------------------------- who trains what
     def paths_to_train(self) -> list[int]:
@@ -215,7 +251,7 @@ class DiLoCoSync:
                 f"its paths are {self.paths_to_train()}"
             )
 
-    # ----------------------------------------------------------------- the round
+    # ----------------------------------------------------------------- a path's turn
     def begin_path(self, path_id: int) -> None:
         """Reset path ``path_id``'s modules to the global weights before its inner steps."""
         self._check_path(path_id)
@@ -228,28 +264,76 @@ class DiLoCoSync:
     def end_path(self, path_id: int, tokens: float) -> dict[str, bool]:
         """Contribute path ``path_id``'s pseudo-gradients with α = ``tokens``.
 
-        Returns ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted).
+        Returns ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted). The
+        finiteness of every module's Δ is read from the device once for the whole turn.
         """
         self._check_path(path_id)
         if self._active != path_id:
             raise ValueError(f"end_path({path_id}) without begin_path({path_id}) (active: {self._active})")
         contributor = self.topology.group_of_path(path_id)
-        out = {m: self.syncs[m].contribute(path_id, tokens, contributor) for m in self.topology.path_modules[path_id]}
+        mods = list(self.topology.path_modules[path_id])
+        deltas = [self.syncs[m].pseudo_gradient() for m in mods]
+        finite = torch.stack([torch.isfinite(d).all() for d in deltas]).tolist() if deltas else []
+        out = {m: self.syncs[m].contribute(path_id, tokens, contributor, d, ok)
+               for m, d, ok in zip(mods, deltas, finite)}
         self._active = None
         self._ended.add(path_id)
         return out
 
+    # ----------------------------------------------------------------- sync points
+    def _ordered(self, modules: Iterable[str]) -> list[str]:
+        want = set(modules)
+        return [m for m in self.syncs if m in want]  # the global module order, on every rank
+
+    def launch(self, modules: Iterable[str]) -> None:
+        """Encode each module's contributions and start its exchange (global module order).
+
+        Torch backend: collectives, started on every rank of each module group in the
+        same order; with ``overlap`` they run on the communication thread meanwhile.
+        """
+        for m in self._ordered(modules):
+            self.syncs[m].launch()
+
+    def finish(self, modules: Iterable[str], mix: float = 1.0) -> dict[str, ModuleRoundStats]:
+        """Wait for each module's exchange, take its outer step and put the new global
+        weights into the live module: replace them (``mix=1``, the synchronous round) or
+        mix them in, ``live ← live + mix·(θ_global − live)``."""
+        out = {}
+        for m in self._ordered(modules):
+            s = self.syncs[m]
+            out[m] = s.finish()
+            s.mix(mix)
+        return out
+
+    def run_event(self, event: SyncEvent) -> dict[str, ModuleRoundStats]:
+        """One sync point of the schedule: its launches, then its finishes.
+
+        A module launched and finished at the same point is finished right after its own
+        launch (one exchange in flight, as little memory as one module's sums), unless the
+        exchanges overlap: then every launch is queued first and the outer steps run while
+        later modules are still being exchanged.
+        """
+        done: dict[str, ModuleRoundStats] = {}
+        now = set(event.finish)
+        for m in self._ordered(event.launch):
+            self.launch([m])
+            if m in now and not self.overlap:
+                done.update(self.finish([m]))
+        done.update(self.finish(m for m in event.finish if m not in done))
+        return {m: done[m] for m in self._ordered(done)}
+
     def finish_round(self) -> RoundStats:
-        """Reduce every held module over its module group and step its outer optimiser.
+        """Run the round's sync points (:meth:`RoundSchedule.events`) and end the round.
 
         Torch backend: a collective. Every rank calls it once per round; modules are
-        visited in the global module order on every rank (see ``TorchComm``).
+        visited in the global module order on every rank (see :mod:`dipaco.sync.torch_comm`).
         """
         if self._active is not None:
             raise ValueError(f"finish_round() while path {self._active} has begun but not ended")
         stats = RoundStats(round=self.round)
-        for m, s in self.syncs.items():  # global order
-            stats.modules[m] = s.reduce_and_step()
+        for event in self.schedule.events():
+            stats.modules.update(self.run_event(event))
+        stats.modules = {m: stats.modules[m] for m in self._ordered(stats.modules)}
         self.round += 1
         self._ended.clear()
         return stats

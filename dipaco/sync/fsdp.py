@@ -15,7 +15,7 @@ wrapped module is then its own FSDP root; FSDP2 handles several roots.
 The *shard layout* of a module's flat vector (what :class:`dipaco.sync.sharded.ShardedModuleSync`
 holds): the concatenation, in parameter order, of each parameter's rows of this rank.
 :func:`shard_flat` / :func:`unshard_flat` convert between it and the full flat layout of
-:func:`dipaco.sync.module_sync.flatten_params` (what checkpoints store), so a checkpoint
+:func:`dipaco.sync.module_core.flatten_params` (what checkpoints store), so a checkpoint
 does not depend on G or on ``group_parallel``.
 
 Who must call what: :func:`full_module_state` and :func:`gather_flat` are collectives

@@ -1,14 +1,19 @@
-"""DiLoCo for ONE module: global weights, outer optimiser, error-feedback residuals.
+"""Synchronous DiLoCo for ONE module: the per-module core + a communicator.
 
-Per round (see :class:`dipaco.sync.diloco.DiLoCoSync` for the driver):
+Per round (the driver is :class:`dipaco.sync.diloco.DiLoCoSync`, its schedule says when):
 
-1. before each path's turn, :meth:`ModuleSync.restore` copies the global weights into
-   the live module, so every path starts the round from the same θ_global;
-2. after the path's H inner steps, :meth:`ModuleSync.contribute` records its
-   pseudo-gradient ``Δ = θ_global − θ_path`` weighted by α (the path's tokens);
-3. :meth:`ModuleSync.reduce_and_step` sums Σα·Δ and Σα over the module group, sets the
-   outer gradient to ``Σα·Δ / Σα`` and steps the outer optimiser; the live module gets
-   the new global weights.
+1. before each path's turn, :meth:`ModuleSync.restore` copies θ_global into the live
+   module, so every path starts the round from the same weights;
+2. after the path's inner steps, :meth:`ModuleSync.contribute` adds its pseudo-gradient
+   ``Δ = θ_global − θ_path`` weighted by α (the path's tokens) to its worker group's
+   buffer;
+3. :meth:`ModuleSync.launch` encodes each buffer (with its error-feedback residual) and
+   starts the exchange over the module group; contributions made after it go to the
+   next round's buffers;
+4. :meth:`ModuleSync.finish` waits for the exchange, sets the outer gradient to
+   ``Σα·Δ / Σα`` and steps the outer optimiser (:meth:`ModuleCore.step`). The new global
+   weights are then the caller's to put into the live module: replaced
+   (:meth:`restore`, the synchronous round) or mixed (:meth:`ModuleCore.mix_into`).
 
 A *contributor* is a worker group index: contributions of one group's paths are summed
 into one buffer (in the order the paths were trained), which is encoded once per slice
@@ -22,47 +27,19 @@ the torch backend rank ``r`` of the group holds only part ``r``, the chunk it re
 """
 from __future__ import annotations
 
-import hashlib
-import logging
-import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from dipaco.sync.codecs import Codec, make_codec
-from dipaco.sync.comm import CommBytes, Communicator
-from dipaco.sync.module_state import ModuleState
+from dipaco.progress import log
+from dipaco.sync.codecs import Codec, Payload, make_codec
+from dipaco.sync.comm import CommBytes, Communicator, Exchanged, Pending
+from dipaco.sync.module_core import (Contributions, ModuleCore, encode_with_feedback, flatten_params, params_hash,
+                                     wire_codec)
 
-__all__ = ["ModuleRoundStats", "ModuleSync", "pseudo_gradient", "params_hash"]
-
-log = logging.getLogger(__name__)
-
-
-def pseudo_gradient(global_flat: torch.Tensor, path_flat: torch.Tensor) -> torch.Tensor:
-    """THE sign convention (docs/design.md, glossary): ``Δ = θ_global_before_round − θ_path_after_round``.
-
-    With this sign, an outer SGD step ``θ ← θ − lr·Δ`` moves θ_global towards the paths.
-    """
-    return global_flat - path_flat
-
-
-def flatten_params(params: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Concatenate parameters into one flat fp32 tensor on ``device`` (a copy)."""
-    if not params:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    return torch.cat([p.detach().reshape(-1).to(device, torch.float32) for p in params])
-
-
-def params_hash(params: Sequence[torch.Tensor]) -> str:
-    """sha256 hex digest of parameters (dtype, shape and bytes, in order)."""
-    h = hashlib.sha256()
-    for p in params:
-        t = p.detach().to("cpu").contiguous()
-        h.update(f"{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+__all__ = ["ModuleRoundStats", "ModuleSync", "RoundStats"]
 
 
 @dataclass
@@ -86,8 +63,41 @@ class ModuleRoundStats:
         return dict(self.__dict__)
 
 
+@dataclass
+class RoundStats:
+    """Per-round sync statistics (``modules`` in the global module order)."""
+
+    round: int
+    modules: dict[str, ModuleRoundStats] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent by the ranks this process plays (local: all ranks; torch: this rank)."""
+        return sum(s.bytes_sent for s in self.modules.values())
+
+    @property
+    def dropped(self) -> int:
+        """Non-finite contributions dropped this round (module-group totals, summed)."""
+        return sum(s.dropped for s in self.modules.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view."""
+        return {"round": self.round, "bytes_sent": self.bytes_sent, "dropped": self.dropped,
+                "modules": {m: s.to_dict() for m, s in self.modules.items()}}
+
+
+@dataclass
+class _InFlight:
+    """A launched exchange and what its finish needs."""
+
+    pending: Pending
+    round: Contributions
+    owner: Optional[dict[int, torch.Tensor]]  # owner residuals the exchange updates in place
+    kept: Optional[dict[int, torch.Tensor]]  # their values before it (put back without a step)
+
+
 class ModuleSync:
-    """Global weights, outer optimiser, EF residuals and communicator of one module.
+    """One module's synchronous DiLoCo: :class:`ModuleCore` (``.core``) + a communicator.
 
     Args:
         module_id: the module's id.
@@ -98,10 +108,9 @@ class ModuleSync:
         error_feedback: keep per-contributor residuals ``value − decode(encode(value))``
             and add them to the next round's contribution; with the two-phase exchange
             also the owner residuals of the reduced chunks' re-encoding (see module doc).
-        outer: keyword arguments of :func:`make_outer_optimizer`.
-        sharing_rescale: multiply the averaged pseudo-gradient by √(contributions): the
-            average of s roughly independent pseudo-gradients has ~1/√s of their norm, so
-            without it modules shared by many paths move slower than private ones.
+        outer: keyword arguments of :func:`dipaco.sync.outer.make_outer_optimizer`.
+        sharing_rescale: multiply the averaged pseudo-gradient by √(contributions), so
+            modules shared by many paths move as fast as private ones.
         track_cosine: keep this round's Δs (one copy per contribution) to report their
             mean pairwise cosine similarity.
         state_device: where θ_global, the outer state and the round's Σα·Δ live: the CPU
@@ -110,19 +119,10 @@ class ModuleSync:
             3 copies of the module in GPU memory, more with ``track_cosine``).
     """
 
-    def __init__(
-        self,
-        module_id: str,
-        params: Sequence[nn.Parameter],
-        comm: Communicator,
-        *,
-        codec: Codec | str = "none",
-        error_feedback: bool = False,
-        outer: dict[str, Any] | None = None,
-        sharing_rescale: bool = False,
-        track_cosine: bool = True,
-        state_device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, module_id: str, params: Sequence[nn.Parameter], comm: Communicator, *,
+                 codec: Codec | str = "none", error_feedback: bool = False, outer: dict[str, Any] | None = None,
+                 sharing_rescale: bool = False, track_cosine: bool = True,
+                 state_device: torch.device | str = "cpu") -> None:
         self.module_id = module_id
         self.params = list(params)
         self.state_device = torch.device(state_device)
@@ -130,12 +130,10 @@ class ModuleSync:
         topo = comm.topology
         self.shared = len(topo.groups_of_module(module_id)) > 1
         self.codec = make_codec(codec) if isinstance(codec, str) else codec
-        # a module held by one worker group sends nothing: keep it exact
-        self._wire_codec = self.codec if self.shared else make_codec("none")
-        self.error_feedback = bool(error_feedback) and self.shared and self.codec.lossy
+        self._wire_codec, self.error_feedback = wire_codec(self.codec, error_feedback, self.shared)
         self.sharing_rescale = bool(sharing_rescale)
         self.track_cosine = bool(track_cosine)
-        flat = self._live_flat()  # this process's part of the module: all of it, or a shard
+        flat = flatten_params(self._live(), self.state_device)  # this process's part: all of it, or a shard
         self.numel = flat.numel()
         self.full_numel = self.numel  # the whole module's size (a sharded sync holds a part)
         self.group_size = topo.group_size
@@ -143,116 +141,117 @@ class ModuleSync:
         self.padded_numel = self.slice_numel * self.group_size
         self.exchange = comm.exchange_for(module_id, self.numel, self._wire_codec)
         self.contributors = list(comm.contributors(module_id))
-        # θ_global, outer optimiser, residuals: the core shared with decoupled mode
-        self.state = ModuleState(module_id, flat, outer, device=self.state_device)
+        self.core = ModuleCore(module_id, flat, outer, device=self.state_device)
         self.dropped_total = 0
-        self._reset_round()
+        self.contributions = self._new_round()
+        self._inflight: Optional[_InFlight] = None
 
     @property
     def global_weights(self) -> nn.Parameter:
-        return self.state.global_weights
+        return self.core.global_weights
 
     @property
     def outer_optimizer(self) -> torch.optim.Optimizer:
-        return self.state.outer_optimizer
+        return self.core.outer_optimizer
 
     @property
     def residuals(self) -> dict[int, torch.Tensor]:
-        return self.state.residuals
+        return self.core.residuals
 
     @property
     def owner_residuals(self) -> dict[int, torch.Tensor]:
-        return self.state.owner_residuals
+        return self.core.owner_residuals
 
-    # ----------------------------------------------------------------- round state
-    def _reset_round(self) -> None:
-        self._acc: dict[int, torch.Tensor] = {}
-        self._alpha: dict[int, float] = {c: 0.0 for c in self.contributors}
-        self._count: dict[int, int] = {c: 0 for c in self.contributors}
-        self._dropped: dict[int, int] = {c: 0 for c in self.contributors}
-        self._deltas: list[torch.Tensor] = []
+    @property
+    def in_flight(self) -> bool:
+        """Whether an exchange was launched and not yet finished."""
+        return self._inflight is not None
 
-    def _live_flat(self) -> torch.Tensor:
-        """The live parameters as one flat fp32 vector (the layout of θ_global)."""
-        return flatten_params(self.params, self.state_device)
+    def _new_round(self) -> Contributions:
+        return Contributions(self.contributors, self.padded_numel, self.state_device, keep_deltas=self.track_cosine)
 
+    def _live(self) -> list[torch.Tensor]:
+        """The live parameters this process synchronises (a sharded sync: its shards)."""
+        return self.params
+
+    # ----------------------------------------------------------------- a path's turn
     def restore(self) -> None:
-        """Copy the global weights into the live parameters (before each path's turn)."""
-        self.state.restore(self.params)
+        """Replace the live parameters by the global weights (before each path's turn)."""
+        self.core.restore(self._live())
+
+    def mix(self, weight: float) -> None:
+        """``live ← live + weight·(θ_global − live)`` (weight 1: :meth:`restore`)."""
+        self.core.mix_into(self._live(), weight)
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """Δ = θ_global − live, flat fp32 on the state device."""
+        return self.core.pseudo_gradient(self._live())
 
     @torch.no_grad()
-    def contribute(self, path_id: int, tokens: float, contributor: int) -> bool:
+    def contribute(self, path_id: int, tokens: float, contributor: int, delta: Optional[torch.Tensor] = None,
+                   finite: Optional[bool] = None) -> bool:
         """Record the path's pseudo-gradient with weight α = ``tokens``.
 
-        Returns False (and counts it) when Δ has a NaN/inf: it is dropped for this
-        module and round, never applied.
+        ``delta`` / ``finite``: Δ and whether it is finite, when the caller computed them
+        (the driver reads every module's finiteness of a path in one device read).
+        Returns False (and counts it) when Δ has a NaN/inf: it is dropped for this module
+        and round, never applied.
         """
-        if contributor not in self._alpha:
+        if contributor not in self.contributions.alpha:
             raise ValueError(
                 f"module {self.module_id!r}: contributor (worker group) {contributor} is not one of {self.contributors}"
             )
         alpha = float(tokens)
-        if not alpha >= 0 or math.isinf(alpha):
+        if not alpha >= 0 or alpha == float("inf"):
             raise ValueError(f"path {path_id}: tokens={tokens} must be a finite number ≥ 0")
-        delta = pseudo_gradient(self.global_weights.detach(), self._live_flat())
-        if not bool(torch.isfinite(delta).all()):
-            self._dropped[contributor] += 1
+        if delta is None:
+            delta = self.pseudo_gradient()
+        if finite is None:
+            finite = bool(torch.isfinite(delta).all())
+        if not self.contributions.add(contributor, delta, alpha, finite):
             self.dropped_total += 1
-            log.warning(
-                "module %s: dropped the non-finite pseudo-gradient of path %d this round", self.module_id, path_id
-            )
+            log.warning("module %s: dropped the non-finite pseudo-gradient of path %d this round",
+                        self.module_id, path_id)
             return False
-        acc = self._acc.get(contributor)
-        if acc is None:
-            acc = self._acc[contributor] = torch.zeros(self.padded_numel, dtype=torch.float32,
-                                                       device=self.state_device)
-        acc[: self.numel].add_(delta, alpha=alpha)
-        self._alpha[contributor] += alpha
-        self._count[contributor] += 1
-        if self.track_cosine:
-            self._deltas.append(delta)
         return True
 
-    def _cosine(self) -> float | None:
-        ds = self._deltas
-        if len(ds) < 2:
-            return None
-        sims = []
-        for i in range(len(ds)):
-            for j in range(i + 1, len(ds)):
-                sims.append(float(torch.nn.functional.cosine_similarity(ds[i], ds[j], dim=0, eps=1e-12)))
-        return sum(sims) / len(sims)
-
-    def _encode(self, contributor: int) -> list[list[tuple[torch.Tensor, ...]]]:
+    # ----------------------------------------------------------------- the exchange
+    def _encode(self, round_: Contributions, contributor: int) -> list[list[Payload]]:
         """Encode a contributor's Σα·Δ: ``[slice r][chunk j]`` payloads (plus its EF residual).
 
         Each slice is zero-padded to ``exchange.num_chunks * exchange.chunk_numel`` and
         encoded chunk by chunk (one chunk = the whole slice unless the exchange is the
         two-phase ``reduce_scatter``).
         """
-        value = self._acc.get(contributor)
+        value = round_.values.get(contributor)
         # a contributor with nothing this round keeps its residual for the round it next
         # contributes in (re-encoding a lone residual would overwrite it with its error)
         feedback = self.error_feedback and value is not None
         if value is None:
             value = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.state_device)
-        if feedback:
-            res = self.residuals.get(contributor)
-            if res is not None:
-                value = value + res
+        res = self.residuals.get(contributor) if feedback else None
         s, codec, ex = self.slice_numel, self._wire_codec, self.exchange
         c, pad = ex.chunk_numel, ex.padded_slice_numel - self.slice_numel
         # every rank of a worker group encodes ALL slices (it sends only its own): the
         # residual then stays identical on the G ranks, so any of them can checkpoint it
-        payloads = []
+        payloads, errors = [], []
         for r in range(self.group_size):
             sl = value[r * s : (r + 1) * s]
+            rs = None if res is None else res[r * s : (r + 1) * s]
             if pad:
                 sl = torch.cat([sl, sl.new_zeros(pad)])
-            payloads.append([codec.encode(sl[j * c : (j + 1) * c]) for j in range(ex.num_chunks)])
+                rs = None if rs is None else torch.cat([rs, rs.new_zeros(pad)])
+            row, err = [], []
+            for j in range(ex.num_chunks):
+                part = slice(j * c, (j + 1) * c)
+                payload, e = encode_with_feedback(sl[part], codec, None if rs is None else rs[part], feedback=feedback)
+                row.append(payload)
+                err.append(e)
+            payloads.append(row)
+            if feedback:
+                errors.append(torch.cat(err)[:s])
         if feedback:
-            decoded = torch.cat([torch.cat([codec.decode(pl, c) for pl in chunks])[:s] for chunks in payloads])
-            self.residuals[contributor] = value - decoded
+            self.residuals[contributor] = torch.cat(errors)
         return payloads
 
     def _owner_feedback(self) -> dict[int, torch.Tensor] | None:
@@ -265,65 +264,58 @@ class ModuleSync:
                 self.owner_residuals[c] = torch.zeros(n, dtype=torch.float32)
         return self.owner_residuals
 
-    def _exchange(self) -> tuple[torch.Tensor, CommBytes, dict[int, torch.Tensor] | None,
-                                 dict[int, torch.Tensor] | None]:
-        """Encode every contributor's buffer and sum them over the module group.
-
-        Returns the sum, the bytes, the owner residuals the exchange updated in place and
-        a copy of them from before (to put back when the round takes no step).
-        """
-        payloads = {c: self._encode(c) for c in self.contributors}
+    def _exchange_job(self, round_: Contributions) -> tuple[Callable[[], Exchanged], Optional[dict], Optional[dict]]:
+        """Encode every contributor's buffer now; return the job that sums them over the
+        module group (exchange, then meta), the owner residuals it updates in place and a
+        copy of them from before (to put back when the round takes no step)."""
+        payloads = {c: self._encode(round_, c) for c in self.contributors}
+        metas = {c: round_.meta(c) for c in self.contributors}
         owner = self._owner_feedback()
-        # the exchange re-encodes owner residuals in place; whether there is a step is known
-        # only after it (from the reduced totals), so keep a copy to put back without one
         kept = {c: r.clone() for c, r in owner.items()} if owner else None
-        total, nbytes = self.comm.exchange(self.module_id, payloads, self._wire_codec, self.exchange, owner)
-        return total, nbytes, owner, kept
+        codec, ex, comm, m = self._wire_codec, self.exchange, self.comm, self.module_id
+
+        def job() -> Exchanged:
+            total, nbytes = comm.exchange(m, payloads, codec, ex, owner)
+            meta, meta_bytes = comm.reduce_meta(m, metas)
+            return total, meta, CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
+
+        return job, owner, kept
 
     @torch.no_grad()
-    def reduce_and_step(self) -> ModuleRoundStats:
-        """Exchange, average with weights α, outer step, copy into the live params.
+    def launch(self) -> None:
+        """Encode this round's contributions and start their exchange over the module group.
 
-        Every rank of the module group must call this in the same round (collectives).
-        If nobody contributed (or Σα = 0), θ_global is left unchanged, no outer step (so no
-        momentum) is applied and every error-feedback residual is kept as it was; the live
-        params are reset to θ_global either way.
+        Every rank of the module group must launch in the same round, modules in the
+        global module order (collectives; see :mod:`dipaco.sync.comm`). Contributions
+        made after it belong to the next round.
         """
-        metas = {
-            c: torch.tensor([self._alpha[c], self._count[c], self._dropped[c]], dtype=torch.float64)
-            for c in self.contributors
-        }
-        total, nbytes, owner, kept = self._exchange()
-        meta, meta_bytes = self.comm.reduce_meta(self.module_id, metas)
-        nbytes = CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
+        if self._inflight is not None:
+            raise RuntimeError(f"module {self.module_id!r}: launch() while the previous exchange is in flight")
+        round_, self.contributions = self.contributions, self._new_round()
+        job, owner, kept = self._exchange_job(round_)
+        self._inflight = _InFlight(self.comm.start(job), round_, owner, kept)
+
+    @torch.no_grad()
+    def finish(self) -> ModuleRoundStats:
+        """Wait for the launched exchange, average with weights α and take the outer step.
+
+        If nobody contributed (or Σα = 0), θ_global is left unchanged, no outer step (so no
+        momentum) is applied and every error-feedback residual is kept as it was. The live
+        parameters are not touched: the caller replaces (:meth:`restore`) or mixes them.
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            raise RuntimeError(f"module {self.module_id!r}: finish() without launch()")
+        total, meta, nbytes = inflight.pending.wait()
         alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
-        stepped = count > 0 and alpha_sum > 0
-        norm = 0.0
-        if stepped:
-            avg = total[: self.numel].to(self.state_device) / alpha_sum  # the torch comm may return it on the CPU
-            norm = float(avg.norm())
-            if self.sharing_rescale:
-                avg = avg * math.sqrt(count)
-            self.state.outer_step(avg)
-        elif kept is not None:
-            for c, r in kept.items():
-                owner[c].copy_(r)
-        cosine = self._cosine()
-        self.restore()
-        self._reset_round()
-        return ModuleRoundStats(
-            module_id=self.module_id,
-            bytes_sent=nbytes.total,
-            bytes_cross=nbytes.cross,
-            bytes_meta=nbytes.meta,
-            bytes_intra=nbytes.intra,
-            pseudo_grad_norm=norm,
-            contributions=count,
-            dropped=dropped,
-            alpha_sum=alpha_sum,
-            stepped=stepped,
-            cosine=cosine,
-        )
+        update = self.core.step(total, alpha_sum, count, rescale=self.sharing_rescale)
+        if not update.stepped and inflight.kept is not None:
+            for c, r in inflight.kept.items():
+                inflight.owner[c].copy_(r)
+        return ModuleRoundStats(module_id=self.module_id, bytes_sent=nbytes.total, bytes_cross=nbytes.cross,
+                                bytes_meta=nbytes.meta, bytes_intra=nbytes.intra, pseudo_grad_norm=update.norm,
+                                contributions=count, dropped=dropped, alpha_sum=alpha_sum, stepped=update.stepped,
+                                cosine=inflight.round.cosine())
 
     # ----------------------------------------------------------------- state
     def weights_hash(self) -> str:
@@ -333,13 +325,13 @@ class ModuleSync:
     def live_hash(self) -> str:
         """sha256 of the live parameters, flattened to fp32 like the global weights
         (equal to :meth:`weights_hash` right after ``restore``)."""
-        return params_hash([self._live_flat()])
+        return params_hash([flatten_params(self._live(), self.state_device)])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """:meth:`ModuleState.state_dict`: ``global``, ``outer.<key>``, ``residual.<group>``
+        """:meth:`ModuleCore.state_dict`: ``global``, ``outer.<key>``, ``residual.<group>``
         and ``residual.<group>.owner`` (every residual key starts with ``residual.``, so a
         caller can drop them all)."""
-        return self.state.state_dict()
+        return self.core.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Inverse of :meth:`state_dict`; also restores the live parameters.
@@ -350,7 +342,7 @@ class ModuleSync:
         owner_numel = self.group_size * self.exchange.chunk_numel
 
         def keep(group: int, owner: bool, val: torch.Tensor) -> bool:
-            if group not in self._alpha:
+            if group not in self.contributors:
                 return False
             if owner and not (val.numel() == owner_numel and self.exchange.kind == "reduce_scatter"):
                 log.warning("module %s: dropped the owner residual of worker group %d (chunking changed)",
@@ -358,6 +350,7 @@ class ModuleSync:
                 return False
             return True
 
-        self.state.load_state_dict(state, keep)
+        self.core.load_state_dict(state, keep)
         self.restore()
-        self._reset_round()
+        self.contributions = self._new_round()
+        self._inflight = None

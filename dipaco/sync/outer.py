@@ -53,9 +53,13 @@ class DelayedNesterov(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g, st = p.grad, self.state[p]
-                if not st:
+                # key by key: a state loaded from the other mode (torch SGD's momentum buffer
+                # alone, from a synchronous checkpoint) keeps its momentum and gains the rest
+                if "step" not in st:
                     st["step"] = torch.zeros((), dtype=torch.float32)
+                if "momentum_buffer" not in st:
                     st["momentum_buffer"] = torch.zeros_like(p)
+                if "delay_buffer" not in st:
                     st["delay_buffer"] = torch.zeros_like(p)
                 st["step"] += 1
                 st["momentum_applied"] = False

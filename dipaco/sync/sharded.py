@@ -20,15 +20,16 @@ with ``group_parallel=replicate``.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from dipaco.sync.comm import CommBytes, TorchComm
+from dipaco.sync.comm import CommBytes, Exchanged
 from dipaco.sync.fsdp import gather_flat, local_shard, shard_flat
-from dipaco.sync.module_state import load_flat
-from dipaco.sync.module_sync import ModuleSync, flatten_params
+from dipaco.sync.module_core import Contributions
+from dipaco.sync.module_sync import ModuleSync
+from dipaco.sync.torch_comm import TorchComm
 
 __all__ = ["ShardedModuleSync"]
 
@@ -49,23 +50,25 @@ class ShardedModuleSync(ModuleSync):
         self.full_numel = sum(math.prod(s) for s in self.shapes)
         # the shard is the unit of exchange: one "slice", no padding (shards are even)
         self.slice_numel = self.padded_numel = self.numel
+        self.contributions = self._new_round()
 
-    def _local_params(self) -> list[torch.Tensor]:
+    def _live(self) -> list[torch.Tensor]:
+        """This rank's rows of every parameter (views: writing them writes the parameters)."""
         return [local_shard(p) for p in self.params]
 
-    def _live_flat(self) -> torch.Tensor:
-        return flatten_params(self._local_params())
-
-    def restore(self) -> None:
-        load_flat(self._local_params(), self.global_weights.detach())
-
-    def _exchange(self) -> tuple[torch.Tensor, CommBytes, None, None]:
+    def _exchange_job(self, round_: Contributions) -> tuple[Callable[[], Exchanged], None, None]:
         (c,) = self.contributors  # a rank plays its own worker group only
-        value = self._acc.get(c)
+        value = round_.values.get(c)
         if value is None:
             value = torch.zeros(self.numel, dtype=torch.float32)
-        total, nbytes = self.comm.exchange_shard(self.module_id, value)
-        return total, nbytes, None, None
+        meta, comm, m = round_.meta(c), self.comm, self.module_id
+
+        def job() -> Exchanged:
+            total, nbytes = comm.exchange_shard(m, value)
+            summed, meta_bytes = comm.reduce_meta(m, {c: meta})
+            return total, summed, CommBytes(nbytes.cross, meta_bytes, nbytes.intra)
+
+        return job, None, None
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -75,7 +78,7 @@ class ShardedModuleSync(ModuleSync):
         comm: TorchComm = self.comm  # type: ignore[assignment]
         group = comm.pg.worker_group(comm.group)
         return {k: gather_flat(v, self.shapes, group, G, comm.device) if v.numel() == self.numel else v
-                for k, v in self.state.state_dict().items()}
+                for k, v in self.core.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Keep this rank's shard of every full-size tensor of ``state``, then load it."""

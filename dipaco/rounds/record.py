@@ -1,0 +1,186 @@
+"""What the rounds leave behind: per-round records, checkpoints and the run's totals.
+
+:class:`RoundRecorder` is the bookkeeping of :func:`dipaco.rounds.loop.run_rank`: the
+progress bar, per-path early stopping, one ``metrics.jsonl`` line per round (rank 0
+writes all ranks' records merged, :mod:`dipaco.tracking`), a checkpoint at round
+boundaries (:mod:`dipaco.sync.checkpointing`) and, at the end, the
+:class:`~dipaco.results.RoundsResult` of every rank's totals.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch.distributed as dist
+
+from dipaco.checkpoint import atomic_write_text
+from dipaco.device import peak_memory_bytes
+from dipaco.early_stopping import PathEarlyStopping
+from dipaco.progress import progress_bar, say
+from dipaco.results import RoundsResult
+from dipaco.rounds.rank import RankState
+from dipaco.run_dir import RunDir
+from dipaco.sync.checkpointing import save_checkpoint
+from dipaco.sync.module_sync import RoundStats
+from dipaco.sync.records import round_record
+from dipaco.tracking import MetricsWriter
+
+__all__ = ["RoundOutcome", "RoundRecorder"]
+
+
+@dataclass
+class RoundOutcome:
+    """One round on one rank: per-path statistics, the sync's, and the time split."""
+
+    paths: dict[int, dict[str, Any]]
+    sync: RoundStats
+    compute_s: float  # this rank's inner steps
+    wait_s: float  # waiting at the barrier for the slowest worker group
+    sync_s: float  # the round's sync points: exchanges and outer steps
+
+
+@dataclass
+class _Totals:
+    tokens: int = 0
+    bytes_sent: int = 0
+    train_s: float = 0.0
+    wait_s: float = 0.0
+    sync_s: float = 0.0
+    rounds_done: list[int] = field(default_factory=list)
+
+
+def gather(obj: Any, distributed: bool) -> list[Any]:
+    """All ranks' ``obj`` (a JSON-able dict) on every rank; ``[obj]`` in the local backend."""
+    if not distributed:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class RoundRecorder:
+    """Records, checkpoints and totals of the rounds from ``start_round`` on."""
+
+    def __init__(self, rs: RankState, start_round: int) -> None:
+        self.rs, self.start_round = rs, start_round
+        cfg = rs.cfg
+        self.writer = self.bar = self.stopping = None
+        if rs.is_rank0:
+            if cfg.resume:  # the rounds past the checkpoint are re-run: their lines go
+                _truncate_metrics(rs.run, start_round)
+            self.writer = MetricsWriter(rs.run, cfg, purge_from_round=start_round + 1 if start_round else None)
+            steps = (cfg.trainer.rounds - start_round) * cfg.diloco.inner_steps * len(rs.paths)
+            self.bar = progress_bar(cfg.trainer.progress, steps, "rounds", "step")
+        if cfg.trainer.path_early_stopping and rs.local_rank == 0:
+            # one process per grid path checks it: the holder of its first replica
+            R = cfg.grid.replicas
+            self.stopping = PathEarlyStopping(cfg, rs.run, rs.grid, [p // R for p in rs.paths if p % R == 0],
+                                              start_round)
+        self.totals = _Totals()
+        self.last_checkpoint: Optional[Path] = None
+
+    def on_step(self) -> None:
+        """After each inner step (the progress bar)."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def round_done(self, r: int, out: RoundOutcome) -> None:
+        """Round ``r + 1`` ended (outer step taken): early stopping, totals, the metrics line."""
+        rs, cfg = self.rs, self.rs.cfg
+        if self.stopping is not None and self.stopping.due(r + 1):
+            # after the outer step: the live modules hold the global weights
+            for q, loss in self.stopping.update(r + 1).items():
+                out.paths[q * cfg.grid.replicas]["val_loss"] = loss
+        modules = _module_stats(out.sync)
+        sent = sum(int(m.get("bytes_sent", 0)) for m in modules.values())
+        t = self.totals
+        t.tokens += sum(v["tokens"] for v in out.paths.values())
+        t.bytes_sent += sent
+        t.train_s += out.compute_s
+        t.wait_s += out.wait_s
+        t.sync_s += out.sync_s
+        t.rounds_done.append(r + 1)
+        record = {"paths": out.paths, "modules": modules, "bytes_sent": sent,
+                  "tokens": sum(v["tokens"] for v in out.paths.values()),
+                  "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s}
+        everyone = gather(record, rs.distributed)
+        if self.writer is not None:
+            self.writer.log_round(_round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr))
+            losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
+            say(f"round {r + 1}/{cfg.trainer.rounds}: mean path loss {np.mean(list(losses.values())):.4f}, "
+                f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
+
+    def checkpoint(self, round_idx: int) -> None:
+        """A checkpoint after ``round_idx`` rounds (a collective in the torch backend)."""
+        rs = self.rs
+        self.last_checkpoint = save_checkpoint(rs.ckpts, round_idx, rs.grid, rs.sync, rs.learners, rs.topo,
+                                               rs.rank, rs.distributed, rs.modules)
+
+    def result(self) -> RoundsResult:
+        """Close the writer and bar; every rank's totals (a collective in the torch backend)."""
+        rs, t, R = self.rs, self.totals, self.rs.cfg.trainer.rounds
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        rs.sync.close()
+        if self.last_checkpoint is None and self.start_round >= R:
+            self.last_checkpoint = rs.ckpts.latest_valid()
+        totals = gather({"tokens": t.tokens, "bytes_sent": t.bytes_sent, "train_s": t.train_s,
+                         "wait_s": t.wait_s, "sync_s": t.sync_s}, rs.distributed)
+        return RoundsResult(
+            rounds=R,
+            completed_rounds=t.rounds_done[-1] if t.rounds_done else R,  # none run: resumed at the end
+            start_round=self.start_round,
+            world_size=rs.world_size,
+            tokens=sum(x["tokens"] for x in totals),
+            bytes_sent=sum(x["bytes_sent"] for x in totals),
+            compute_s=max(x["train_s"] for x in totals),
+            wait_s=max(x["wait_s"] for x in totals),
+            sync_s=max(x["sync_s"] for x in totals),
+            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            device=str(rs.device),
+            # the largest peak of any rank (CUDA allocator peak, or peak RSS on the CPU)
+            peak_memory_bytes=max(gather(peak_memory_bytes(rs.device), rs.distributed)),
+        )
+
+
+def _module_stats(round_stats: RoundStats) -> dict[str, dict]:
+    """Per-module sync statistics as JSON-able dicts."""
+    out = {}
+    for mid, s in round_stats.modules.items():
+        d = s.to_dict()
+        out[mid] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+    return out
+
+
+def _truncate_metrics(run: RunDir, keep_rounds: int) -> None:
+    """Drop metrics of rounds past the checkpoint we resume from: they are re-run."""
+    if not run.metrics.exists():
+        return
+    lines = [x for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()]
+    kept = [x for x in lines if json.loads(x).get("round", 0) <= keep_rounds]
+    if len(kept) != len(lines):
+        atomic_write_text(run.metrics, "".join(x + "\n" for x in kept))
+
+
+def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[str, Any]:
+    """All ranks' records of one round merged: per-path loss and lr, per-module sync stats,
+    bytes, time split (slowest rank)."""
+    paths: dict[str, dict] = {}
+    modules: dict[str, dict] = {}
+    for rec in records:
+        paths.update({str(p): v for p, v in rec["paths"].items()})
+        for mid, s in rec["modules"].items():
+            modules.setdefault(mid, s)  # every holder reports the same outer step
+    line = round_record(round_idx, "sync", paths, modules,
+                        bytes_sent=sum(r["bytes_sent"] for r in records),
+                        # every rank's tokens (the ranks of a worker group split its batches)
+                        tokens=sum(r["tokens"] for r in records),
+                        compute_s=max(r["compute_s"] for r in records),
+                        wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records))
+    return {**line, "outer_lr": outer_lr}
