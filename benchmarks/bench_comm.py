@@ -5,7 +5,7 @@
 
 Two sources, which must agree:
 
-* planned: ``dipaco.comm_plan.plan_round`` for one worker group per path (world size
+* planned: ``dipaco.plan.comm_plan.plan_round`` for one worker group per path (world size
   = P, G = 1), model=small, H = 50; the DDP equivalent is the same path model trained
   data parallel over the same P ranks, all-reducing every gradient every inner step.
 * measured: short real runs (local backend, model=tiny) per codec; the local backend
@@ -41,11 +41,11 @@ SIZES: dict[str, dict[str, Any]] = {
 
 def plan_for(grid: Sequence[int], codec: str, inner_steps: int, model: str = "small") -> tuple[Any, Any, Any]:
     """(plan, topology, config) for one worker group per path, as the job builds them."""
-    from dipaco.build import build_grid
-    from dipaco.comm_plan import plan_round
+    from dipaco.plan.build import build_grid
+    from dipaco.plan.comm_plan import plan_round
     from dipaco.config import codec_kwargs, compose_config
-    from dipaco.sync.codecs import make_codec
-    from dipaco.topology import Topology
+    from dipaco.plan.codecs import make_codec
+    from dipaco.plan.topology import Topology
 
     cfg = compose_config([f"model={model}", f"grid.levels=[{','.join(map(str, grid))}]",
                           f"diloco.codec={codec}", f"diloco.inner_steps={inner_steps}"])
@@ -98,9 +98,9 @@ def sharer_rows(grid: Sequence[int]) -> tuple[list[dict[str, Any]], bool]:
 
 def measured_rows(grid: Sequence[int], rounds: int, inner_steps: int, root: Path) -> list[dict[str, Any]]:
     """Real short runs per codec: measured bytes vs the plan of the same config."""
-    from dipaco.build import build_comm_plan
+    from dipaco.plan.build import build_comm_plan
     from dipaco.config import compose_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     rows = []
     first: Optional[Path] = None

@@ -60,7 +60,7 @@ def slow_run_rank(cfg: Any, run: Any, rank: Optional[int], world: int, slow_rank
     Every rank logs (start, end) of each path turn, so goodput is computed from the
     same kind of timestamps as decoupled mode's phase events.
     """
-    from dipaco import learner as learner_mod
+    from dipaco.rounds import learner as learner_mod
     from dipaco.rounds import run_rank
 
     original = learner_mod.PathLearner.train_steps
@@ -100,9 +100,9 @@ def _reset(run_dir: Path) -> None:
 
 
 def _routed_loss(cfg: Any, run_dir: Path, ckpt: Path) -> float:
-    from dipaco.prepare import prepare
-    from dipaco.run_dir import RunDir
-    from dipaco.train import _evaluate
+    from dipaco.job.prepare import prepare
+    from dipaco.run.run_dir import RunDir
+    from dipaco.job.train import _evaluate
 
     run = RunDir.at(run_dir)
     return math.log(_evaluate(cfg, run, prepare(cfg, run), ckpt)["once"]["ppl"])
@@ -111,8 +111,8 @@ def _routed_loss(cfg: Any, run_dir: Path, ckpt: Path) -> float:
 def run_sync(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.bench_decoupled import slow_run_rank as fn  # importable by spawned ranks
     from dipaco.config import compose_config
-    from dipaco.launch import launch
-    from dipaco.run_dir import RunDir
+    from dipaco.runtime.launch import launch
+    from dipaco.run.run_dir import RunDir
 
     _reset(run_dir)
     times = run_dir / "sync_times"
@@ -132,9 +132,9 @@ def run_sync(run_dir: Path, size: dict[str, Any]) -> dict[str, Any]:
 
 def run_dec(run_dir: Path, size: dict[str, Any], side: str = "decoupled", **settings: Any) -> dict[str, Any]:
     from dipaco.config import compose_config
-    from dipaco.decoupled.config import DecoupledConfig
+    from dipaco.config.decoupled import DecoupledConfig
     from dipaco.decoupled.run import run_decoupled
-    from dipaco.run_dir import RunDir
+    from dipaco.run.run_dir import RunDir
 
     _reset(run_dir)
     cfg = compose_config(overrides(size) + ["diloco.mode=decoupled"], run_dir)
@@ -158,8 +158,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     size["fixed_h"] = size["fixed_h"] or args.fixed_h
     load0 = load_average()
     from dipaco.config import compose_config
-    from dipaco.prepare import prepare
-    from dipaco.run_dir import RunDir
+    from dipaco.job.prepare import prepare
+    from dipaco.run.run_dir import RunDir
 
     run_dir = work_dir(NAME, args.work_dir) / "run"
     run_dir.mkdir(parents=True, exist_ok=True)

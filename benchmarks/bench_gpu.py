@@ -15,7 +15,7 @@ Per model size, two sides, each in a fresh process (peak memory is a high-water 
   outer state is where ``diloco.outer_device`` (default ``auto``) puts it;
   ``--compare-outer`` adds the side ``dipaco_cpu_outer`` with ``diloco.outer_device=cpu``.
 
-Reported: tokens/s, MFU and the peak memory next to :mod:`dipaco.memory`'s model of it.
+Reported: tokens/s, MFU and the peak memory next to :mod:`dipaco.plan.memory`'s model of it.
 MFU counts ``6·N + 12·L·d·T`` FLOPs per token (N parameters, L blocks, d width, T
 sequence length; the PaLM appendix formula) against the device's dense peak: a table of
 datasheet figures for known GPUs (bf16/fp16, or TF32 for fp32), otherwise a measured
@@ -78,7 +78,7 @@ def peak_flops(device: Any, precision: str) -> tuple[float, str]:
     """(peak FLOP/s, where it comes from) for MFU."""
     import torch
 
-    from dipaco.device import PRECISIONS
+    from dipaco.runtime.device import PRECISIONS
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -115,11 +115,11 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
 
     from dipaco.config import compose_config
     from dipaco.data import TokenStream
-    from dipaco.device import autocast, peak_memory_bytes, rank_device, reset_peak_memory
-    from dipaco.learner import PathLearner, make_inner_optimizer
-    from dipaco.memory import rank_memory
+    from dipaco.runtime.device import autocast, peak_memory_bytes, rank_device, reset_peak_memory
+    from dipaco.rounds.learner import PathLearner, make_inner_optimizer
+    from dipaco.plan.memory import rank_memory
     from dipaco.sync.diloco import DiLoCoSync
-    from dipaco.topology import Topology
+    from dipaco.plan.topology import Topology
     from modules import ModuleGrid, PathModel
 
     device = rank_device("auto").device

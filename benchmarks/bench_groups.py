@@ -13,7 +13,7 @@ all-reduced by hand under ``replicate``, reduce-scattered by FSDP2 under ``fsdp`
 up, then R rounds are timed.
 
 Reported per side: the group's tokens/s, each rank's peak memory (the largest of the two;
-CPU: peak RSS minus the RSS before the model was built) and :mod:`dipaco.memory`'s plan
+CPU: peak RSS minus the RSS before the model was built) and :mod:`dipaco.plan.memory`'s plan
 for that rank (``shards=2`` under fsdp), whose ratio the issue wants within 1.5×.
 """
 from __future__ import annotations
@@ -56,14 +56,14 @@ def _rank(rank: int, port: int, model_name: str, side: str, mode: str, out: str)
 
     from dipaco.config import compose_config
     from dipaco.data import TokenStream
-    from dipaco.device import peak_memory_bytes, reset_peak_memory
-    from dipaco.learner import PathLearner
-    from dipaco.memory import rank_memory
+    from dipaco.runtime.device import peak_memory_bytes, reset_peak_memory
+    from dipaco.rounds.learner import PathLearner
+    from dipaco.plan.memory import rank_memory
     from dipaco.sync.data_parallel import allreduce_gradients
     from dipaco.sync.diloco import DiLoCoSync
     from dipaco.sync.fsdp import apply_fsdp, worker_mesh
     from dipaco.sync.groups import ProcessGroups
-    from dipaco.topology import Topology
+    from dipaco.plan.topology import Topology
     from modules import ModuleGrid, PathModel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -45,7 +45,7 @@ def ensure_run() -> Path:
     from hydra import compose, initialize_config_module
 
     from dipaco.config import register_configs, to_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     register_configs()
     with initialize_config_module(config_module="dipaco.conf", version_base="1.3"):
@@ -105,7 +105,7 @@ def child(case: str, tokens: int) -> dict:
         out["kv_cache_bytes"] = 2 * model.num_layers * c.n_heads * c.max_seq_len * c.head_dim * 4
         out["built_modules"] = sorted(loader.built_module_ids())
     elif case == "full_grid":
-        from dipaco.job_eval import load_grid_from_checkpoint
+        from dipaco.job.evaluation import load_grid_from_checkpoint
 
         grid = load_grid_from_checkpoint(run.cfg, run.checkpoint)
         out["model_bytes"] = tensor_bytes(grid.built_modules().values())

@@ -10,7 +10,7 @@ One process does what ``dipaco-train`` does with a corpus, on synthetic tokens:
    written in chunks as a token directory (``router.tokens``: int32 memmap + offsets)
    under ``--tmp``; the corpus never exists in memory;
 2. **fit**: the router ([4,4] grid, product k-means) on an evenly spaced sample of
-   ``--fit-docs`` document prefixes, copied into memory (``dipaco.prepare`` caps its
+   ``--fit-docs`` document prefixes, copied into memory (``dipaco.job.prepare`` caps its
    fit the same way);
 3. **route**: every document, in batches (``router.assign_in_batches``);
 4. **shard**: ``router.write_shards`` copies the routed rows, batch by batch;
@@ -76,7 +76,7 @@ def run(gb: float, fit_docs: int, steps: int, tmp: Optional[str], seed: int = 0)
     import torch
 
     from dipaco.data import TokenStream
-    from dipaco.learner import lm_loss
+    from dipaco.rounds.learner import lm_loss
     from modules import ModelConfig, ModuleGrid, PathModel
     from router import Router, TokenTfidfFeaturizer, assign_in_batches, load_shard, write_shards
 
@@ -97,7 +97,7 @@ def run(gb: float, fit_docs: int, steps: int, tmp: Optional[str], seed: int = 0)
         t0 = time.perf_counter()
         prefixes = corpus.prefixes(32)
         sample = prefixes.select(np.linspace(0, len(corpus) - 1, min(fit_docs, len(corpus))).astype(np.int64))
-        sample = sample.in_memory()  # as dipaco.prepare does: fit_docs x 32 tokens
+        sample = sample.in_memory()  # as dipaco.job.prepare does: fit_docs x 32 tokens
         router = Router.fit(sample, [4, 4], prefix_tokens=32, method="product", seed=seed,
                             featurizer=TokenTfidfFeaturizer(dim=64, seed=seed, progress=False))
         done("fit router", t0, documents=len(sample))

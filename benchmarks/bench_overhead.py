@@ -42,9 +42,9 @@ def make_sides(model_name: str, steps: int, seed: int = 0) -> tuple[dict[str, Ca
 
     from dipaco.config import compose_config
     from dipaco.data import TokenStream
-    from dipaco.learner import PathLearner
+    from dipaco.rounds.learner import PathLearner
     from dipaco.sync.diloco import DiLoCoSync
-    from dipaco.topology import Topology
+    from dipaco.plan.topology import Topology
     from modules import ModuleGrid, PathModel
 
     cfg = compose_config([f"model={model_name}", "grid.levels=[1,1]", f"diloco.inner_steps={steps}"])

@@ -3,13 +3,13 @@
     python -m benchmarks.bench_quality --quick   # tiny model, [2,2] grid, no (b) (~2-3 minutes)
     python -m benchmarks.bench_quality --full    # tiny model, [2,2] and [4,4], longer
 
-For each grid, one ``dipaco.train.train`` run (with ``router.reroute_every``) gives:
+For each grid, one ``dipaco.job.train.train`` run (with ``router.reroute_every``) gives:
 
 * routed perplexity, and re-routed every W tokens (``summary.json`` ``rerouted_ppl``);
 * (a) dense of one path's size at the same inner steps as a path (the trainer's
   ``dense_ppl``; ratio ``ratio_vs_dense``): the DiPaCo claim (equal inference cost);
 * (b) dense of one path's size with the same total compute (P times the steps), trained
-  here with ``dipaco.dense.train_dense`` on the run's own tokenizer, data and split
+  here with ``dipaco.rounds.dense.train_dense`` on the run's own tokenizer, data and split
   (full mode only, or ``--equal-compute``: its P× steps were ~40% of the quick mode's time);
 * (c) flat DiLoCo with P worker groups: not expressible by the trainer (a grid of ones has
   one path, and paths are the unit a worker group trains), recorded as not done.
@@ -71,10 +71,10 @@ def dense_equal_compute(cfg: Any, run_dir: Path, num_paths: int) -> dict[str, An
     validation documents are exactly those the routed model was scored on). The config is
     copied with P× the rounds so the cosine schedule spans the longer run.
     """
-    from dipaco.dense import BASELINE_STREAM_ID, train_dense
-    from dipaco.evaluate import evaluate_single
-    from dipaco.prepare import prepare
-    from dipaco.run_dir import RunDir
+    from dipaco.rounds.dense import BASELINE_STREAM_ID, train_dense
+    from dipaco.rounds.evaluate import evaluate_single
+    from dipaco.job.prepare import prepare
+    from dipaco.run.run_dir import RunDir
     from modules import PathModel
 
     long_cfg = copy.deepcopy(cfg)
@@ -98,7 +98,7 @@ def run_grid(grid: Sequence[int], size: dict[str, Any], seed: int, reroute_every
              root: Path) -> dict[str, Any]:
     """One routed run plus the equal-compute dense model; the row of the table."""
     from dipaco.config import compose_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     overrides = overrides_for(grid, size, seed, reroute_every)
     run_dir = root / f"grid{'x'.join(map(str, grid))}_seed{seed}"

@@ -42,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     size = SIZES[args.mode]
 
     from dipaco.config import compose_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     overrides = ["data=python_sources", f"model={size['model']}", "grid.levels=[2,2]", "launcher=spawn", "launcher.nproc=4",
                  f"diloco.inner_steps={args.inner_steps}", f"diloco.codec={args.codec}",

@@ -184,7 +184,7 @@ def reuse_preparation(src_run: Path, dst_run: Path) -> None:
     """Seed ``dst_run`` with ``src_run``'s tokenizer and router, so ``prepare`` reloads them.
 
     Several benchmark runs share one corpus, grid and seed; training a BPE and fitting
-    k-means again for each would dominate a quick run. ``dipaco.prepare`` reuses a run
+    k-means again for each would dominate a quick run. ``dipaco.job.prepare`` reuses a run
     directory's tokenizer and router when present (that is how ``resume=true`` routes
     exactly as the first run did), so copying them gives the same shards at no cost.
     Pair with a shared ``data.cache_dir`` so the tokenized corpus is reused too.

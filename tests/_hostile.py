@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pytest
 
 from dipaco.config import compose_config
-from dipaco.train import train
+from dipaco.job.train import train
 
 SMOKE = ["experiment=smoke", "data.max_documents=200"]
 

@@ -33,10 +33,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dipaco.checkpoint import load_state
+from dipaco.run.checkpoint import load_state
 from dipaco.config import Config, compose_config
 from dipaco.data import Tokenizer
-from dipaco.run_dir import RunDir
+from dipaco.run.run_dir import RunDir
 from router.shards import write_shards
 from router.tokens import TokenDocs
 
@@ -115,7 +115,7 @@ def scenario_config(name: str, run: RunDir) -> Config:
 def run_rounds(cfg: Config, run: RunDir) -> None:
     """The rounds of ``cfg`` on ``run`` through the job's own entry points."""
     from dipaco.decoupled.run import run_decoupled
-    from dipaco.launch import launch
+    from dipaco.runtime.launch import launch
     from dipaco.rounds import run_rank
 
     if cfg.diloco.mode == "decoupled":

@@ -12,11 +12,11 @@ from torch import nn
 
 from dipaco.config import compose_config
 from dipaco.inference import InferenceRun
-from dipaco.prepare import validation_ids
+from dipaco.job.prepare import validation_ids
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.topology import Topology
-from dipaco.train import train
+from dipaco.plan.topology import Topology
+from dipaco.job.train import train
 from router import write_shards
 
 IDS = ["embed", "L0.0", "L0.1", "head"]

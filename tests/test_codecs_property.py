@@ -1,4 +1,4 @@
-"""Randomised property tests of the pseudo-gradient codecs (dipaco/sync/codecs.py).
+"""Randomised property tests of the pseudo-gradient codecs (dipaco/plan/codecs.py).
 
 faiss style: many random cases from fixed seeds, each checked against the bound the
 codec's docstring states, so a change to a codec that loosens a bound fails here with the
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dipaco.sync.codecs import CODECS, make_codec
+from dipaco.plan.codecs import CODECS, make_codec
 
 SEEDS = range(6)
 SIZES = (0, 1, 2, 7, 64, 255, 256, 257, 1000, 4099)

@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from dipaco.config import ConfigError, compose_config
-from dipaco.prepare import _require_documents_per_path
-from dipaco.validate import validate_config
+from dipaco.job.prepare import _require_documents_per_path
+from dipaco.config.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

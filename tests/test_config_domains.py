@@ -1,5 +1,5 @@
 """Every config value by rule (issue: hostile input): each key of the schema has a domain
-in dipaco/domains.py, and a fixed-seed walk of the whole schema checks that an
+in dipaco/config/domains.py, and a fixed-seed walk of the whole schema checks that an
 out-of-domain value is one ConfigError naming that key (before any file is written,
 through the real CLI too), and that an in-domain edge value validates or is refused in
 one line, never anything else. A sample of edge values runs end to end on the tiny
@@ -17,10 +17,10 @@ import pytest
 
 from dipaco.cli import train as train_cli
 from dipaco.config import Config, ConfigError, compose_config
-from dipaco.domains import DOMAINS, Domain, _bound
-from dipaco.resume import flat_config
-from dipaco.train import train
-from dipaco.validate import validate_config
+from dipaco.config.domains import DOMAINS, Domain, _bound
+from dipaco.run.resume import flat_config
+from dipaco.job.train import train
+from dipaco.config.validate import validate_config
 
 SMOKE = ["experiment=smoke"]
 SEED = 20261125
@@ -43,8 +43,8 @@ def set_value(cfg: Any, key: str, value: Any) -> None:
 
 def test_every_schema_key_has_a_domain_and_every_domain_a_key() -> None:
     keys = set(flat_config(Config()))
-    assert keys - set(DOMAINS) == set(), "add these keys' domains to dipaco/domains.py"
-    assert set(DOMAINS) - keys == set(), "dipaco/domains.py names keys the schema lacks"
+    assert keys - set(DOMAINS) == set(), "add these keys' domains to dipaco/config/domains.py"
+    assert set(DOMAINS) - keys == set(), "dipaco/config/domains.py names keys the schema lacks"
 
 
 def test_domain_kinds_match_the_schema_types() -> None:

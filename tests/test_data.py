@@ -519,8 +519,8 @@ def test_tokenize_to_docs_is_cached_memmap_equal_to_tokenize_dataset(
 def test_memmapped_shards_route_train_and_score_like_in_memory_data(tmp_path) -> None:
     """Acceptance (issue 19, item 1): routing, training and perplexity from memory-mapped
     shards give exactly the numbers the same documents give from in-memory lists."""
-    from dipaco.evaluate import evaluate_single
-    from dipaco.learner import lm_loss
+    from dipaco.rounds.evaluate import evaluate_single
+    from dipaco.rounds.learner import lm_loss
     from modules import ModelConfig, ModuleGrid, PathModel
     from router import Router, assign_in_batches, load_shard, write_shards, write_token_docs
     from router.synthetic import topic_corpus

@@ -12,9 +12,9 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from dipaco.config import compose_config
-from dipaco.validate import validate_config
-from dipaco.prepare import prepare
-from dipaco.run_dir import RunDir
+from dipaco.config.validate import validate_config
+from dipaco.job.prepare import prepare
+from dipaco.run.run_dir import RunDir
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from dipaco.config import DiLoCoConfig, to_config
-from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
+from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.metrics import ledger_report, worker_events
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
@@ -25,7 +25,7 @@ from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, p
                                       progress_key, write_module)
 from dipaco.decoupled.store import FileStore, decode_state, encode_state
 from dipaco.decoupled.worker import DecoupledWorker
-from dipaco.sync.codecs import make_codec
+from dipaco.plan.codecs import make_codec
 from dipaco.sync.module_core import ModuleCore
 from dipaco.sync.outer import DelayedNesterov, make_outer_optimizer, outer_options
 

@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco.checkpoint import load_state
+from dipaco.run.checkpoint import load_state
 from dipaco.config import compose_config
-from dipaco.decoupled.config import DecoupledConfig
+from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.metrics import ledger_report, pushed_ids
 from dipaco.decoupled.run import run_decoupled
 from dipaco.decoupled.store import FileStore
 from dipaco.decoupled.merge import DROP_REASONS
 from dipaco.decoupled.service import module_key, progress_key
-from dipaco.prepare import prepare
-from dipaco.run_dir import RunDir
-from dipaco.train import _evaluate, train
+from dipaco.job.prepare import prepare
+from dipaco.run.run_dir import RunDir
+from dipaco.job.train import _evaluate, train
 
 R, H = 6, 8
 SMOKE = ["experiment=smoke", "data.max_documents=200", f"trainer.rounds={R}", f"diloco.inner_steps={H}",
@@ -74,7 +74,7 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     run_dir, sync_loss, _ = sync_run
     _fresh(run_dir)
     cfg = compose_config(SMOKE, run_dir)
-    # the one fault-injection mechanism of both modes (dipaco/faults.py); spawned workers inherit it
+    # the one fault-injection mechanism of both modes (dipaco/runtime/faults.py); spawned workers inherit it
     monkeypatch.setenv("DIPACO_FAULT", "worker_kill:every_s=1:max=4:seed=3;worker_delay:prob=0.5:s=0.8:seed=3")
     dcfg = DecoupledConfig(workers=4, lease_s=1.5, heartbeat_s=0.3, timeout_s=200)
     res = run_decoupled(cfg, RunDir.at(run_dir), dcfg)

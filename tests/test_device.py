@@ -1,4 +1,4 @@
-"""Device, backend and bad-combination decisions (dipaco/device.py), with fake GPU counts.
+"""Device, backend and bad-combination decisions (dipaco/runtime/device.py), with fake GPU counts.
 
 Nothing here needs a GPU: the decision functions take the device count as an argument,
 so the one-GPU/many-ranks cases that crashed on a real H100 are checked on any machine.
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dipaco.config import ConfigError, LauncherConfig, TrainerConfig, compose_config
-from dipaco.device import (choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device,
+from dipaco.runtime.device import (choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device,
                            set_deterministic, to_device)
-from dipaco.validate import validate_config
+from dipaco.config.validate import validate_config
 
 
 @pytest.mark.parametrize("gpus,local_ranks,expected", [

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from dipaco.build import build_grid
-from dipaco.checkpoint import CheckpointError, save_state
+from dipaco.plan.build import build_grid
+from dipaco.run.checkpoint import CheckpointError, save_state
 from dipaco.config import compose_config
-from dipaco.early_stopping import PathEarlyStopping, load_best_path, read_best_record, write_validation_shards
-from dipaco.job_eval import path_models
-from dipaco.run_dir import RunDir
+from dipaco.rounds.early_stopping import PathEarlyStopping, load_best_path, read_best_record, write_validation_shards
+from dipaco.job.evaluation import path_models
+from dipaco.run.run_dir import RunDir
 
 
 @pytest.fixture()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dipaco.config import ConfigError, compose_config
-from dipaco.evaluate import evaluate_routed, evaluate_single, plan_documents, split_windows
-from dipaco.validate import validate_config
+from dipaco.rounds.evaluate import evaluate_routed, evaluate_single, plan_documents, split_windows
+from dipaco.config.validate import validate_config
 
 PREFIX = 8
 

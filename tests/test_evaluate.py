@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dipaco.evaluate import evaluate_single, padded_batch, per_document_losses
+from dipaco.rounds.evaluate import evaluate_single, padded_batch, per_document_losses
 
 
 class _Bigram(torch.nn.Module):
@@ -49,7 +49,7 @@ def test_per_document_losses_agree_with_the_routed_evaluation() -> None:
 def test_evaluated_rows_spread_over_the_split() -> None:
     """The evaluation's sample of a split: every row when it fits, else rows spread evenly
     (a split is sorted by domain: the first rows would be one or two domains)."""
-    from dipaco.prepare import evaluated_rows
+    from dipaco.job.prepare import evaluated_rows
 
     assert evaluated_rows(5, None).tolist() == [0, 1, 2, 3, 4]
     assert evaluated_rows(5, 400).tolist() == [0, 1, 2, 3, 4]

@@ -19,17 +19,17 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from dipaco.comm_plan import plan_round, ring_allreduce_bytes
+from dipaco.plan.comm_plan import plan_round, ring_allreduce_bytes
 from dipaco.config import ConfigError, TrainerConfig, compose_config
-from dipaco.learner import PathLearner
-from dipaco.memory import rank_memory
-from dipaco.sync.codecs import make_codec
+from dipaco.rounds.learner import PathLearner
+from dipaco.plan.memory import rank_memory
+from dipaco.plan.codecs import make_codec
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import apply_fsdp, is_sharded, shard_flat, unshard_flat, worker_mesh
 from dipaco.sync.groups import ProcessGroups
-from dipaco.topology import Topology
-from dipaco.validate import validate_config
+from dipaco.plan.topology import Topology
+from dipaco.config.validate import validate_config
 from modules import ModelConfig, ModuleGrid, PathModel
 
 MODEL = ModelConfig(vocab_size=64, d_model=16, n_heads=2, layers_per_level=1, max_seq_len=16)

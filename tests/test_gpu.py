@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dipaco.config import compose_config
-from dipaco.train import train
+from dipaco.job.train import train
 from test_train import SMOKE, assert_same_weights, module_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

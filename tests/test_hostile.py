@@ -27,19 +27,19 @@ from typing import Any
 
 import pytest
 
-from dipaco.checkpoint import CheckpointManager
+from dipaco.run.checkpoint import CheckpointManager
 from dipaco.cli import infer as infer_cli
 from dipaco.cli import route as route_cli
 from dipaco.cli import train as train_cli
 from dipaco.cli.errors import report_user_errors
 from dipaco.config import ConfigError, compose_config
 from dipaco.data import DataError
-from dipaco.launch import LaunchError
-from dipaco.prepare import prepare
-from dipaco.run_dir import RunDir, RunDirError, RunStopped, _is_disk_full
-from dipaco.run_lock import LOCK_NAME, RunLock
-from dipaco.train import train
-from dipaco.validate import validate_config
+from dipaco.runtime.launch import LaunchError
+from dipaco.job.prepare import prepare
+from dipaco.run.run_dir import RunDir, RunDirError, RunStopped, _is_disk_full
+from dipaco.run.lock import LOCK_NAME, RunLock
+from dipaco.job.train import train
+from dipaco.config.validate import validate_config
 
 from _hostile import SMOKE, copy_run, one_line, run_cli, snapshot, subprocess_cli, tiny_jsonl
 
@@ -154,7 +154,7 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
                                                                                    monkeypatch):
     """Disk full (`OSError: [Errno 28]`, or safetensors' `StorageFull`) while writing a checkpoint
     — `disk full while writing FILE; last complete checkpoint: D/checkpoints/round_000001; free space, then continue with: dipaco-train hydra.run.dir=D resume=true`; exit 1; the earlier checkpoint still verifies."""
-    import dipaco.checkpoint as ckpt
+    import dipaco.run.checkpoint as ckpt
 
     run_dir = copy_run(sigterm_stopped[0], tmp_path / "run")
 

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from dipaco.checkpoint import CheckpointError
+from dipaco.run.checkpoint import CheckpointError
 from dipaco.cli import infer as infer_cli
 from dipaco.cli import train as train_cli
 from dipaco.config import ConfigError, compose_config
-from dipaco.prepare import prepare
-from dipaco.resume import resume_config
-from dipaco.run_dir import RunDir, RunDirError
-from dipaco.schedule import describe_segments
-from dipaco.train import train
-from dipaco.validate import validate_config
+from dipaco.job.prepare import prepare
+from dipaco.run.resume import resume_config
+from dipaco.run.run_dir import RunDir, RunDirError
+from dipaco.config.schedule import describe_segments
+from dipaco.job.train import train
+from dipaco.config.validate import validate_config
 
 from _hostile import SMOKE, copy_run, one_line, run_cli, snapshot, subprocess_cli
 
@@ -58,7 +58,7 @@ def test_a_fresh_decoupled_run_never_deletes_another_runs_store(tmp_path, legacy
                                                                                                   "run_dir"])
 def test_score_out_never_writes_into_a_run(finished, tmp_path, capsys, monkeypatch, out):
     """`dipaco-infer score D --validation --out D/config.yaml` (or any path inside a run directory, the run itself)
-    — `score --out X lies in the run directory D: no command writes into a run directory it does not own`; exit 2 before any scoring; D byte-identical (every writing command goes through one rule, dipaco/path_guard.py)."""
+    — `score --out X lies in the run directory D: no command writes into a run directory it does not own`; exit 2 before any scoring; D byte-identical (every writing command goes through one rule, dipaco/run/path_guard.py)."""
     run_dir = copy_run(finished[0], tmp_path / "run")
     before = snapshot(run_dir)
     code, err = run_cli(infer_cli.main, ["score", run_dir, "--validation", "--out", run_dir / out], capsys,

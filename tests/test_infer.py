@@ -33,7 +33,7 @@ def trained_run(tmp_path_factory) -> Path:
     from hydra import compose, initialize_config_module
 
     from dipaco.config import register_configs, to_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     register_configs()
     with initialize_config_module(config_module="dipaco.conf", version_base="1.3"):
@@ -57,7 +57,7 @@ def corpus_texts(trained_run):
 
     cfg = InferenceRun.open(trained_run, need_weights=False).cfg
     corpus = load_corpus(cfg.data, progress=False)
-    from dipaco.prepare import evaluated_rows
+    from dipaco.job.prepare import evaluated_rows
 
     texts = corpus.split("validation")["text"]
     val = [texts[i] for i in evaluated_rows(len(texts), cfg.trainer.eval_max_documents)]
@@ -102,7 +102,7 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
 
 def _reference_model(run_dir: Path, path_id: int):
     """The path assembled the trainer's way: every module loaded (independent of PathLoader)."""
-    from dipaco.job_eval import load_grid_from_checkpoint
+    from dipaco.job.evaluation import load_grid_from_checkpoint
     from modules import PathModel
 
     run = InferenceRun.open(run_dir, device="cpu")  # the tests feed it CPU tensors, on a GPU host too
@@ -204,7 +204,7 @@ def test_score_dense_and_split(tmp_path, capsys):
     `--split test` scores the test documents of a run evaluated on validation; a run
     without a baseline is one line naming the fix."""
     from dipaco.config import compose_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     cfg = compose_config(["experiment=smoke", "grid.levels=[2,1]", "trainer.rounds=1", "trainer.plots=false",
                           "trainer.progress=false", "data.max_documents=120"], tmp_path / "run")
@@ -333,7 +333,7 @@ def test_export_then_load_gives_the_same_logits(trained_run, tmp_path, capsys):
     data = bytearray((out / "model.safetensors").read_bytes())
     data[-3] ^= 0xFF
     (out / "model.safetensors").write_bytes(bytes(data))
-    from dipaco.checkpoint import CheckpointError
+    from dipaco.run.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="model.safetensors"):
         load_exported_path(out)

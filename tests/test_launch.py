@@ -15,9 +15,9 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from dipaco.config import ConfigError, compose_config, register_configs
-from dipaco.launch import LaunchError, free_port
-from dipaco.slurm import first_host, sbatch_script, slurm_rendezvous
-from dipaco.validate import validate_config
+from dipaco.runtime.launch import LaunchError, free_port
+from dipaco.runtime.slurm import first_host, sbatch_script, slurm_rendezvous
+from dipaco.config.validate import validate_config
 
 TWO_NODES = ["launcher=slurm", "launcher.partition=gpu", "launcher.nodes=2", "launcher.gpus_per_node=8",
              "launcher.nproc=8", "grid=4x4"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dipaco.config import TrainerConfig
-from dipaco.learner import PathLearner, make_inner_optimizer
+from dipaco.rounds.learner import PathLearner, make_inner_optimizer
 
 # constant lr (no warm-up, cosine floor = lr): a skipped step must not shift the schedule
 CFG = TrainerConfig(warmup_steps=0, min_lr_ratio=1.0, grad_clip=1.0, lr=1e-2)

@@ -274,7 +274,7 @@ def test_default_config_trains_on_multidomain(fake_install, tmp_path) -> None:
     """The default corpus end to end (on the fake install): routed, trained, scored, and the
     routing report measures NMI against the five domains."""
     from dipaco.config import compose_config
-    from dipaco.train import train
+    from dipaco.job.train import train
 
     assert compose_config([], tmp_path / "unused").data.source == "multidomain"  # the default
     run = tmp_path / "run"

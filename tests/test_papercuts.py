@@ -12,7 +12,7 @@ from dipaco.cli import route as route_cli
 from dipaco.cli import train as train_cli
 from dipaco.cli.help import config_groups
 from dipaco.config import compose_config
-from dipaco.progress import progress_bar
+from dipaco.runtime.progress import progress_bar
 
 
 def _run(main, argv: list[str], capsys, monkeypatch) -> tuple[int, str, str]:

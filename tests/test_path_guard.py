@@ -1,4 +1,4 @@
-"""Paths by rule (dipaco/path_guard.py, docs/design.md contract 8): one function decides
+"""Paths by rule (dipaco/run/path_guard.py, docs/design.md contract 8): one function decides
 whether a command may write or replace a path. Unit cases for each part of the rule, the
 decoupled store's owner (dipaco/decoupled/owner.py), and a fixed-seed walk over random
 trees of run directories, plain folders, files, FIFOs and symlinks that checks every
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from dipaco.decoupled.owner import OWNER_KEY, check_store, claim_store
-from dipaco.path_guard import check_run_root, check_target, enclosing_run
-from dipaco.run_dir import RunDir, RunDirError
+from dipaco.run.path_guard import check_run_root, check_target, enclosing_run
+from dipaco.run.run_dir import RunDir, RunDirError
 
 SEED = 32
 

@@ -1,4 +1,4 @@
-"""The inner loop's precision and speed options on a tiny path (dipaco/learner.py).
+"""The inner loop's precision and speed options on a tiny path (dipaco/rounds/learner.py).
 
 bf16 autocast trains and keeps fp32 masters; micro-batches give the update of one big
 batch; activation checkpointing and torch.compile change no numbers. CUDA-only checks
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dipaco.config import TrainerConfig
-from dipaco.learner import PathLearner
+from dipaco.rounds.learner import PathLearner
 from modules import ModelConfig, ModuleGrid, PathModel
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_heads=2, layers_per_level=2, max_seq_len=32)

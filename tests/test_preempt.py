@@ -1,4 +1,4 @@
-"""Preemptible SLURM jobs (dipaco/preempt.py, dipaco/slurm.py, dipaco/slurm_launcher.py).
+"""Preemptible SLURM jobs (dipaco/runtime/preempt.py, dipaco/runtime/slurm.py, dipaco/cli/slurm_launcher.py).
 
 The end-to-end test runs ``dipaco-train launcher=slurm`` against a fake SLURM
 (tests/fake_slurm.py: ``sbatch``, ``srun``, ``scontrol``, ``sacct`` on PATH) through
@@ -19,14 +19,15 @@ import torch
 
 import fake_slurm
 from dipaco.config import ConfigError, compose_config
-from dipaco.preempt import DEADLINE_MARGIN_S, RequeueDeadline, requeued_resume, restart_count, stopped
-from dipaco.results import RoundsResult
-from dipaco.run_dir import RunDir, RunDirError
-from dipaco.run_lock import LOCK_NAME, RunLock, check_unlocked
-from dipaco.slurm import task_threads
-from dipaco.slurm_launcher import describe_failure, report_failures
-from dipaco.train import train
-from dipaco.validate import validate_config
+from dipaco.run.lock import restart_count
+from dipaco.runtime.preempt import DEADLINE_MARGIN_S, RequeueDeadline, requeued_resume, stopped
+from dipaco.run.results import RoundsResult
+from dipaco.run.run_dir import RunDir, RunDirError
+from dipaco.run.lock import LOCK_NAME, RunLock, check_unlocked
+from dipaco.runtime.slurm import task_threads
+from dipaco.cli.slurm_launcher import describe_failure, report_failures
+from dipaco.job.train import train
+from dipaco.config.validate import validate_config
 
 SMOKE = ["experiment=smoke", "trainer.rounds=4", "trainer.dense_baseline=false", "trainer.threads=1"]
 SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.gpus_per_node=null",
@@ -42,7 +43,7 @@ def _documents(path: Path) -> list[str]:
 
 
 def _weights(run_dir: Path, round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
-    from dipaco.checkpoint import load_state
+    from dipaco.run.checkpoint import load_state
 
     ckpt = run_dir / "checkpoints" / f"round_{round_idx:06d}" / "modules"
     return {p.stem: load_state(p) for p in sorted(ckpt.glob("*.safetensors"))}

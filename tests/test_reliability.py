@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from dipaco import faults
-from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, sha256_file, write_json
+from dipaco.runtime import faults
+from dipaco.run.checkpoint import CheckpointError, CheckpointManager, load_state, sha256_file, write_json
 from dipaco.config import ConfigError, compose_config
-from dipaco.launch import LaunchError
-from dipaco.run_dir import RunDirError, RunStopped
-from dipaco.train import train
+from dipaco.runtime.launch import LaunchError
+from dipaco.run.run_dir import RunDirError, RunStopped
+from dipaco.job.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 # every directory of importable project code (tests may write hostile pickles on purpose)
@@ -253,7 +253,7 @@ def test_non_finite_pseudo_gradient_is_dropped_and_counted(
 def test_non_finite_gradient_skips_the_inner_step() -> None:
     """A NaN gradient (e.g. an overflowing loss) is not applied, so AdamW's moments stay finite."""
     from dipaco.config import TrainerConfig
-    from dipaco.learner import PathLearner
+    from dipaco.rounds.learner import PathLearner
 
     class Stream:
         def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,7 +315,7 @@ def test_error_feedback_residuals_are_dropped_when_groups_change(
         base_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Residuals are keyed by worker group: kept on the same grouping, dropped (logged) on another."""
     from dipaco.sync.diloco import DiLoCoSync
-    from dipaco.build import build_grid, build_topology
+    from dipaco.plan.build import build_grid, build_topology
     from dipaco.sync.checkpointing import load_checkpoint as _load_checkpoint
 
     ckpt = tmp_path / "round_000002"
@@ -325,7 +325,7 @@ def test_error_feedback_residuals_are_dropped_when_groups_change(
         state = load_state(f)
         n = state["global"].numel()
         state.update({"residual.0": torch.full((n,), 0.5), "residual.1": torch.full((n,), -0.5)})
-        from dipaco.checkpoint import save_state
+        from dipaco.run.checkpoint import save_state
 
         save_state(f, state)
 

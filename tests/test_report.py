@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dipaco.cli.report import main as report_main
-from dipaco.report import build_table, find_runs
+from dipaco.job.report import build_table, find_runs
 
 
 def _run(root: Path, name: str, overrides: list[str], grid: str, ppl: float, threads: int = 2) -> None:

@@ -1,4 +1,4 @@
-"""EM re-sharding phases in the job (dipaco/reshard.py): when they run, their report, resume."""
+"""EM re-sharding phases in the job (dipaco/job/reshard.py): when they run, their report, resume."""
 from __future__ import annotations
 
 import json
@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-import dipaco.reshard as reshard_mod
+import dipaco.job.reshard as reshard_mod
 from dipaco.config import ConfigError, compose_config
-from dipaco.reshard import phases_done, reshard_rounds
-from dipaco.train import train
-from dipaco.validate import validate_config
+from dipaco.job.reshard import phases_done, reshard_rounds
+from dipaco.job.train import train
+from dipaco.config.validate import validate_config
 
 TINY = ["model=tiny", "trainer=tiny"]
 

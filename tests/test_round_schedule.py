@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dipaco.sync.diloco import DiLoCoSync, RoundSchedule, SyncEvent, SyncPoint
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "head"]
 PATHS = [["embed", "L0.0", "head"], ["embed", "L0.1", "head"]]

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco.checkpoint import CheckpointError, save_tensors
+from dipaco.run.checkpoint import CheckpointError, save_tensors
 from dipaco.cli import infer as infer_cli
 from dipaco.config import compose_config
-from dipaco.file_mode import current_umask, follow_umask
+from dipaco.run.file_mode import current_umask, follow_umask
 from dipaco.inference import InferenceRun, export_routed_hf, load_routed
-from dipaco.train import train
+from dipaco.job.train import train
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dipaco.fingerprint import _matches
+from dipaco.run.fingerprint import _matches
 from router import Router, routing_report
 from router.merge import fit_merge, merge_costs, ward_groups
 from router.synthetic import hierarchical_corpus, topic_corpus

@@ -1,4 +1,4 @@
-"""The learning-rate schedule in segments (dipaco/schedule.py): one segment reproduces the
+"""The learning-rate schedule in segments (dipaco/config/schedule.py): one segment reproduces the
 old schedule exactly; an extension that continues the launch's schedule trains the added
 rounds at the floor and keeps the warm-up's size; a restart adds a segment; the summary's
 record says what happened round by round."""
@@ -9,9 +9,9 @@ import math
 import pytest
 
 from dipaco.config import ConfigError, compose_config
-from dipaco.schedule import (describe_segments, extended_segments, lr_at, segment_rounds, total_inner_steps,
+from dipaco.config.schedule import (describe_segments, extended_segments, lr_at, segment_rounds, total_inner_steps,
                              warmup_steps)
-from dipaco.validate import validate_config
+from dipaco.config.validate import validate_config
 
 
 def old_lr_at(step: int, total_steps: int, cfg) -> float:

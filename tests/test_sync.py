@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from dipaco.sync.codecs import make_codec
+from dipaco.plan.codecs import make_codec
 from dipaco.sync.comm import LocalComm
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_core import pseudo_gradient
 from dipaco.sync.outer import make_outer_optimizer
-from dipaco.comm_plan import Exchange, chunk_numel, module_exchange, plan_round, reduce_scatter_bytes
-from dipaco.topology import Topology
+from dipaco.plan.comm_plan import Exchange, chunk_numel, module_exchange, plan_round, reduce_scatter_bytes
+from dipaco.plan.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]

@@ -20,21 +20,21 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from dipaco import faults
-from dipaco.checkpoint import load_state, save_state
+from dipaco.runtime import faults
+from dipaco.run.checkpoint import load_state, save_state
 from dipaco.config import ConfigError, DiLoCoConfig, to_config
-from dipaco.decoupled.config import DecoupledConfig
+from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
 from dipaco.decoupled.service import read_update
 from dipaco.decoupled.store import encode_state
 from dipaco.decoupled.worker import encode_contribution
-from dipaco.comm_plan import module_exchange
-from dipaco.sync.codecs import make_codec
+from dipaco.plan.comm_plan import module_exchange
+from dipaco.plan.codecs import make_codec
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_core import ModuleCore, flatten_params, pseudo_gradient
 from dipaco.sync.outer import outer_options
-from dipaco.topology import Topology
-from dipaco.validate import validate_config
+from dipaco.plan.topology import Topology
+from dipaco.config.validate import validate_config
 
 NUMEL = 512  # a multiple of the int8 block: no padding in either mode
 IDS = ["s", "q0", "q1", "q2"]  # "s" is shared by the three paths, "q<p>" is path p's own

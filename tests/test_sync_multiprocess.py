@@ -18,7 +18,7 @@ from torch import nn
 from _dist import run_ranks
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]

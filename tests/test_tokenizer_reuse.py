@@ -16,7 +16,7 @@ from dipaco.cli.infer import main as infer_main
 from dipaco.config import ConfigError, compose_config
 from dipaco.data import DataError, Tokenizer
 from dipaco.inference import InferenceRun
-from dipaco.train import train
+from dipaco.job.train import train
 
 SMOKE = ["experiment=smoke", "launcher=local", "grid.levels=[2,2]", "trainer.rounds=1",
          "trainer.dense_baseline=false", "trainer.plots=false", "trainer.progress=false",

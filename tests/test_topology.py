@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dipaco.comm_plan import (
+from dipaco.plan.comm_plan import (
     META_BYTES,
     allgather_bytes,
     chunk_numel,
@@ -12,8 +12,8 @@ from dipaco.comm_plan import (
     reduce_scatter_bytes,
     ring_allreduce_bytes,
 )
-from dipaco.sync.codecs import make_codec
-from dipaco.topology import Topology
+from dipaco.plan.codecs import make_codec
+from dipaco.plan.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 

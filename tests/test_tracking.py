@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import dipaco.validate
-from dipaco import progress
+import dipaco.config.validate
+from dipaco.runtime import progress
 from dipaco.config import ConfigError, compose_config
-from dipaco.run_dir import RunDir
-from dipaco.tracking import MetricsWriter, round_scalars
-from dipaco.validate import validate_config
+from dipaco.run.run_dir import RunDir
+from dipaco.runtime.tracking import MetricsWriter, round_scalars
+from dipaco.config.validate import validate_config
 
 ROUNDS = 2
 SMOKE = ["experiment=smoke", "data.max_documents=200", f"trainer.rounds={ROUNDS}", "trainer.progress=true"]
@@ -143,7 +143,7 @@ def test_wandb_gets_the_same_scalars_offline(tmp_path: Path, monkeypatch: pytest
 
 
 def test_wandb_without_the_package_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dipaco.validate.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(dipaco.config.validate.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config(["logging.wandb=true"]))
     assert err.value.key == "logging.wandb" and "pip install wandb" in str(err.value)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco.checkpoint import load_state
-from dipaco.prepare import validation_ids
-from dipaco.run_dir import RunDir
+from dipaco.run.checkpoint import load_state
+from dipaco.job.prepare import validation_ids
+from dipaco.run.run_dir import RunDir
 from dipaco.config import ConfigError, compose_config
-from dipaco.train import train
-from dipaco.validate import validate_config
+from dipaco.job.train import train
+from dipaco.config.validate import validate_config
 
 SMOKE = ["experiment=smoke", "data.max_documents=200"]
 SUMMARY_KEYS = {"routed_ppl", "dense_ppl", "ratio_vs_dense", "bytes_sent", "ddp_bytes_equivalent",
@@ -208,7 +208,7 @@ def test_torchrun_ranks_match_local_backend(local_run: tuple[Path, dict], tmp_pa
 
 def test_replicas_make_flat_diloco_topology() -> None:
     """grid.replicas=R: R training paths per grid path, same modules, disjoint data."""
-    from dipaco.build import build_grid, build_topology
+    from dipaco.plan.build import build_grid, build_topology
     from router import expand_replicas
 
     cfg = compose_config(["grid=dense", "grid.replicas=4"])
@@ -259,7 +259,7 @@ def test_lm_featurizer_reads_the_last_positions_of_a_long_context() -> None:
     last max_seq_len tokens, as if the context were cut there (no positional error)."""
     import numpy as np
 
-    from dipaco.prepare import lm_featurizer
+    from dipaco.job.prepare import lm_featurizer
     from modules import ModelConfig, ModuleGrid
 
     grid = ModuleGrid(ModelConfig(vocab_size=64, d_model=16, n_heads=2, layers_per_level=1, max_seq_len=16), [1, 1])

@@ -13,11 +13,11 @@ import os
 import sys
 from typing import Any, Callable, TypeVar
 
-from dipaco.checkpoint import CheckpointError
+from dipaco.run.checkpoint import CheckpointError
 from dipaco.config import ConfigError
 from dipaco.data import DataError
-from dipaco.launch import LaunchError
-from dipaco.run_dir import RunDirError, RunStopped
+from dipaco.runtime.launch import LaunchError
+from dipaco.run.run_dir import RunDirError, RunStopped
 
 F = TypeVar("F", bound=Callable[..., Any])
 

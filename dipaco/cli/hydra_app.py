@@ -15,9 +15,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
 from dipaco.config import Config, compose_config, resolve_tokenizer_vocab, to_config
-from dipaco.path_guard import check_run_root
-from dipaco.slurm import dry_run_text
-from dipaco.validate import validate_config
+from dipaco.run.path_guard import check_run_root
+from dipaco.runtime.slurm import dry_run_text
+from dipaco.config.validate import validate_config
 
 # Written by Hydra into the output directory before any dipaco code runs: switched off
 # for every single run, so a refused command (a resume, a new run) leaves the directory as
@@ -86,7 +86,7 @@ def _run_dir_argument(argv: list[str]) -> Optional[str]:
 def protect_run_dir(argv: list[str]) -> list[str]:
     """The command line to hand to Hydra: ``--debug`` taken out (it sets DIPACO_DEBUG,
     keeping tracebacks); for a single run, Hydra's own files switched off, the run
-    directory checked (:func:`dipaco.path_guard.check_run_root`: not a file, not inside
+    directory checked (:func:`dipaco.run.path_guard.check_run_root`: not a file, not inside
     another run) and every override checked against the schema, each a one-line refusal
     before Hydra makes any folder."""
     if "--debug" in argv:

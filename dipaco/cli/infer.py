@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from dipaco.checkpoint import write_json
+from dipaco.run.checkpoint import write_json
 from dipaco.cli.errors import fail, report_user_errors
 from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, export_routed_hf, parse_path
 from dipaco.inference.export import check_export_target
-from dipaco.path_guard import check_target
-from dipaco.prepare import validation_ids
-from dipaco.run_dir import RunDirError
+from dipaco.run.path_guard import check_target
+from dipaco.job.prepare import validation_ids
+from dipaco.run.run_dir import RunDirError
 
 _COMMON_EPILOG = (
     "The newest checkpoint is used; every file in its manifest is hash-checked first and a "
@@ -39,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
         fail(f"{message} (see {self.prog} --help)")
 
 
-# Every numeric argument has a domain, as every config key does (dipaco/domains.py): an
+# Every numeric argument has a domain, as every config key does (dipaco/config/domains.py): an
 # upper bound where a larger value only costs time or memory, checked before any work.
 _HUGE = 2**20
 
@@ -301,7 +301,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def _score_out(path: str) -> Path:
-    """``score --out`` checked before any work (dipaco/path_guard.py); a file only if an earlier score wrote it."""
+    """``score --out`` checked before any work (dipaco/run/path_guard.py); a file only if an earlier score wrote it."""
     out = check_target(path, "score --out", fix="choose a --out outside every run directory")
     if out.is_dir():
         raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")

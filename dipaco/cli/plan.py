@@ -4,7 +4,7 @@ Per module: the paths that share it, the worker groups that hold it, its paramet
 the bytes it sends per round with the configured codec; and the bytes a data-parallel
 (DDP) run of one path's model over the same ranks would send in the same H steps.
 Then each rank's parameter, gradient, optimiser and activation memory
-(:mod:`dipaco.memory`).
+(:mod:`dipaco.plan.memory`).
 Takes the same overrides as ``dipaco-train``, so a plan can be read before launching::
 
     dipaco-plan grid=4x4 diloco.codec=int8 diloco.inner_steps=100
@@ -17,12 +17,12 @@ from typing import Optional
 
 import torch
 
-from dipaco.build import build_comm_plan, build_grid, build_topology
+from dipaco.plan.build import build_comm_plan, build_grid, build_topology
 from dipaco.cli.errors import report_user_errors
-from dipaco.comm_plan import CommPlan, format_plan
+from dipaco.plan.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, ConfigError, compose_config
-from dipaco.memory import RankMemory, outer_on_device, rank_memory
-from dipaco.validate import validate_config
+from dipaco.plan.memory import RankMemory, outer_on_device, rank_memory
+from dipaco.config.validate import validate_config
 
 
 def planned_ranks(cfg: Config) -> int:
@@ -61,7 +61,7 @@ def format_capacity(cfg: Config) -> str:
 
 
 def memory_for(cfg: Config) -> list[tuple[str, RankMemory]]:
-    """Each kind of rank's memory (:mod:`dipaco.memory`): ``(label, RankMemory)`` rows.
+    """Each kind of rank's memory (:mod:`dipaco.plan.memory`): ``(label, RankMemory)`` rows.
 
     Ranks of one worker group are alike; worker groups with the same modules and path
     count share a row. The local backend is one process holding every module and path.

@@ -10,8 +10,8 @@ import argparse
 from pathlib import Path
 
 from dipaco.cli.errors import report_user_errors
-from dipaco.path_guard import check_target, is_run_directory
-from dipaco.report import IGNORED, write_report
+from dipaco.run.path_guard import check_target, is_run_directory
+from dipaco.job.report import IGNORED, write_report
 
 REPORT_FILES = ("report.md", "report.json", "report.png")
 

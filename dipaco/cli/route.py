@@ -13,17 +13,17 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dipaco.checkpoint import atomic_write_text
+from dipaco.run.checkpoint import atomic_write_text
 from dipaco.cli.errors import report_user_errors
 from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import config_from_hydra, hydra_record, protect_run_dir, register_launcher, run_protected
 from dipaco.config import register_configs
-from dipaco.path_guard import check_run_root, check_target
-from dipaco.prepare import prepare
-from dipaco.resume import check_fresh
-from dipaco.run_dir import RunDir, RunDirError, disk_full_guard
-from dipaco.run_lock import RunLock, check_unlocked
-from dipaco.validate import validate_config
+from dipaco.run.path_guard import check_run_root, check_target
+from dipaco.job.prepare import prepare
+from dipaco.run.resume import check_fresh
+from dipaco.run.run_dir import RunDir, RunDirError, disk_full_guard
+from dipaco.run.lock import RunLock, check_unlocked
+from dipaco.config.validate import validate_config
 
 register_configs()
 

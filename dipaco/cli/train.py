@@ -1,8 +1,8 @@
 """``dipaco-train``: route → train paths with per-module DiLoCo → evaluate → summary.
 
-A thin ``@hydra.main`` over :func:`dipaco.train.train`, which tests call directly.
+A thin ``@hydra.main`` over :func:`dipaco.job.train.train`, which tests call directly.
 ``dipaco-train hydra.run.dir=D resume=true`` needs nothing else: the run's saved config
-is used (:mod:`dipaco.resume`).
+is used (:mod:`dipaco.run.resume`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import (command_line_overrides, config_from_hydra, hydra_record, protect_run_dir,
                                   register_launcher, run_protected)
 from dipaco.config import register_configs
-from dipaco.train import train
+from dipaco.job.train import train
 
 register_configs()
 

@@ -28,8 +28,8 @@ import datasets
 import numpy as np
 
 from dipaco.data.tokenizer import Tokenizer
-from dipaco.file_mode import follow_umask
-from dipaco.progress import bars_enabled, progress_bar
+from dipaco.run.file_mode import follow_umask
+from dipaco.runtime.progress import bars_enabled, progress_bar
 from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs
 
 # Hits and misses of this process, for tests and logs ("tokenized: cache hit").
@@ -205,7 +205,7 @@ def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input
 @contextlib.contextmanager
 def progress_bars(enabled: bool) -> Iterator[None]:
     """datasets' progress bars are a global switch: off for one call unless asked for and
-    stderr is a terminal (:func:`dipaco.progress.bars_enabled`)."""
+    stderr is a terminal (:func:`dipaco.runtime.progress.bars_enabled`)."""
     from datasets.utils import logging as ds_logging
 
     enabled = bars_enabled(enabled)

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dipaco.data.errors import DataError
-from dipaco.file_mode import follow_umask
+from dipaco.run.file_mode import follow_umask
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

@@ -19,16 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DecoupledConfig", "run_decoupled"]
+__all__ = ["run_decoupled"]
 
 
 def __getattr__(name: str) -> Any:
-    # lazy (PEP 562), for a real import cycle: dipaco.config imports dipaco.decoupled.config,
-    # which runs this file first, and dipaco.decoupled.run imports dipaco.config
-    if name == "DecoupledConfig":
-        from dipaco.decoupled.config import DecoupledConfig
-
-        return DecoupledConfig
+    # lazy (PEP 562): `python -m dipaco.decoupled worker ...` and the store tools import this
+    # package without paying for the supervisor's imports (torch, the grid, the rounds' records)
     if name == "run_decoupled":
         from dipaco.decoupled.run import run_decoupled
 

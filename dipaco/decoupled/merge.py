@@ -46,7 +46,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from dipaco.decoupled.alternatives import Alternatives
-from dipaco.decoupled.config import DecoupledConfig
+from dipaco.config.decoupled import DecoupledConfig
 from dipaco.sync.module_core import ModuleCore, contribution
 
 __all__ = ["Update", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]

@@ -6,7 +6,7 @@ module versions, updates, leases and ledgers. ``owner.json`` in it names the run
 directory that made it. :func:`claim_store` opens the store for a run and refuses, in
 one line and before anything is written or deleted:
 
-* a path the run may not write (:func:`dipaco.path_guard.check_target`: inside another
+* a path the run may not write (:func:`dipaco.run.path_guard.check_target`: inside another
   run directory, a run file, a special file);
 * a store whose ``owner.json`` names another run, or a store without one that lies
   outside this run's directory (a store from before owners: whose it is is unknown);
@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.store import Store
-from dipaco.path_guard import check_target
-from dipaco.run_dir import RunDir, RunDirError
+from dipaco.run.path_guard import check_target
+from dipaco.run.run_dir import RunDir, RunDirError
 
 OWNER_KEY = "owner.json"
 PLAN_KEY = "plan.json"

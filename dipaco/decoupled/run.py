@@ -6,7 +6,7 @@ started OpenMP threads: docs/design.md, "Processes"), watches them with a bounde
 ones (and, in chaos runs, kills some on purpose with SIGKILL), then, when every path
 has its budget, writes the final module weights as an ordinary checkpoint
 (``checkpoints/round_NNNNNN/modules/*.safetensors`` + manifest) so evaluation and
-``dipaco-infer`` work unchanged, and returns the same :class:`~dipaco.results.RoundsResult`
+``dipaco-infer`` work unchanged, and returns the same :class:`~dipaco.run.results.RoundsResult`
 as the rounds loop of sync mode.
 
 More hosts: run decoupled workers (:func:`dipaco.decoupled.worker.worker_main`) anywhere that
@@ -28,11 +28,11 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from dipaco import faults
-from dipaco.build import build_grid
-from dipaco.checkpoint import CheckpointManager, save_state
+from dipaco.runtime import faults
+from dipaco.plan.build import build_grid
+from dipaco.run.checkpoint import CheckpointManager, save_state
 from dipaco.config import Config, ConfigError
-from dipaco.decoupled.config import DecoupledConfig, validate_decoupled
+from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.owner import PLAN_KEY, claim_store
@@ -42,17 +42,17 @@ from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, p
                                       write_module)
 from dipaco.decoupled.store import Store
 from dipaco.decoupled.worker import RESIDUALS, path_state_key, worker_main
-from dipaco.fingerprint import checkpoint_stamp
-from dipaco.dense import load_dense_state
-from dipaco.progress import say
-from dipaco.run_dir import RunDir
-from dipaco.schedule import warmup_steps
+from dipaco.run.fingerprint import checkpoint_stamp
+from dipaco.rounds.dense import load_dense_state
+from dipaco.runtime.progress import say
+from dipaco.run.run_dir import RunDir
+from dipaco.config.schedule import warmup_steps
 from dipaco.sync.checkpointing import write_module_files
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
-from dipaco.tracking import MetricsWriter
-from dipaco.results import RoundsResult
+from dipaco.runtime.tracking import MetricsWriter
+from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
@@ -134,7 +134,7 @@ class _Slot:
 def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = None) -> RoundsResult:
     """Train every path for ``trainer.rounds`` phases of H steps, asynchronously.
 
-    Returns the :class:`~dipaco.results.RoundsResult` of sync mode's rounds loop, with
+    Returns the :class:`~dipaco.run.results.RoundsResult` of sync mode's rounds loop, with
     ``decoupled`` set (the metrics of :mod:`dipaco.decoupled.metrics`).
     """
     dcfg = decoupled_config(cfg, dcfg)

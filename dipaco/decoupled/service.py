@@ -11,10 +11,10 @@ import json
 import time
 from typing import Any, Optional, Sequence
 
-from dipaco.decoupled.config import DecoupledConfig
+from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.merge import ModuleSynchronizer, Update
 from dipaco.decoupled.store import Store, decode_state
-from dipaco.sync.codecs import make_codec
+from dipaco.plan.codecs import make_codec
 
 __all__ = ["SyncService", "module_key", "inbox", "archive", "progress_key", "path_steps_done", "path_finished",
            "write_module", "read_update"]

@@ -43,7 +43,7 @@ from typing import Any, Iterator, Optional
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from dipaco.checkpoint import flatten_state, unflatten_state
+from dipaco.run.checkpoint import flatten_state, unflatten_state
 
 __all__ = ["Store", "FileStore", "encode_state", "decode_state", "decode_meta", "iter_jsonl"]
 

@@ -39,22 +39,22 @@ from typing import Optional
 
 import torch
 
-from dipaco import faults
-from dipaco.build import build_grid
+from dipaco.runtime import faults
+from dipaco.plan.build import build_grid
 from dipaco.config import Config, codec_kwargs, to_config
 from dipaco.data import Tokenizer, TokenStream
-from dipaco.decoupled.config import DecoupledConfig
+from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
 from dipaco.decoupled.scheduling import WorkerScheduling
 from dipaco.decoupled.service import inbox, module_key, path_steps_done, progress_key
 from dipaco.decoupled.store import Store, encode_state
-from dipaco.dense import load_dense_state
-from dipaco.learner import PathLearner, make_inner_optimizer
-from dipaco.run_dir import RunDir
-from dipaco.schedule import total_inner_steps, warmup_steps
+from dipaco.rounds.dense import load_dense_state
+from dipaco.rounds.learner import PathLearner, make_inner_optimizer
+from dipaco.run.run_dir import RunDir
+from dipaco.config.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
-from dipaco.sync.codecs import Codec, make_codec
+from dipaco.plan.codecs import Codec, make_codec
 from dipaco.sync.module_core import (contribution, encode_with_feedback, flatten_params, load_flat, pseudo_gradient,
                                      wire_codec)
 from modules import PathModel, init_grid_from_dense

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from dipaco.checkpoint import MANIFEST, CheckpointError, CheckpointManager, load_tensors, save_tensors, sha256_file, write_json
+from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, load_tensors, save_tensors, sha256_file, write_json
 from dipaco.data import Tokenizer
-from dipaco.early_stopping import load_best_path
-from dipaco.file_mode import follow_umask
+from dipaco.rounds.early_stopping import load_best_path
+from dipaco.run.file_mode import follow_umask
 from dipaco.inference.run import InferenceRun
-from dipaco.path_guard import check_target
+from dipaco.run.path_guard import check_target
 from modules import ModelConfig, ModuleGrid, PathModel
 
 EXPORT_FORMAT = "dipaco-path"

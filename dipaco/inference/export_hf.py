@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from dipaco.checkpoint import save_tensors, write_json
-from dipaco.file_mode import follow_umask
+from dipaco.run.checkpoint import save_tensors, write_json
+from dipaco.run.file_mode import follow_umask
 from dipaco.inference.export import check_export_target, publish_directory
 from dipaco.inference.run import InferenceRun
 from modules import ModelConfig, PathModel

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from dipaco.device import model_device
+from dipaco.runtime.device import model_device
 from modules import PathModel
 
 if TYPE_CHECKING:

@@ -29,9 +29,9 @@ from typing import Any, Sequence, Union
 import numpy as np
 import torch
 
-from dipaco.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file, write_json
+from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file, write_json
 from dipaco.data import Tokenizer
-from dipaco.file_mode import follow_umask
+from dipaco.run.file_mode import follow_umask
 from dipaco.inference.export import EXPORT_MARKER, check_export_target, publish_directory
 from dipaco.inference.export_hf import ExportError, write_llama
 from dipaco.inference.run import InferenceRun

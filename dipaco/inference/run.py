@@ -13,19 +13,19 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from dipaco.build import build_grid
+from dipaco.plan.build import build_grid
 from dipaco.config import ConfigError, eval_window
-from dipaco.device import cuda_count
-from dipaco.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, load_state, round_dir_name,
+from dipaco.runtime.device import cuda_count
+from dipaco.run.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, load_state, round_dir_name,
                                sha256_file)
 from dipaco.data import Tokenizer
-from dipaco.dense import load_dense_grid
-from dipaco.early_stopping import load_best_path
-from dipaco.evaluate import evaluate_routed, evaluate_single
-from dipaco.fingerprint import verify_checkpoint, verify_outputs
+from dipaco.rounds.dense import load_dense_grid
+from dipaco.rounds.early_stopping import load_best_path
+from dipaco.rounds.evaluate import evaluate_routed, evaluate_single
+from dipaco.run.fingerprint import verify_checkpoint, verify_outputs
 from dipaco.inference.generate import Generation, generate_routed
-from dipaco.prepare import lm_featurizer
-from dipaco.run_dir import RunDir, RunDirError
+from dipaco.job.prepare import lm_featurizer
+from dipaco.run.run_dir import RunDir, RunDirError
 from modules import ModuleGrid, PathModel
 from router import Router
 

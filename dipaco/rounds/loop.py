@@ -21,15 +21,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from dipaco import faults
+from dipaco.runtime import faults
 from dipaco.config import Config
-from dipaco.launch import stop_requested
-from dipaco.progress import say
-from dipaco.results import RoundsResult
+from dipaco.runtime.launch import stop_requested
+from dipaco.runtime.progress import say
+from dipaco.run.results import RoundsResult
 from dipaco.rounds.rank import RankState, build_rank, resume
 from dipaco.rounds.record import RoundOutcome, RoundRecorder
-from dipaco.run_dir import RunDir
-from dipaco.schedule import lr_at
+from dipaco.run.run_dir import RunDir
+from dipaco.config.schedule import lr_at
 
 __all__ = ["run_rank", "run_round"]
 

@@ -15,24 +15,24 @@ from typing import Optional
 
 import torch
 
-from dipaco.build import build_grid, build_topology
-from dipaco.checkpoint import CheckpointManager
+from dipaco.plan.build import build_grid, build_topology
+from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
-from dipaco.dense import load_dense_state
-from dipaco.fingerprint import checkpoint_stamp
-from dipaco.device import rank_device, reset_peak_memory, set_deterministic
-from dipaco.learner import PathLearner
-from dipaco.progress import say
-from dipaco.run_dir import RunDir
-from dipaco.schedule import total_inner_steps, warmup_steps
+from dipaco.rounds.dense import load_dense_state
+from dipaco.run.fingerprint import checkpoint_stamp
+from dipaco.runtime.device import rank_device, reset_peak_memory, set_deterministic
+from dipaco.rounds.learner import PathLearner
+from dipaco.runtime.progress import say
+from dipaco.run.run_dir import RunDir
+from dipaco.config.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.checkpointing import load_checkpoint
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import apply_fsdp, worker_mesh
 from dipaco.sync.groups import ProcessGroups
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 from modules import ModuleGrid, PathModel, init_grid_from_dense
 
 __all__ = ["RankState", "build_rank", "resume"]

@@ -2,9 +2,9 @@
 
 :class:`RoundRecorder` is the bookkeeping of :func:`dipaco.rounds.loop.run_rank`: the
 progress bar, per-path early stopping, one ``metrics.jsonl`` line per round (rank 0
-writes all ranks' records merged, :mod:`dipaco.tracking`), a checkpoint at round
+writes all ranks' records merged, :mod:`dipaco.runtime.tracking`), a checkpoint at round
 boundaries (:mod:`dipaco.sync.checkpointing`) and, at the end, the
-:class:`~dipaco.results.RoundsResult` of every rank's totals.
+:class:`~dipaco.run.results.RoundsResult` of every rank's totals.
 """
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
-from dipaco.checkpoint import atomic_write_text
-from dipaco.device import peak_memory_bytes
-from dipaco.early_stopping import PathEarlyStopping
-from dipaco.progress import progress_bar, say
-from dipaco.results import RoundsResult
+from dipaco.run.checkpoint import atomic_write_text
+from dipaco.runtime.device import peak_memory_bytes
+from dipaco.rounds.early_stopping import PathEarlyStopping
+from dipaco.runtime.progress import progress_bar, say
+from dipaco.run.results import RoundsResult
 from dipaco.rounds.rank import RankState
-from dipaco.run_dir import RunDir
+from dipaco.run.run_dir import RunDir
 from dipaco.sync.checkpointing import save_checkpoint
 from dipaco.sync.module_sync import RoundStats
 from dipaco.sync.records import round_record
-from dipaco.tracking import MetricsWriter
+from dipaco.runtime.tracking import MetricsWriter
 
 __all__ = ["RoundOutcome", "RoundRecorder"]
 

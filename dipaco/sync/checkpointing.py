@@ -24,11 +24,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from dipaco.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
-from dipaco.progress import say
+from dipaco.run.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
+from dipaco.runtime.progress import say
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import full_module_state, load_module_state
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 from modules import ModuleGrid
 
 __all__ = ["save_checkpoint", "load_checkpoint", "write_module_files"]

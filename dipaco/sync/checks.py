@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dipaco.sync.fsdp import local_shard
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 __all__ = ["check_disjoint_parameters", "check_identical_modules", "module_digest"]
 

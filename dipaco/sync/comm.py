@@ -7,7 +7,7 @@ Both communicators compute the same numbers (docs/design.md contract 1):
   the G reduced slices are concatenated;
 * codec ``none`` in :class:`~dipaco.sync.torch_comm.TorchComm` uses ``all_reduce``
   (gloo/nccl's own summation order, so equal up to fp32 rounding: allclose);
-* lossy codecs, exchange ``reduce_scatter`` (see :func:`dipaco.comm_plan.module_exchange`):
+* lossy codecs, exchange ``reduce_scatter`` (see :func:`dipaco.plan.comm_plan.module_exchange`):
   a compressed two-phase all-reduce. Every contributor encodes slice ``r`` as k equal,
   block-aligned chunks; chunk ``j`` of every contributor goes to member ``j`` (the j-th
   worker group holding the module, ascending), which decodes them and sums them in
@@ -27,7 +27,7 @@ lossy codecs are bit-identical between the backends (same kernels, same order).
 :class:`LocalComm` is given every contributor's payloads (one process plays every
 worker group) and counts the bytes every rank WOULD send; ``TorchComm`` is given its
 own worker group's payloads and counts the bytes THIS rank sends. Byte formulas are in
-:mod:`dipaco.comm_plan` (the planner uses the same functions).
+:mod:`dipaco.plan.comm_plan` (the planner uses the same functions).
 
 An exchange is *started* (:meth:`Communicator.start`, from
 :meth:`dipaco.sync.module_sync.ModuleSync.launch`) and *waited for*
@@ -43,9 +43,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from dipaco.sync.codecs import Codec, Payload
+from dipaco.plan.codecs import Codec, Payload
 from dipaco.sync.module_core import encode_with_feedback
-from dipaco.comm_plan import (
+from dipaco.plan.comm_plan import (
     LOSSY_EXCHANGES,
     META_BYTES,
     Exchange,
@@ -53,7 +53,7 @@ from dipaco.comm_plan import (
     module_exchange,
     ring_allreduce_bytes,
 )
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 __all__ = ["CommBytes", "Communicator", "Exchanged", "LocalComm", "Pending", "ordered_sum", "owner_part",
            "reencode"]
@@ -113,7 +113,7 @@ class Communicator:
     """Interface used by :class:`dipaco.sync.module_sync.ModuleSync`.
 
     Args of subclasses: ``lossy_exchange`` is one of
-    :data:`dipaco.comm_plan.LOSSY_EXCHANGES` (default ``"auto"``, as ``diloco.lossy_exchange``).
+    :data:`dipaco.plan.comm_plan.LOSSY_EXCHANGES` (default ``"auto"``, as ``diloco.lossy_exchange``).
     """
 
     topology: Topology
@@ -129,7 +129,7 @@ class Communicator:
         raise NotImplementedError
 
     def exchange_for(self, module_id: str, numel: int, codec: Codec) -> Exchange:
-        """The exchange (kind, chunking, bytes) of a module: :func:`dipaco.comm_plan.module_exchange`."""
+        """The exchange (kind, chunking, bytes) of a module: :func:`dipaco.plan.comm_plan.module_exchange`."""
         return module_exchange(self.topology, module_id, numel, codec, self.lossy_exchange)
 
     def exchange(

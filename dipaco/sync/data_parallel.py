@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from dipaco.comm_plan import ring_allreduce_bytes
+from dipaco.plan.comm_plan import ring_allreduce_bytes
 
 __all__ = ["allreduce_gradients", "broadcast_parameters"]
 
@@ -45,7 +45,7 @@ def allreduce_gradients(
         bucket_bytes: target bucket size.
 
     Returns:
-        Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.comm_plan`).
+        Bytes this rank sent (ring all-reduce formula of :mod:`dipaco.plan.comm_plan`).
     """
     plist = [p for p in params if p.requires_grad]
     if group_size <= 1 or group is None or not plist:
@@ -64,7 +64,7 @@ def allreduce_gradients(
             return 0
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])
         if flat.is_cuda and not nccl:
-            # gloo (ranks sharing a GPU, dipaco/device.py) reduces through CPU memory
+            # gloo (ranks sharing a GPU, dipaco/runtime/device.py) reduces through CPU memory
             staged = flat.cpu()
             dist.all_reduce(staged, group=group)
             flat.copy_(staged)

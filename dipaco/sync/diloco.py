@@ -36,17 +36,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dipaco.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
+from dipaco.plan.comm_plan import LOSSY_EXCHANGES, CommPlan, plan_round
 from dipaco.config import DiLoCoConfig, codec_kwargs
 from dipaco.sync.checks import check_disjoint_parameters, check_identical_modules
-from dipaco.sync.codecs import make_codec
+from dipaco.plan.codecs import make_codec
 from dipaco.sync.comm import LocalComm
 from dipaco.sync.groups import ProcessGroups
 from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync, RoundStats
 from dipaco.sync.outer import outer_options
 from dipaco.sync.sharded import ShardedModuleSync
 from dipaco.sync.torch_comm import TorchComm
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 __all__ = ["DiLoCoSync", "OUTER_DEVICES", "RoundSchedule", "RoundStats", "SyncEvent", "SyncPoint"]
 
@@ -138,7 +138,7 @@ class DiLoCoSync:
             slice per rank, two codec errors), ``"all_gather"`` ((k−1) encoded slices per
             rank, one codec error) or ``"auto"`` (default, as ``diloco.lossy_exchange``:
             fewer bytes, per module). Codec ``none`` always uses all_reduce. See
-            :func:`dipaco.comm_plan.module_exchange`.
+            :func:`dipaco.plan.comm_plan.module_exchange`.
         sharded: ``launcher.group_parallel=fsdp``: the modules are FSDP2-sharded inside the
             worker group (:func:`dipaco.sync.fsdp.apply_fsdp`) and each rank synchronises its
             shard (:class:`dipaco.sync.sharded.ShardedModuleSync`); torch backend only.
@@ -351,7 +351,7 @@ class DiLoCoSync:
         counts = {m: s.full_numel for m, s in self.syncs.items()}
         missing = [m for m in self.topology.module_ids if m not in counts]
         if missing:
-            raise ValueError(f"this rank does not hold {missing}; call dipaco.comm_plan.plan_round with every module's size")
+            raise ValueError(f"this rank does not hold {missing}; call dipaco.plan.comm_plan.plan_round with every module's size")
         return plan_round(self.topology, counts, self.codec, inner_steps, self.lossy_exchange,
                           sharded=self.sharded)
 

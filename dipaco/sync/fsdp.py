@@ -69,7 +69,7 @@ def worker_mesh(group: Any, device: torch.device) -> "DeviceMesh":
         raise RuntimeError(FSDP_MISSING)
     kind = torch.device(device).type
     if kind == "cuda" and dist.get_backend(group) != "nccl":
-        # ranks sharing a GPU fall back to gloo (dipaco/device.py), which FSDP2 cannot use on CUDA
+        # ranks sharing a GPU fall back to gloo (dipaco/runtime/device.py), which FSDP2 cannot use on CUDA
         raise RuntimeError("launcher.group_parallel=fsdp on GPUs needs one GPU per rank (nccl); "
                            "use launcher.nproc <= the number of GPUs, or launcher.group_parallel=replicate")
     return DeviceMesh.from_group(group, device_type=kind)

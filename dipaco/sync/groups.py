@@ -23,13 +23,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 __all__ = ["ProcessGroups", "resolve_backend"]
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """``auto`` → the world group's backend, which :mod:`dipaco.device` chose at init.
+    """``auto`` → the world group's backend, which :mod:`dipaco.runtime.device` chose at init.
 
     So a run's subgroups never disagree with its world group: nccl only when every rank
     of the host owns a distinct GPU, gloo otherwise (and on the CPU).

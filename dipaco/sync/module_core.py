@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from dipaco.sync.codecs import Codec, Payload, make_codec
+from dipaco.plan.codecs import Codec, Payload, make_codec
 from dipaco.sync.outer import make_outer_optimizer
 
 __all__ = ["Contributions", "ModuleCore", "OuterUpdate", "contribution", "encode_with_feedback",

@@ -33,8 +33,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from dipaco.progress import log
-from dipaco.sync.codecs import Codec, Payload, make_codec
+from dipaco.runtime.progress import log
+from dipaco.plan.codecs import Codec, Payload, make_codec
 from dipaco.sync.comm import CommBytes, Communicator, Exchanged, Pending
 from dipaco.sync.module_core import (Contributions, ModuleCore, encode_with_feedback, flatten_params, params_hash,
                                      wire_codec)

@@ -23,11 +23,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dipaco.comm_plan import META_BYTES, Exchange, allgather_bytes, ring_allreduce_bytes
-from dipaco.sync.codecs import Codec, Payload
+from dipaco.plan.comm_plan import META_BYTES, Exchange, allgather_bytes, ring_allreduce_bytes
+from dipaco.plan.codecs import Codec, Payload
 from dipaco.sync.comm import (Chunked, CommBytes, Communicator, Exchanged, Pending, ordered_sum, owner_part,
                               reencode)
-from dipaco.topology import Topology
+from dipaco.plan.topology import Topology
 
 __all__ = ["TorchComm"]
 

@@ -1,5 +1,5 @@
 """``launcher=slurm``'s Hydra launcher: Hydra's submitit launcher, with a job that fails
-reported in one line (:mod:`dipaco.slurm_launcher` has the rule). Hydra instantiates only
+reported in one line (:mod:`dipaco.cli.slurm_launcher` has the rule). Hydra instantiates only
 launchers found under the ``hydra_plugins`` namespace; this module stays a thin shim so
 that Hydra's start-up scan of plugins imports neither dipaco nor torch.
 """
@@ -18,7 +18,7 @@ if _SubmititSlurmLauncher is not None:
         """Hydra's ``submitit_slurm`` launcher; a failed submission or job is one line."""
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Any:
-            from dipaco.slurm_launcher import report_failures  # dipaco (and torch) only once launching
+            from dipaco.cli.slurm_launcher import report_failures  # dipaco (and torch) only once launching
 
             return report_failures(lambda: super(DipacoSlurmLauncher, self).launch(job_overrides, initial_job_idx),
                                    str(self.params["submitit_folder"]))

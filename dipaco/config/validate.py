@@ -1,0 +1,205 @@
+"""``validate_config``: every key inside its domain (:mod:`dipaco.config.domains`), then the
+combinations a domain cannot express.
+
+Checked before any work (docs/design.md contract 6); every problem is one
+:class:`~dipaco.config.ConfigError` naming the key and the fix.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from dipaco.config import Config, ConfigError, LauncherConfig, LoggingConfig, eval_window, require, tokenizer_size
+from dipaco.config.decoupled import mode_problems
+from dipaco.runtime.device import config_problems as device_problems
+from dipaco.config.domains import check_domains
+from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
+from dipaco.sync.outer import make_outer_optimizer, outer_options
+from modules import ModuleGrid
+
+
+def validate_config(cfg: Config) -> None:
+    """Check combinations the schema cannot express; raise :class:`ConfigError`.
+
+    Called before any work (tokenizer, routing, ranks), so a bad sweep point fails in
+    milliseconds with the key to change.
+    """
+    check_domains(cfg, _DERIVED_FROM)  # named themselves, not through the keys derived from them
+    resolve_derived(cfg)
+    check_domains(cfg)  # every key in its range (dipaco/config/domains.py); below: what a range cannot say
+
+    d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
+    require(d.source in ("python_sources", "multidomain") or bool(d.path), "data.path",
+             f"data.source={d.source} needs a path", "pass data.path=FILE (or a hub dataset name)")
+    num_paths = math.prod(int(k) for k in g.levels)
+    require(g.replicas == 1 or dl.mode == "sync", "grid.replicas",
+             "replicas are trained by the synchronous rounds only", "use diloco.mode=sync")
+    for key, problem, fix in mode_problems(dl.mode, dl.lossy_exchange, dl.outer.name, dl.decoupled):
+        raise ConfigError(key, problem, fix)  # an option the chosen sync mode cannot honour
+    require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
+             "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
+    _validate_outer_step(cfg)
+    require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
+             "LM features need the dense warm-up model", "set trainer.warmup_fraction>0 or router.featurizer=tfidf")
+    require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
+            f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
+    _validate_reshard(cfg)
+    require(not (r.prompt_classifier and r.method == "random"), "router.prompt_classifier",
+            "learns content-based shards, which the random control does not have", "router.prompt_classifier=false")
+    _validate_evaluation(cfg)
+    # options the chosen launcher never reads are refused rather than silently ignored
+    require(la.name != "local" or la.group_size == 1, "launcher.group_size",
+             "launcher=local runs one process, so there is no worker group to split",
+             "add launcher=spawn (ranks on this host) or drop launcher.group_size")
+    require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
+             "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
+    require(la.name == "slurm" or not la.dry_run, "launcher.dry_run", "only launcher=slurm submits a job to "
+            "preview", "add launcher=slurm, or drop launcher.dry_run (dipaco-plan previews any launcher)")
+    if la.name == "slurm":
+        _validate_slurm(la)
+    if la.name in ("spawn", "slurm"):
+        world = la.nproc * (la.nodes if la.name == "slurm" else 1)
+        require(world % la.group_size == 0, "launcher.nproc",
+                 f"world size {world} is not a multiple of launcher.group_size={la.group_size}",
+                 f"use launcher.nproc={la.group_size * max(1, la.nproc // la.group_size)}")
+        trained = num_paths * g.replicas
+        require(world // la.group_size <= trained, "launcher.nproc",
+                 f"{world // la.group_size} worker groups for {trained} paths would leave ranks idle",
+                 f"use at most {trained * la.group_size} ranks in all (launcher.nproc x launcher.nodes)")
+    require(t.batch_size % la.group_size == 0, "trainer.batch_size",
+             f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
+             "use a batch size that is a multiple of the group size")
+    for key, problem, fix in device_problems(t, la):
+        raise ConfigError(key, problem, fix)
+    _validate_group_parallel(cfg)
+    _validate_logging(cfg.logging)
+    try:
+        m.validate()
+    except ValueError as e:
+        raise ConfigError("model", str(e), "see the model group in conf/model/") from None
+    if d.tokenizer:
+        size = tokenizer_size(d.tokenizer)
+        require(m.vocab_size >= size, "model.vocab_size",
+                 f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
+                 f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
+
+
+# What resolve_derived reads (router.top_k is derived, not read: a dense grid resets it).
+_DERIVED_FROM = ("trainer.total_steps", "diloco.inner_steps", "data.documents_per_path",
+                 "data.max_train_documents", "grid.levels")
+
+
+def resolve_derived(cfg: Config) -> Config:
+    """Fill settings derived from others (``trainer.total_steps`` → ``trainer.rounds``)."""
+    t, H = cfg.trainer, cfg.diloco.inner_steps
+    if t.total_steps is not None and H >= 1:  # H < 1: check_domains names diloco.inner_steps
+        require(t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
+                f"{t.total_steps} steps are not a whole number of rounds of H={H}",
+                "use a multiple of diloco.inner_steps")
+        t.rounds = t.total_steps // H
+    d = cfg.data
+    if d.documents_per_path is not None:
+        require(d.documents_per_path >= 1, "data.documents_per_path",
+                f"must be >= 1, got {d.documents_per_path}", "e.g. data.documents_per_path=500")
+        want = int(d.documents_per_path) * math.prod(cfg.grid.levels)
+        # (idempotent: a config resolved before, e.g. the saved one of a resumed run, passes)
+        require(d.max_train_documents in (None, want), "data.documents_per_path",
+                f"set together with data.max_train_documents={d.max_train_documents}", "drop one of the two")
+        d.max_train_documents = want
+    if math.prod(cfg.grid.levels) == 1 and cfg.router.top_k > 1:
+        # One routed path takes every document whatever top_k says: the default top_k=2
+        # must not make grid=dense or the flat-DiLoCo baseline a config error.
+        cfg.router.top_k = 1
+    return cfg
+
+
+def _validate_outer_step(cfg: Config) -> None:
+    """Build the outer optimiser and take one step on a one-element tensor: an optimiser
+    that needs a closure (LBFGS) or sparse gradients (SparseAdam) would otherwise fail
+    only after the first round's compute."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    try:
+        make_outer_optimizer([p], **outer_options(cfg.diloco)).step()
+    except Exception as e:  # noqa: BLE001 - any failure of the optimiser is the config's
+        first = " ".join(str(e).split())[:200]
+        raise ConfigError("diloco.outer.name", f"torch.optim cannot take an outer step with "
+                          f"diloco.outer={cfg.diloco.outer.name!r}: {first}",
+                          "use diloco.outer.name=sgd (or adam, adamw, nadam, rmsprop)") from None
+    if not torch.isfinite(p).all():
+        raise ConfigError("diloco.outer", f"one outer step of {cfg.diloco.outer.name} on a unit "
+                          "pseudo-gradient gives a non-finite weight", "lower diloco.outer.lr")
+
+
+def _validate_evaluation(cfg: Config) -> None:
+    t, m, r = cfg.trainer, cfg.model, cfg.router
+    window = eval_window(cfg)
+    # rotary tables stop at max_seq_len: a window cannot be longer than the model's positions
+    require(window <= m.max_seq_len, "trainer.eval_seq_len",
+             f"{window} is longer than model.max_seq_len ({m.max_seq_len})",
+             f"use trainer.eval_seq_len<={m.max_seq_len} or raise model.max_seq_len (and trainer.seq_len)")
+    require(window > r.prefix_tokens, "trainer.eval_seq_len",
+             f"a window of {window} tokens does not reach past the routing prefix ({r.prefix_tokens})",
+             f"use trainer.eval_seq_len>{r.prefix_tokens}")
+    require(t.eval_split == "validation" or cfg.data.test_fraction > 0, "trainer.eval_split",
+             "data.test_fraction=0 leaves the test split empty", "set data.test_fraction>0, e.g. 0.05")
+    require(not t.path_early_stopping or cfg.diloco.mode == "sync", "trainer.path_early_stopping",
+             "path early stopping runs in the synchronous rounds only", "use diloco.mode=sync")
+    require(not t.path_early_stopping or r.reshard_at_round is None, "trainer.path_early_stopping",
+             "a re-shard re-routes the validation shards the kept weights were chosen on",
+             "drop router.reshard_at_round or trainer.path_early_stopping")
+
+
+def _validate_reshard(cfg: Config) -> None:
+    """The EM re-shard phases: ``reshard_at_round``, then every ``reshard_every`` rounds."""
+    r = cfg.router
+    require(r.reshard_every is None or r.reshard_at_round is not None, "router.reshard_every",
+            "repeats the re-shard that router.reshard_at_round starts, which is off",
+            "set router.reshard_at_round=K (the first phase) or drop router.reshard_every")
+    require(r.reshard_at_round is None or cfg.diloco.mode == "sync", "router.reshard_at_round",
+            "re-sharding runs between the synchronous rounds only", "use diloco.mode=sync or drop the re-shard")
+
+
+def _validate_group_parallel(cfg: Config) -> None:
+    """``launcher.group_parallel=fsdp`` (dipaco/sync/fsdp.py): what it needs, what it refuses."""
+    la, t, dl = cfg.launcher, cfg.trainer, cfg.diloco
+    key = "launcher.group_parallel"
+    if la.group_parallel != "fsdp":
+        return
+    require(fsdp_available(), key, FSDP_MISSING, "or use launcher.group_parallel=replicate")
+    require(la.name != "local", key, "launcher=local runs one process: there is no worker group to shard over",
+            "add launcher=spawn launcher.group_size=2 (or more)")
+    require(la.group_size > 1, key, "with launcher.group_size=1 there is nothing to shard",
+            "set launcher.group_size to 2 or more, or use launcher.group_parallel=replicate")
+    require(not cfg.model.tie_embeddings, key, "model.tie_embeddings=true uses the sharded embed weight "
+            "outside the embed's forward", "set model.tie_embeddings=false or launcher.group_parallel=replicate")
+    require(dl.codec == "none", key, f"diloco.codec={dl.codec} is not supported on sharded modules",
+            "use diloco.codec=none or launcher.group_parallel=replicate")
+    require(dl.mode == "sync", key, f"diloco.mode={dl.mode} is not supported with fsdp",
+            "use diloco.mode=sync or launcher.group_parallel=replicate")
+    require(t.precision != "fp16", key, "fp16's loss scaler is not wired for sharded gradients",
+            "use trainer.precision=bf16 (or fp32)")
+    require(t.compile is not True, key, "torch.compile is not tested with fsdp", "set trainer.compile=false")
+    require(not t.path_early_stopping, key, "path early stopping evaluates on one rank of the group, "
+            "but sharded modules need every rank", "set trainer.path_early_stopping=false")
+    grid = ModuleGrid(cfg.model, list(cfg.grid.levels))  # lazy: shapes only, on meta
+    for mid in dict.fromkeys(grid.kind_of(m) if m in ("embed", "head") else "L0.0" for m in grid.module_ids):
+        bad = [f"{n}{tuple(s)}" for n, s in grid.param_shapes(mid).items() if not s or s[0] % la.group_size]
+        require(not bad, "launcher.group_size", f"fsdp needs every parameter's first dimension to divide by "
+                f"{la.group_size}; {mid} has {', '.join(bad)}", "pick a group size that divides model.d_model, "
+                "model.vocab_size and the MLP width")
+
+
+def _validate_slurm(la: LauncherConfig) -> None:
+    require(bool(la.partition) or la.dry_run, "launcher.partition", "launcher=slurm needs a SLURM partition",
+             "pass launcher.partition=NAME (`sinfo -s` lists them)")
+    require(la.gpus_per_node is None or la.nproc <= la.gpus_per_node, "launcher.nproc",
+             f"{la.nproc} ranks per node but {la.gpus_per_node} GPUs: each rank needs its own GPU",
+             f"use launcher.nproc={la.gpus_per_node} (one rank per GPU)")
+
+
+def _validate_logging(log: LoggingConfig) -> None:
+    require(not log.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
+             "wandb is not installed", "pip install wandb, or set logging.wandb=false")

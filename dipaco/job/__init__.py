@@ -1,0 +1,1 @@
+"""The job: prepare the data and the router, run the rounds, the dense baseline, evaluate, report."""

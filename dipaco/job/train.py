@@ -1,0 +1,374 @@
+"""``train(cfg)``: the whole DiPaCo job, callable from tests and wrapped by ``dipaco-train``.
+
+    validate config → prepare (corpus, tokenizer, warm-up, router, shards)
+    → launch ranks: DiPaCo rounds with per-module DiLoCo (checkpoints each round)
+    → dense same-size baseline (same inner steps) → routed evaluation → summary.json
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from dipaco.plan.build import build_comm_plan, build_grid
+from dipaco.run.checkpoint import atomic_write_text, write_json
+from dipaco.config import Config, ConfigError, eval_window
+from dipaco.decoupled.owner import check_store
+from dipaco.decoupled.run import run_decoupled
+from dipaco.rounds.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_state, save_dense, train_dense
+from dipaco.runtime.device import set_deterministic
+from dipaco.rounds.evaluate import evaluate_single
+from dipaco.run.fingerprint import preflight_resume
+from dipaco.job.evaluation import evaluate_run
+from dipaco.runtime.launch import StopSignals, init_distributed, launch, require_torchrun_env
+from dipaco.run.path_guard import check_run_root, check_target
+from dipaco.job.plots import write_plots
+from dipaco.runtime.preempt import RequeueDeadline, requeued_resume, stopped
+from dipaco.job.prepare import Prepared, prepare
+from dipaco.run.results import RoundsResult
+from dipaco.job.reshard import reshard_rounds, run_rounds_with_reshards
+from dipaco.run.resume import check_fresh, finished_summary, has_saved_config, resume_config
+from dipaco.rounds import run_rank
+from dipaco.run.run_dir import RunDir, disk_full_guard, prior_totals
+from dipaco.run.lock import RunLock, check_unlocked
+from dipaco.config.schedule import describe_segments, extension_note
+from dipaco.runtime.slurm import slurm_rendezvous, task_threads
+from dipaco.runtime.tracking import MetricsWriter
+from dipaco.config.validate import validate_config
+from modules import PathModel
+
+
+def _log(msg: str) -> None:
+    print(f"[dipaco] {msg}", flush=True)
+
+
+def train(cfg: Config, overrides: Optional[list[str]] = None,
+          hydra_files: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Run the job described by ``cfg`` in ``cfg.run_dir``; return the summary dict.
+
+    With ``resume=true`` the run's saved ``config.yaml`` is the config; ``overrides``
+    (the command line, as Hydra's task overrides) says which keys were asked for, and
+    only keys that do not shape the run may change (:mod:`dipaco.run.resume`). ``None``:
+    every key of ``cfg`` counts as asked for. Nothing is written to the run directory
+    before every check has passed (docs/design.md contract 9): a resume is checked
+    against ``fingerprints.json`` and writes its config and ``resumes.jsonl`` only after
+    preparation accepted the data. ``hydra_files`` (relative path → text: Hydra's
+    ``.hydra/`` record, which the CLIs hold back) is written into a fresh run once accepted.
+    """
+    validate_config(cfg)
+    cfg = requeued_resume(cfg, os.environ, _log)  # a requeued SLURM job continues its run
+    if not cfg.run_dir:
+        raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
+    check_run_root(cfg.run_dir)
+    run = RunDir.at(cfg.run_dir)
+    changes: dict[str, list] = {}
+    if cfg.resume and has_saved_config(run):
+        saved_rounds = run.load_config().trainer.rounds
+        cfg, changes = resume_config(cfg, run, overrides)
+        validate_config(cfg)
+        done = finished_summary(cfg, run)
+        if done is not None:
+            _log(f"{run.root} is already finished ({done.get('rounds')} rounds, summary.json); nothing to do "
+                 "(to train longer: resume=true trainer.rounds=N)")
+            return done
+        preflight_resume(run, cfg)
+        if cfg.trainer.rounds > saved_rounds:
+            _log(extension_note(cfg, saved_rounds))
+    elif cfg.resume:
+        _log(f"resume=true: {run.root} holds no run yet (no config.yaml); starting a new run from round 0")
+    else:
+        check_fresh(run)
+    _check_write_targets(cfg, run)
+    set_deterministic(cfg.trainer.deterministic)  # before any CUDA work (the warm-up, the features)
+    if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
+        threads = task_threads(os.environ, cfg.trainer.threads)
+        if threads:  # the task's CPUs (launcher.cpus_per_task), not every core of the node
+            torch.set_num_threads(threads)
+    if cfg.launcher.name in ("torchrun", "slurm"):
+        require_torchrun_env()
+        if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
+            with StopSignals():  # SIGTERM / SLURM's SIGUSR2: this rank too stops at the round boundary
+                return _train_under_torchrun(cfg, run, changes)
+    check_unlocked(run.root)
+    with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
+        if hydra_files and not run.config.is_file():  # a new run, accepted
+            for rel, text in hydra_files.items():
+                atomic_write_text(run.root / rel, text)
+        if cfg.launcher.name in ("torchrun", "slurm"):
+            return _train_under_torchrun(cfg, run, changes)
+        return _train(cfg, run, changes)
+
+
+def _check_write_targets(cfg: Config, run: RunDir) -> None:
+    """Every place the run will write, by the rule of :mod:`dipaco.run.path_guard`, before it
+    writes anything: the token cache, the checkpoints folder, the decoupled store."""
+    fix = "leave it null (the run's own folder) or choose a path outside every run directory"
+    check_target(cfg.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",), fix=fix)
+    check_target(run.checkpoints, "checkpoints/", own_run=run.root, owned=("checkpoints",),
+                 fix="make checkpoints/ a folder of this run (or a link to storage outside every run)")
+    if cfg.diloco.mode == "decoupled":
+        check_store(cfg.diloco.decoupled.store_url or str(run.root / "decoupled"), run, cfg.resume)
+
+
+def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
+    """config.yaml (atomically), and the allowed changes a resume made, one JSON line each."""
+    _log(f"run directory: {run.root}")
+    if changes:
+        _log("resume changes " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        with open(run.root / "resumes.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
+    if changes or not run.config.is_file() or not cfg.resume:
+        atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    if not cfg.resume:
+        run.metrics.unlink(missing_ok=True)  # a fresh run's rounds start a fresh log
+        # events of an earlier attempt in this directory would mix into the new curves
+        shutil.rmtree(run.tensorboard, ignore_errors=True)
+    if cfg.launcher.name == "local" and cfg.launcher.nproc > 1:
+        _log(f"launcher=local runs one process; launcher.nproc={cfg.launcher.nproc} only sets the simulated "
+             "worker groups (launcher=spawn starts that many ranks)")
+
+
+def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]:
+    """The job, with the checks passed and the directory locked."""
+    wall0 = time.perf_counter()
+    if not cfg.resume or not run.config.is_file():
+        _save_config(cfg, run, changes)
+    prep = prepare(cfg, run)  # on resume: refuses other data before it writes anything
+    if cfg.resume and run.config.is_file():
+        _save_config(cfg, run, changes)  # the resume is accepted: its changes are recorded
+
+    t0 = time.perf_counter()
+    if cfg.diloco.mode == "decoupled":
+        # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
+        result = run_decoupled(cfg, run)
+    else:
+        result = _run_rounds(cfg, run, prep)
+    rounds_s = time.perf_counter() - t0
+    return _finish(cfg, run, prep, result, rounds_s, wall0)
+
+
+def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
+            wall0: float) -> dict[str, Any]:
+    """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
+    if not result.finished and StopSignals.received:
+        raise stopped(cfg, run, result, StopSignals.received, requeue_here=False)
+    if not result.finished:
+        _log(f"stopped after round {result.completed_rounds} of {result.rounds}; continue with: "
+             f"dipaco-train hydra.run.dir={run.root} resume=true")
+        return {"stopped_at_round": result.completed_rounds, "checkpoint": result.checkpoint}
+
+    if result.start_round > 0 and cfg.diloco.mode == "sync":
+        # totals of the whole run, not of this launch: the resumed-from rounds' traffic,
+        # tokens and time come from metrics.jsonl, cut to the checkpoint on resume
+        result, rounds_s = prior_totals(run, result, rounds_s)
+    baseline = _dense_baseline(cfg, run, prep)
+    routed = _evaluate(cfg, run, prep, Path(result.checkpoint))
+    summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
+    write_json(run.summary, summary)
+    with MetricsWriter(run, cfg) as writer:
+        writer.log_summary(summary, step=cfg.trainer.rounds)
+    if cfg.trainer.plots:
+        write_plots(run)
+    _print_table(summary)
+    _log(f"run directory: {run.root}")
+    return summary
+
+
+def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]:
+    """Every process is already a rank: rank 0 prepares, all train, rank 0 finishes.
+
+    All ranks must see the same run directory (pass ``hydra.run.dir`` on a shared
+    filesystem); the other ranks wait at a barrier while rank 0 routes and shards.
+    Under ``launcher=slurm`` each srun task's SLURM env becomes the torchrun env first.
+    """
+    if cfg.launcher.name == "slurm":
+        os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
+
+    if cfg.router.reshard_at_round is not None:
+        raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
+                          "use launcher=spawn on one host, or drop the re-shard")
+    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
+    deadline = None
+    if cfg.launcher.name == "slurm" and rank == 0:  # a round that cannot end in time is abandoned
+        deadline = RequeueDeadline(cfg, os.environ, log=_log)
+        StopSignals.on_signal = deadline.arm
+    wall0 = time.perf_counter()
+    prep = None
+    if rank == 0:
+        resumed = cfg.resume and run.config.is_file()
+        if not resumed:
+            _save_config(cfg, run, changes)
+        prep = prepare(cfg, run)
+        if resumed:
+            _save_config(cfg, run, changes)
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = launch(run_rank, cfg, run)
+    rounds_s = time.perf_counter() - t0
+    if not result.finished and StopSignals.received:
+        # every rank stopped after the same round (dipaco.runtime.launch.stop_requested) and knows the
+        # signal: all leave together; under SLURM rank 0 requeues the job (dipaco/runtime/preempt.py)
+        dist.barrier()
+        dist.destroy_process_group()
+        raise stopped(cfg, run, result, StopSignals.received,
+                      requeue_here=rank == 0 and (deadline is None or deadline.claim()))
+    summary: dict[str, Any] = {}
+    if rank == 0:
+        assert prep is not None
+        summary = _finish(cfg, run, prep, result, rounds_s, wall0)
+    dist.barrier()
+    dist.destroy_process_group()
+    if deadline is not None:
+        deadline.cancel()
+    return summary
+
+
+def _run_rounds(cfg: Config, run: RunDir, prep: Prepared) -> RoundsResult:
+    """Launch the ranks for the DiPaCo rounds, stopping for each EM re-shard phase
+    (``router.reshard_at_round``, ``router.reshard_every``; :mod:`dipaco.job.reshard`)."""
+    if not reshard_rounds(cfg):
+        return launch(run_rank, cfg, run)
+    return run_rounds_with_reshards(cfg, run, prep)
+
+
+def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
+    """Dense model of one path's size, same inner steps as a path, all training data."""
+    if not cfg.trainer.dense_baseline:
+        return {}
+    steps = cfg.trainer.rounds * cfg.diloco.inner_steps
+    t = cfg.trainer
+    saved = run.baseline / "info.json"
+    if (run.baseline / "modules.safetensors").exists() and saved.is_file() \
+            and run.read_json(saved).get("steps") == steps + prep.warmup_steps:  # not from fewer rounds
+        grid = load_dense_grid(cfg, run.baseline)
+        info = run.read_json(run.baseline / "info.json")
+    else:
+        _log(f"dense baseline: {steps} steps (+{prep.warmup_steps} warm-up)")
+        init = load_dense_state(run.warmup) if prep.warmup_steps else None
+        grid, stats = train_dense(cfg, prep.train_ids, prep.tokenizer.eos_id, steps=steps,
+                                  stream_id=BASELINE_STREAM_ID, step_offset=prep.warmup_steps,
+                                  init=init, progress_desc="dense baseline")
+        info = {"steps": steps + prep.warmup_steps, "train_loss": stats.loss, "tokens": stats.tokens,
+                "seconds": stats.seconds, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
+        save_dense(run.baseline, grid, info)
+    ev = evaluate_single(prep.eval_ids, PathModel(grid, 0), seq_len=t.seq_len,
+                         prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size)
+    out = {"info": info, "eval": ev}
+    if t.eval_long:
+        out["eval_long"] = evaluate_single(prep.eval_ids, PathModel(grid, 0), seq_len=eval_window(cfg),
+                                           prefix_tokens=cfg.router.prefix_tokens, batch_size=t.eval_batch_size,
+                                           whole_documents=True)
+    return out
+
+
+def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
+    """Routed perplexity on ``trainer.eval_split`` (:func:`dipaco.job.evaluation.evaluate_run`)."""
+    return evaluate_run(cfg, run, prep.router, prep.eval_ids, ckpt)
+
+
+def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
+             baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
+    grid = build_grid(cfg)
+    plan = build_comm_plan(cfg, result.world_size)
+    rounds_done = result.rounds - result.start_round
+    ddp_bytes = plan.ddp_bytes_per_round * rounds_done
+    routed_ppl = routed["once"]["ppl"]
+    dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
+    routed_long = routed.get("once_long", {}).get("ppl")
+    dense_long = baseline.get("eval_long", {}).get("ppl")
+    summary = {
+        "routed_ppl": routed_ppl,
+        "dense_ppl": dense_ppl,
+        "ratio_vs_dense": routed_ppl / dense_ppl if dense_ppl and math.isfinite(dense_ppl) else None,
+        "rerouted_ppl": routed.get("rerouted", {}).get("ppl"),
+        "wrong_path_ppl": routed.get("wrong_path", {}).get("ppl"),
+        "per_path": routed["once"]["per_path"],
+        "eval_tokens": routed["once"]["num_tokens"],
+        "eval_split": cfg.trainer.eval_split,
+        # trainer.eval_long: whole documents in windows of eval_seq_len (None when off)
+        "routed_ppl_long": routed_long,
+        "dense_ppl_long": dense_long,
+        "ratio_vs_dense_long": routed_long / dense_long if routed_long and dense_long else None,
+        "rerouted_ppl_long": routed.get("rerouted_long", {}).get("ppl"),
+        "wrong_path_ppl_long": routed.get("wrong_path_long", {}).get("ppl"),
+        "eval_tokens_long": routed.get("once_long", {}).get("num_tokens"),
+        "eval_seq_len": eval_window(cfg) if cfg.trainer.eval_long else None,
+        # trainer.path_early_stopping: routed_ppl uses each path's kept weights; these are
+        # the last checkpoint's, and the round each path's weights come from
+        "routed_ppl_last_weights": routed.get("last_weights", {}).get("ppl"),
+        "best_rounds": routed.get("best_rounds"),
+        "alpha": cfg.diloco.alpha,
+        "bytes_sent": result.bytes_sent,
+        "ddp_bytes_equivalent": ddp_bytes,
+        "bytes_ratio_vs_ddp": result.bytes_sent / ddp_bytes if ddp_bytes else None,
+        "tokens_per_s": result.tokens / max(rounds_s, 1e-9),
+        "train_tokens": result.tokens,
+        "compute_s": result.compute_s,
+        "wait_s": result.wait_s,  # waiting at the round barrier for the slowest group
+        "sync_s": result.sync_s,  # the exchange and outer step themselves
+        # of the rounds' time (compute + wait + sync), launch and evaluation excluded
+        "sync_share": result.sync_s / max(result.compute_s + result.wait_s + result.sync_s, 1e-9),
+        "rounds_s": rounds_s,
+        "wall_s": wall_s,
+        "rounds": result.rounds,
+        # what the learning rate did, segment by segment (an extended run: trainer.extend_schedule)
+        "lr_schedule": describe_segments(cfg),
+        "inner_steps": cfg.diloco.inner_steps,
+        "warmup_steps": prep.warmup_steps,
+        "num_paths": grid.num_paths,
+        "grid": list(cfg.grid.levels),
+        "path_parameters": grid.path_param_count(0),
+        "total_parameters": grid.total_param_count(),
+        # of path 0: what routing can specialise (modules not every path shares)
+        "specialised_parameters": grid.specialised_param_count(0),
+        "routing": {k: prep.report.get(k) for k in ("shard_sizes", "imbalance", "nmi", "purity")},
+        # EM re-shard phases (routing_report.json has each in full)
+        "reshards": [{k: p.get(k) for k in ("round", "assign", "reassigned", "shard_sizes", "nmi")}
+                     for p in prep.report.get("reshards", [])],
+        "dense_baseline": baseline.get("info"),
+        "timings": prep.timings,
+        "launcher": cfg.launcher.name,
+        # where the rounds ran, in what precision, and the largest per-rank memory peak
+        # (CUDA allocator peak, or the process's peak RSS on the CPU)
+        "device": result.device,
+        "precision": cfg.trainer.precision,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "codec": cfg.diloco.codec,
+        "resumed_from_round": result.resumed_from_round,  # totals count every round anyway
+        "totals_missing_rounds": result.totals_missing_rounds,
+        "decoupled": result.decoupled,  # goodput, staleness, drops (diloco.mode=decoupled)
+        "tag": cfg.tag,
+        "seed": cfg.seed,
+    }
+    return summary
+
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    rows = [("routed perplexity", s["routed_ppl"]), ("dense same-size perplexity", s["dense_ppl"]),
+            ("ratio vs dense", s["ratio_vs_dense"])]
+    if s.get("rerouted_ppl") is not None:
+        rows.append(("routed, re-routed perplexity", s["rerouted_ppl"]))
+    if s.get("routed_ppl_long") is not None:
+        rows += [("routed perplexity, long", s["routed_ppl_long"]), ("ratio vs dense, long", s["ratio_vs_dense_long"])]
+    if s.get("routed_ppl_last_weights") is not None:
+        rows.append(("routed perplexity, last weights", s["routed_ppl_last_weights"]))
+    rows += [("paths", s["num_paths"]), ("rounds x H", f"{s['rounds']} x {s['inner_steps']}"),
+             ("bytes sent", f"{s['bytes_sent']:,}"), ("DDP equivalent bytes", f"{int(s['ddp_bytes_equivalent']):,}"),
+             ("training tokens/s", s["tokens_per_s"]), ("wall time (s)", s["wall_s"])]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows), flush=True)

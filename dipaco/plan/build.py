@@ -1,0 +1,63 @@
+"""Builders shared by every stage of a run: the module grid, the rank topology, the comm plan.
+
+Training (:mod:`dipaco.rounds`, :mod:`dipaco.decoupled`), inference, planning and the
+benchmarks all build the same objects from a :class:`~dipaco.config.Config`; keeping the
+builders here, below all of them, means none of them imports the rank loop.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from dipaco.plan.comm_plan import CommPlan, plan_round
+from dipaco.config import Config, codec_kwargs
+from dipaco.runtime.device import choose_device, local_rank_env
+from dipaco.plan.codecs import make_codec
+from dipaco.plan.topology import Topology
+from modules import ModuleGrid
+
+
+def run_device(cfg: Config) -> torch.device:
+    """This process's device for ``cfg`` (``trainer.device``; GPU ``LOCAL_RANK % count``)."""
+    return choose_device(cfg.trainer.device, local_rank_env()[0])
+
+
+def build_grid(cfg: Config, device: Optional[torch.device] = None) -> ModuleGrid:
+    """The run's module grid on ``device`` (default :func:`run_device`); modules are built
+    lazily, on first use, from the same CPU-seeded weights on every device."""
+    g = cfg.grid
+    return ModuleGrid(cfg.model, list(g.levels), private_embed=g.private_embed,
+                      private_head=g.private_head, seed=cfg.seed,
+                      device=run_device(cfg) if device is None else device)
+
+
+def build_topology(cfg: Config, grid: ModuleGrid, world_size: int, distributed: bool) -> Topology:
+    """Ranks ↔ worker groups ↔ paths ↔ modules.
+
+    The local backend simulates one worker group per path unless ``launcher.nproc``
+    asks for fewer, so that bytes on the wire are counted as a real deployment with one
+    group per path would send them (and so that, with the same number of groups, the
+    local and torch backends partition contributions identically).
+    """
+    R = cfg.grid.replicas
+    # training path t = p·R + r is replica r of grid path p: same modules, own data
+    path_modules = [grid.module_ids_of_path(t // R) for t in range(grid.num_paths * R)]
+    if distributed:
+        return Topology(grid.module_ids, path_modules, world_size, cfg.launcher.group_size)
+    groups = cfg.launcher.nproc if cfg.launcher.nproc > 1 else len(path_modules)
+    return Topology(grid.module_ids, path_modules, min(groups, len(path_modules)), 1)
+
+
+def build_comm_plan(cfg: Config, world_size: int) -> CommPlan:
+    """Bytes per round of ``cfg``'s modules with its codec, for ``world_size`` ranks.
+
+    Module sizes only (no data, no training): ``dipaco-plan`` prints it before a run and
+    the job's summary compares the bytes a run sent with it.
+    """
+    grid = build_grid(cfg)
+    topo = build_topology(cfg, grid, world_size, cfg.launcher.name != "local")
+    counts = {m: grid.param_count(m) for m in grid.module_ids}
+    d = cfg.diloco
+    return plan_round(topo, counts, make_codec(d.codec, **codec_kwargs(d)), d.inner_steps, d.lossy_exchange,
+                      sharded=cfg.launcher.group_parallel == "fsdp")

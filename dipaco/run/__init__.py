@@ -1,0 +1,1 @@
+"""The run directory and its safety: named files, checkpoints, fingerprints, the write guard, the lock, resume."""

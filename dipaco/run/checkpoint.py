@@ -1,0 +1,281 @@
+"""Checkpoints: complete, atomic, hash-checked, no pickle (docs/design.md contract 5).
+
+Layout of one checkpoint (one per outer-step boundary)::
+
+    checkpoints/round_000004/
+        modules/<module_id>.safetensors   global weights of each module after the outer step
+        outer/<module_id>.safetensors     outer optimiser state, error-feedback residuals
+        paths/path_<p>.safetensors        inner AdamW state of each path (+ JSON: step, data position)
+        state.json                        round, sync statistics, anything JSON
+        manifest.json                     sha256 + size of every file above; written last
+
+Ranks write their own files into ``round_000004.partial/``; rank 0 then hashes every
+file, writes the manifest and renames the directory. A crash at any point leaves either
+a ``.partial`` directory (ignored and removed on the next save) or a complete checkpoint,
+never a half-written one under the final name. ``latest_valid`` walks back to the newest
+checkpoint whose manifest checks out, so a corrupt last checkpoint costs one round.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dipaco.run.file_mode import follow_umask
+
+MANIFEST = "manifest.json"
+_ROUND_DIR = re.compile(r"^round_(\d{6})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
+
+
+# --------------------------------------------------------------------------- files
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Atomically write ``obj`` as indented JSON."""
+    atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: Optional[dict] = None) -> None:
+    """Atomically save a flat dict of tensors as safetensors (plus JSON metadata)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    # safetensors refuses shared or non-contiguous storage; clone makes each tensor its own.
+    flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    metadata = {"json": json.dumps(meta, sort_keys=True)} if meta is not None else None
+    save_file(flat, str(tmp), metadata=metadata)
+    follow_umask(tmp)  # safetensors creates 0600 whatever the umask
+    os.replace(tmp, path)
+
+
+def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
+    """Load tensors and metadata written by :func:`save_tensors`; never unpickles."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing checkpoint file {path}")
+    try:
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("json")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt checkpoint file {path}: {e}") from None
+    return tensors, (json.loads(raw) if raw else None)
+
+
+# ---------------------------------------------------------------- state dicts
+
+
+def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state dict into (flat tensors, JSON skeleton).
+
+    Tensors are replaced in the skeleton by ``{"__tensor__": key}``; everything else
+    must be JSON (ints, floats, strings, lists, dicts with string-able keys). Optimiser
+    state dicts (int keys) round-trip through :func:`unflatten_state`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, key: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if key in tensors:  # keys holding "/" could collide; refuse rather than overwrite
+                raise ValueError(f"duplicate tensor key {key!r} while flattening state")
+            tensors[key] = obj
+            return {"__tensor__": key}
+        if isinstance(obj, dict):
+            return {"__dict__": [[k, walk(v, f"{key}/{k}" if key else str(k))] for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            return [walk(v, f"{key}/{i}" if key else str(i)) for i, v in enumerate(obj)]
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise TypeError(f"cannot checkpoint value of type {type(obj).__name__} at {key!r}")
+
+    return tensors, walk(state, prefix)
+
+
+def unflatten_state(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
+    """Inverse of :func:`flatten_state`."""
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensors[skeleton["__tensor__"]]
+        return {k: unflatten_state(tensors, v) for k, v in skeleton["__dict__"]}
+    if isinstance(skeleton, list):
+        return [unflatten_state(tensors, v) for v in skeleton]
+    return skeleton
+
+
+def save_state(path: Path, state: Any) -> None:
+    """Save any nested state (tensors + JSON values) as one safetensors file."""
+    tensors, skeleton = flatten_state(state)
+    save_tensors(path, tensors, meta={"skeleton": skeleton})
+
+
+def load_state(path: Path) -> Any:
+    """Load a state saved by :func:`save_state`."""
+    tensors, meta = load_tensors(path)
+    if not meta or "skeleton" not in meta:
+        raise CheckpointError(f"checkpoint file {path} has no state skeleton")
+    return unflatten_state(tensors, meta["skeleton"])
+
+
+# ---------------------------------------------------------------- manager
+
+
+def round_dir_name(round_idx: int) -> str:
+    """Directory name of the checkpoint taken after ``round_idx`` rounds."""
+    return f"round_{round_idx:06d}"
+
+
+class CheckpointManager:
+    """Creates, verifies, finds and prunes the run's checkpoints.
+
+    Only rank 0 calls :meth:`begin`, :meth:`commit` and :meth:`prune`; every rank may
+    write files into the directory returned by :meth:`partial_dir` between a barrier
+    after ``begin`` and a barrier before ``commit``.
+    """
+
+    def __init__(self, root: Path | str, keep_last: int = 2, stamp: Optional[str] = None) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last
+        # what the run's checkpoints are made from (dipaco.run.fingerprint.checkpoint_stamp),
+        # written into state.json so that a read can tell a checkpoint of another run
+        self.stamp = stamp
+
+    def partial_dir(self, round_idx: int) -> Path:
+        return self.root / (round_dir_name(round_idx) + ".partial")
+
+    def final_dir(self, round_idx: int) -> Path:
+        return self.root / round_dir_name(round_idx)
+
+    def begin(self, round_idx: int) -> Path:
+        """Create an empty ``.partial`` directory for this round (a stale one is removed)."""
+        part = self.partial_dir(round_idx)
+        if part.is_symlink() or part.is_file():  # never follow a link out of the run directory
+            part.unlink()
+        elif part.exists():
+            shutil.rmtree(part)
+        part.mkdir(parents=True)
+        return part
+
+    def commit(self, round_idx: int, state: dict) -> Path:
+        """Write ``state.json`` and the manifest, then rename ``.partial`` to final."""
+        part = self.partial_dir(round_idx)
+        write_json(part / "state.json", {**state, "made_from": self.stamp} if self.stamp else state)
+        files = sorted(p for p in part.rglob("*") if p.is_file() and p.name != MANIFEST)
+        manifest = {
+            "round": round_idx,
+            "files": {
+                str(p.relative_to(part)): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+                for p in files
+            },
+        }
+        write_json(part / MANIFEST, manifest)
+        final = self.final_dir(round_idx)
+        if final.exists():  # a resumed run re-taking the same round
+            shutil.rmtree(final)
+        os.replace(part, final)
+        _fsync_dir(self.root)
+        return final
+
+    def list_rounds(self) -> list[int]:
+        """Rounds that have a (not necessarily valid) final checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = (_ROUND_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    @staticmethod
+    def verify(path: Path | str) -> dict:
+        """Check a checkpoint against its manifest; return the manifest or raise."""
+        path = Path(path)
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise CheckpointError(f"checkpoint {path} has no {MANIFEST}")
+        try:
+            manifest = json.loads(mpath.read_text(encoding="utf-8"))
+            files = manifest["files"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"unreadable manifest {mpath}: {e}") from None
+        for rel, info in files.items():
+            f = path / rel
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint file {f} is listed in the manifest but missing")
+            if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
+                raise CheckpointError(f"checkpoint file {f} does not match its manifest hash")
+        # Only files the manifest names are ever read; a planted extra file (say a
+        # pickle) is reported, not loaded.
+        extra = [str(p.relative_to(path)) for p in path.rglob("*")
+                 if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in files]
+        if extra:
+            raise CheckpointError(f"checkpoint {path} holds files not in its manifest: {extra[:3]}")
+        return manifest
+
+    def latest_valid(self, log: Optional[callable] = None) -> Optional[Path]:
+        """Newest checkpoint that verifies; corrupt ones are skipped with a message."""
+        for r in reversed(self.list_rounds()):
+            path = self.final_dir(r)
+            try:
+                self.verify(path)
+                return path
+            except CheckpointError as e:
+                if log:
+                    log(f"skipping checkpoint: {e}")
+        return None
+
+    def prune(self, protect: Iterable[int] = ()) -> None:
+        """Delete all but the newest ``keep_last`` checkpoints (and stale partials)."""
+        rounds = self.list_rounds()
+        keep = set(rounds[-self.keep_last:]) | set(protect)
+        for r in rounds:
+            if r not in keep:
+                shutil.rmtree(self.final_dir(r), ignore_errors=True)
+        for p in self.root.glob("*.partial"):
+            m = re.match(r"^round_(\d{6})\.partial$", p.name)
+            if m and int(m.group(1)) < (rounds[-1] if rounds else 0):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (best effort; not all filesystems allow it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

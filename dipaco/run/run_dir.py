@@ -1,0 +1,199 @@
+"""The layout of a run directory, in one place, and loading a finished run back.
+
+Every file a run writes is named here; the job (``train(cfg)``), ``dipaco-route`` and
+``dipaco-infer`` all go through :class:`RunDir`, so the layout cannot drift.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from omegaconf import OmegaConf
+
+from dipaco.run.checkpoint import CheckpointManager
+from dipaco.run.results import RoundsResult
+from dipaco.config import to_config
+
+
+# Every name dipaco writes at the top of a run directory (the properties below, and the
+# files other modules add: locks, resumes, Hydra's record, decoupled mode, the early
+# stopping shards, an old Hydra log). A fresh run refuses a directory holding anything else.
+RUN_LAYOUT = frozenset({
+    "config.yaml", "tokenizer.json", "router", "shards", "routing_report.json", "warmup", "val_shards",
+    "checkpoints", "metrics.jsonl", "tb", "baseline", "summary.json", "plots", "cache", "fingerprints.json",
+    "resumes.jsonl", ".dipaco.lock", ".hydra", "decoupled", "decoupled_metrics.json", "train.log", "route.log",
+    "report.md", "report.json", "report.png",
+})
+
+
+class RunDirError(ValueError):
+    """A run directory that is missing, incomplete or corrupt (message names the file)."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped for a reason outside its config (a signal, a full disk); the
+    message names the last complete checkpoint and the resume command. Exit code 1."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Named paths inside one run directory."""
+
+    root: Path
+
+    @classmethod
+    def at(cls, path: str | Path) -> "RunDir":
+        return cls(Path(path).expanduser().resolve())
+
+    # written by the preparation phase (launching process)
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer.json"
+
+    @property
+    def router(self) -> Path:
+        return self.root / "router"
+
+    @property
+    def shards(self) -> Path:
+        return self.root / "shards"
+
+    @property
+    def routing_report(self) -> Path:
+        return self.root / "routing_report.json"
+
+    @property
+    def warmup(self) -> Path:
+        return self.root / "warmup"
+
+    @property
+    def val_shards(self) -> Path:
+        """Validation documents by routed path (trainer.path_early_stopping)."""
+        return self.root / "val_shards"
+
+    # written by the ranks
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def best_paths(self) -> Path:
+        """Each path's weights with its best validation loss (dipaco/rounds/early_stopping.py)."""
+        return self.checkpoints / "best_paths"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tb"
+
+    # written after training (launching process)
+    @property
+    def baseline(self) -> Path:
+        return self.root / "baseline"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    def require(self, path: Path, what: str) -> Path:
+        """Return ``path`` or raise :class:`RunDirError` naming it."""
+        if not self.root.is_dir():
+            raise RunDirError(f"run directory {self.root} does not exist")
+        if not path.exists():
+            raise RunDirError(f"{what} missing: {path} (is {self.root} a finished dipaco-train run?)")
+        return path
+
+    def load_config(self) -> Any:
+        """The resolved config the run was made with (typed :class:`dipaco.config.Config`)."""
+        self.require(self.config, "resolved config")
+        try:
+            return to_config(OmegaConf.load(self.config))
+        except Exception as e:  # a hand-edited or truncated YAML
+            raise RunDirError(f"unreadable config {self.config}: {e}") from None
+
+    def read_json(self, path: Path) -> Any:
+        self.require(path, path.name)
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise RunDirError(f"corrupt JSON file {path}: {e}") from None
+
+    def latest_checkpoint(self, log: Optional[callable] = None) -> Path:
+        """Newest checkpoint whose manifest checks out, or :class:`RunDirError`."""
+        mgr = CheckpointManager(self.require(self.checkpoints, "checkpoints folder"))
+        ckpt = mgr.latest_valid(log=log)
+        if ckpt is None:
+            raise RunDirError(f"no valid checkpoint under {self.checkpoints}")
+        return ckpt
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # safetensors reports its Rust io::Error as text
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and ("No space left" in text or "StorageFull" in text)
+
+
+@contextlib.contextmanager
+def disk_full_guard(run: "RunDir") -> Iterator[None]:
+    """A full disk (ENOSPC, also inside safetensors) becomes one line naming what was
+    being written, the last complete checkpoint and the resume command."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        what = getattr(e, "filename", None) or "a file in the run directory"
+        try:
+            last = str(run.latest_checkpoint())
+        except (RunDirError, OSError):
+            last = "none yet"
+        raise RunStopped(f"disk full while writing {what}; last complete checkpoint: {last}; free space, "
+                         f"then continue with: dipaco-train hydra.run.dir={run.root} resume=true") from None
+
+
+def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float) -> tuple[RoundsResult, float]:
+    """``result`` of a resumed launch plus the rounds before it, from ``metrics.jsonl``.
+
+    On resume the ranks cut ``metrics.jsonl`` to the checkpoint's round before re-running
+    later rounds, so its lines up to ``start_round`` are exactly the rounds this launch
+    did not train. Returns the whole run's result (``start_round`` 0, counted from the
+    first round) and rounds time (summed over launches). Rounds missing from the file
+    are counted in ``totals_missing_rounds``.
+    """
+    start = int(result.start_round)
+    lines = [json.loads(x) for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()] \
+        if run.metrics.is_file() else []
+    before = [x for x in lines if 0 < int(x.get("round", 0)) <= start]
+    out = dataclasses.replace(
+        result, start_round=0, resumed_from_round=start,
+        # metrics.jsonl deleted or edited by hand: say so, do not guess
+        totals_missing_rounds=start - len(before),
+        bytes_sent=result.bytes_sent + sum(x.get("bytes_sent", 0) for x in before),
+        compute_s=result.compute_s + sum(x.get("compute_s", 0) for x in before),
+        wait_s=result.wait_s + sum(x.get("wait_s", 0) for x in before),
+        sync_s=result.sync_s + sum(x.get("sync_s", 0) for x in before),
+        tokens=result.tokens + sum(
+            x["tokens"] if "tokens" in x else sum(p["tokens"] for p in x["paths"].values()) for x in before))
+    return out, rounds_s + sum(x.get("compute_s", 0) + x.get("wait_s", 0) + x.get("sync_s", 0) for x in before)

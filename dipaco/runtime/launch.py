@@ -1,0 +1,229 @@
+"""Starting ranks: in-process (local), on this host (spawn), or under torchrun.
+
+The Hydra process resolves the config once and prepares everything that must happen
+before ranks exist (tokenizer, router fit: faiss must not run in a process forked after
+its OpenMP threads started: docs/design.md, "Processes"). It then calls :func:`launch`, which runs
+``fn(cfg, run, rank, world_size, *args)`` on every rank and returns rank 0's result.
+
+``slurm`` is torchrun's case with the rank env made from SLURM's (:mod:`dipaco.runtime.slurm`).
+
+``spawn`` uses torch.distributed's elastic launch API: the agent watches its workers and,
+when one dies, stops the others and raises, so a killed rank ends the run in bounded
+time (the monitor interval plus the collective timeout) instead of hanging it.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import signal
+import socket
+import threading
+import uuid
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from dipaco.run.checkpoint import CheckpointManager
+from dipaco.config import Config, to_config
+from dipaco.runtime.device import rank_device
+from dipaco.run.results import RoundsResult
+from dipaco.run.run_dir import RunDir
+
+
+class LaunchError(RuntimeError):
+    """A rank failed; the message says which and where its log is."""
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def require_torchrun_env() -> None:
+    """launcher=torchrun outside torchrun is one line naming the missing variables."""
+    missing = [v for v in TORCHRUN_ENV if v not in os.environ]
+    if missing:
+        raise LaunchError(f"launcher=torchrun but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                          "not set: start with `torchrun --nproc-per-node=N -m dipaco.cli.train launcher=torchrun "
+                          "...`, or use launcher=local / launcher=spawn")
+
+
+# SIGUSR2 is what SLURM (``#SBATCH --signal=USR2@N``, as submitit writes it) sends every
+# task N seconds before the time limit: under launcher=slurm the job then requeues itself
+# (dipaco/runtime/preempt.py)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR2") if hasattr(signal, name))
+
+
+class StopSignals:
+    """``with StopSignals(): ...``: SIGTERM/SIGINT/SIGUSR2 ask the rounds to stop at the next
+    round boundary (checkpoint written) instead of killing the process mid-write. A second
+    signal stops at once. ``StopSignals.received`` names the signal, or is ``None``.
+    """
+
+    received: Optional[str] = None
+    # called with the signal's name on the first one (dipaco.runtime.preempt.RequeueDeadline.arm)
+    on_signal: Optional[Callable[[str], None]] = None
+
+    def __enter__(self) -> "StopSignals":
+        StopSignals.received = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live there only
+            for sig in STOP_SIGNALS:
+                self._old[sig] = signal.signal(sig, _on_stop_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        StopSignals.received = None  # a later run in this process starts unsignalled
+        StopSignals.on_signal = None
+
+
+def _on_stop_signal(signum: int, _frame: Any) -> None:
+    if StopSignals.received is not None:  # the second one: stop now
+        signal.signal(signum, signal.SIG_DFL)
+        raise KeyboardInterrupt
+    StopSignals.received = signal.Signals(signum).name
+    print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
+          "send it again to stop at once", flush=True)
+    if StopSignals.on_signal is not None:
+        StopSignals.on_signal(StopSignals.received)
+
+
+def stop_requested(distributed: bool) -> bool:
+    """Whether any rank got a stop signal; in a distributed run all ranks agree (one
+    all-reduce per round), so they stop after the same round, and a rank that got no
+    signal itself learns one that did (``StopSignals.received``: the highest number)."""
+    got = StopSignals.received
+    if not distributed:
+        return got is not None
+    t = torch.tensor([float(signal.Signals[got].value) if got else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item() > 0 and got is None:
+        StopSignals.received = signal.Signals(int(t.item())).name
+    return bool(t.item() > 0)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(backend: str, timeout_s: float, device: str = "auto") -> tuple[int, int]:
+    """Join the process group described by the env (RANK, WORLD_SIZE, MASTER_*).
+
+    The rank's GPU and the backend come from :func:`dipaco.runtime.device.rank_device` (GPU
+    ``LOCAL_RANK % device_count``; nccl only with one GPU per rank); the CUDA device is
+    set before the group exists, so nccl and the sync's staging use the right one.
+    """
+    placement = rank_device(device, backend)
+    if not dist.is_initialized():
+        if placement.device.type == "cuda":
+            torch.cuda.set_device(placement.device)
+        dist.init_process_group(backend=placement.backend, timeout=_dt.timedelta(seconds=timeout_s))
+    if dist.get_rank() == 0:
+        print(f"[dipaco] {dist.get_world_size()} rank(s); rank 0: {placement.describe()}", flush=True)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _set_threads(cfg: Config, local_world: int) -> None:
+    """Share the host's cores among its ranks (two 1-thread ranks ≈ one 2-thread process)."""
+    if cfg.trainer.threads:
+        torch.set_num_threads(int(cfg.trainer.threads))
+    elif local_world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
+    """Body of one spawned or torchrun rank."""
+    cfg = to_config(cfg_dict)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    _set_threads(cfg, local_world)
+    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
+    try:
+        with StopSignals():  # the elastic agent forwards SIGTERM to its workers
+            return fn(cfg, run, rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
+    """Run ``fn(cfg, run, rank, world_size, *args)`` on every rank; return rank 0's value.
+
+    ``local``: one call in this process with ``rank=None`` (the local backend plays every
+    worker group). ``spawn``: ``launcher.nproc`` processes on this host. ``torchrun``
+    and ``slurm``: this process is already one rank; the env says which.
+    """
+    name = cfg.launcher.name
+    if name == "local":
+        _set_threads(cfg, 1)
+        return fn(cfg, run, None, 1, *args)
+    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if name in ("torchrun", "slurm"):  # slurm: dipaco.runtime.slurm exported the torchrun env
+        if "RANK" not in os.environ:
+            raise LaunchError("launcher=torchrun but RANK is not set: start with `torchrun ... dipaco-train ...`")
+        if dist.is_initialized():  # train() joined the group already (rank 0 prepared)
+            return fn(cfg, run, dist.get_rank(), dist.get_world_size(), *args)
+        return _rank_entry(fn, cfg_dict, run, args)
+    if name != "spawn":
+        raise LaunchError(f"unknown launcher {name!r}")
+    if StopSignals.received:  # asked to stop while preparing: ranks would never hear of it
+        return _stopped_result(cfg, run)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # the agent's own warnings ("Received 15 death signal ...") would break the one-line
+    # rule; what went wrong is in the LaunchError / RunStopped line instead
+    for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):  # each has its own level
+        logging.getLogger(name).setLevel(logging.ERROR)
+    port = free_port()
+    extra = {"log_line_prefix_template": "[rank${rank}] "} if _supports_prefix() else {}
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.launcher.nproc,
+        run_id=f"dipaco-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"rank": 0, "timeout": int(cfg.launcher.timeout_s)},
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+        **extra,
+    )
+    try:
+        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args)
+    except ChildFailedError as e:
+        failures = "; ".join(
+            f"rank {r} exited with {f.exitcode} ({f.message or 'no message'})"
+            for r, f in sorted(e.failures.items())
+        )
+        raise LaunchError(f"a rank failed: {failures}") from None
+    except SignalException as e:
+        # the agent stopped the ranks (they checkpoint at the round boundary if they can)
+        StopSignals.received = StopSignals.received or signal.Signals(e.sigval).name
+        return _stopped_result(cfg, run)
+    return results[0]
+
+
+def _stopped_result(cfg: Config, run: RunDir) -> RoundsResult:
+    """What a launch stopped by a signal leaves: the newest complete checkpoint."""
+    ckpt = CheckpointManager(run.checkpoints).latest_valid()
+    done = int(ckpt.name.split("_")[1]) if ckpt is not None else 0
+    return RoundsResult(rounds=cfg.trainer.rounds, completed_rounds=done, start_round=done,
+                        world_size=cfg.launcher.nproc, checkpoint=str(ckpt) if ckpt is not None else None)
+
+
+def _supports_prefix() -> bool:
+    import inspect
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return "log_line_prefix_template" in inspect.signature(LaunchConfig).parameters
+

@@ -1,0 +1,130 @@
+"""``launcher=slurm``: one SLURM job, ``launcher.nodes`` nodes, ``launcher.nproc`` ranks each.
+
+Hydra's submitit launcher (``pip install -e ".[slurm]"``, selected by
+``conf/launcher/slurm.yaml``) submits the job with sbatch; ``srun`` then starts
+``nodes × nproc`` tasks and each runs the ``dipaco-train`` job body as one rank. This
+module turns the SLURM environment of a task into the torch.distributed rendezvous
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR = the job's first host), after which the job
+runs exactly as under torchrun (rank 0 prepares, all train, rank 0 evaluates).
+
+It also renders the sbatch script submitit would write, without a cluster
+(:func:`sbatch_script`), and with each task's environment (:func:`dry_run_text`, printed
+by ``launcher.dry_run=true``). submitit is wrapped here and in :mod:`dipaco.cli.slurm_launcher`
+(the login node's side: submission and failures) and nowhere else.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+from dipaco.runtime.launch import LaunchError
+
+# SLURM variables every srun task has, and what they become
+_TASK_ENV = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[03-04,07],cpu1`` → ``gpu03``.
+
+    ``scontrol show hostnames`` does this on a cluster; parsing here keeps the
+    rendezvous free of a subprocess on every rank.
+    """
+    group = re.split(r",(?![^\[]*\])", nodelist.strip(), maxsplit=1)[0]
+    m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", group)
+    if m is None:
+        return group
+    prefix, ranges, suffix = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def slurm_rendezvous(env: Mapping[str, str], master_port: int) -> dict[str, str]:
+    """The torch.distributed env of one srun task, from its SLURM variables.
+
+    ``LOCAL_WORLD_SIZE`` comes from ``SLURM_NTASKS_PER_NODE`` (``8`` or ``8(x2)``);
+    a ``MASTER_PORT`` already set (by the user's sbatch setup) wins over ``master_port``.
+    """
+    missing = [k for k in (*_TASK_ENV, "SLURM_JOB_NODELIST") if k not in env]
+    if missing:
+        raise LaunchError(f"launcher=slurm but {', '.join(missing)} not set: submit with "
+                          "`dipaco-train launcher=slurm launcher.partition=NAME` (each rank is an srun task)")
+    out = {torch_key: str(int(env[slurm_key])) for slurm_key, torch_key in _TASK_ENV.items()}
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    out["LOCAL_WORLD_SIZE"] = re.match(r"\d+", per_node).group(0)  # type: ignore[union-attr]
+    out["MASTER_ADDR"] = first_host(env["SLURM_JOB_NODELIST"])
+    out["MASTER_PORT"] = env.get("MASTER_PORT", str(master_port))
+    return out
+
+
+def sbatch_script(launcher: Mapping[str, Any], command: str = "<submitit task>") -> str:
+    """The sbatch script submitit writes for the resolved ``hydra.launcher`` node.
+
+    Mirrors the submitit launcher's mapping (its keys → sbatch parameters) but calls
+    submitit's script builder directly, since ``SlurmExecutor`` refuses to exist
+    where ``srun`` is missing. Unknown keys raise ``ValueError`` as submitit would.
+    """
+    from submitit.slurm import slurm as submitit_slurm  # optional dependency: launcher=slurm only
+
+    rename = submitit_slurm.SlurmExecutor._equivalence_dict()
+    params: dict[str, Any] = {}
+    for key, value in launcher.items():
+        if key in ("_target_", "submitit_folder", "max_num_timeout") or value is None:
+            continue
+        params[rename.get(key, key)] = value
+    if "mem" in params:
+        params["mem"] = submitit_slurm._convert_mem(params["mem"])
+    unknown = sorted(set(params) - set(submitit_slurm._get_default_parameters()))
+    if unknown:
+        raise ValueError(f"hydra.launcher keys sbatch does not know: {unknown}")
+    folder = Path(str(launcher.get("submitit_folder", ".submitit/%j")))
+    return submitit_slurm._make_sbatch_string(command=command, folder=folder, **params)
+
+
+def task_threads(env: Mapping[str, str], threads: Optional[int]) -> Optional[int]:
+    """Torch threads of one srun task: ``trainer.threads`` if set, else the CPUs SLURM gave
+    the task (``SLURM_CPUS_PER_TASK``, from ``launcher.cpus_per_task``); ``None``: leave
+    torch's default (every core of the node, which ranks sharing a node would oversubscribe)."""
+    if threads:
+        return int(threads)
+    cpus = env.get("SLURM_CPUS_PER_TASK", "")
+    return int(cpus) if cpus.isdigit() and int(cpus) > 0 else None
+
+
+def submitit_command(folder: str) -> str:
+    """The command each srun task runs: submitit's runner, which unpickles the Hydra job."""
+    return f"{sys.executable} -u -m submitit.core._submit {shlex.quote(folder)}"
+
+
+def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads: Optional[int],
+                 master_port: int, max_requeues: int, overrides: Sequence[str]) -> str:
+    """What ``dipaco-train launcher=slurm launcher.dry_run=true`` prints: the sbatch script
+    submitit would submit and the torch.distributed environment each task derives."""
+    folder = str(Path(str(launcher.get("submitit_folder", ".submitit/%j"))).absolute())
+    script = sbatch_script({**launcher, "submitit_folder": folder}, command=submitit_command(folder))
+    world = nodes * nproc
+    shown = list(range(world)) if world <= 16 else [*range(nproc), world - 1]
+    rows = ["# task  node  RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR        MASTER_PORT  threads"]
+    for t in shown:
+        if shown[-1] == t and len(shown) < world:
+            rows.append(f"# ... ({world} tasks in all)")
+        env = slurm_rendezvous({"SLURM_PROCID": str(t), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(t % nproc),
+                                "SLURM_JOB_NODELIST": "(first node)", "SLURM_NTASKS_PER_NODE": str(nproc)},
+                               master_port)
+        rows.append(f"# {t:>4}  {t // nproc:>4}  {env['RANK']:>4}  {env['LOCAL_RANK']:>10}  {env['WORLD_SIZE']:>10}  "
+                    f"{env['LOCAL_WORLD_SIZE']:>16}  {env['MASTER_ADDR']:<17}  {env['MASTER_PORT']:>11}  "
+                    f"{threads if threads else 'torch default':>7}")
+    signal_s = launcher.get("signal_delay_s", 120)
+    return "\n".join([
+        "# dry run (launcher.dry_run=true): nothing is submitted. The sbatch script submitit would submit:",
+        script.rstrip(),
+        "",
+        f"# each of the {world} srun tasks runs the dipaco-train job (pickled by submitit) with these overrides:",
+        "#   " + (" ".join(shlex.quote(o) for o in overrides) or "(none)"),
+        "# and turns its SLURM variables into torch.distributed's (dipaco/runtime/slurm.py):",
+        *rows,
+        f"# SIGUSR2 {signal_s} s before the time limit: the round in flight finishes, its checkpoint is written and",
+        f"# the job requeues itself (at most launcher.max_requeues={max_requeues} times); a requeued job runs with "
+        "resume=true.",
+    ])
