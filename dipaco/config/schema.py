@@ -143,8 +143,8 @@ class DiLoCoConfig:
     inner_steps: int = 50  # H
     mode: str = "sync"  # sync | decoupled
     outer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
-    codec: str = "none"  # none | fp16 | bf16 | int8 | topk
-    codec_block: int = 256  # int8: elements per scale
+    codec: str = "none"  # none | fp16 | bf16 | int8 | int4 | fp8 | topk
+    codec_block: int = 256  # int8, int4, fp8: elements per scale
     codec_topk_fraction: float = 0.01  # topk: share of entries kept
     error_feedback: bool = False
     # how lossy codecs cross a module group: reduce_scatter (compressed two-phase
@@ -298,7 +298,7 @@ def eval_window(cfg: Config) -> int:
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:
     """The keyword arguments of ``make_codec(d.codec, ...)`` for this config."""
-    if d.codec == "int8":
+    if d.codec in ("int8", "int4", "fp8"):
         return {"block_size": d.codec_block}
     if d.codec == "topk":
         return {"fraction": d.codec_topk_fraction}
