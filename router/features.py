@@ -16,6 +16,7 @@ documents to their first ``prefix_tokens`` tokens.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -65,13 +66,16 @@ def _l2_normalise(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
 
 
-def _progress(total: int, enabled: bool | None, desc: str):
-    """A tqdm bar over ``total`` documents, or None when disabled or the input is small."""
-    if enabled is False or (enabled is None and total < _PROGRESS_MIN_DOCS):
+def progress_bar(total: int, enabled: bool | None, desc: str):
+    """A tqdm bar over ``total`` documents, or None: when ``enabled`` is False, when it is
+    None and the input is small, and whenever stderr is not a terminal (a bar redraws
+    itself with ``\\r``: in a log file that is thousands of lines of noise). The same rule
+    as ``dipaco.progress``, which ``router`` may not import."""
+    if enabled is False or (enabled is None and total < _PROGRESS_MIN_DOCS) or not sys.stderr.isatty():
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="doc")
+    return tqdm(total=total, desc=desc, unit="doc", leave=False)
 
 
 class TokenTfidfFeaturizer:
@@ -87,7 +91,8 @@ class TokenTfidfFeaturizer:
         sublinear_tf: use ``1 + log(tf)`` instead of raw counts (long repeated runs of one
             token, e.g. padding or indentation, then do not dominate the prefix).
         batch_size: documents per transform batch (bounds memory on large inputs).
-        progress: tqdm bar: None = only on large inputs, False = never, True = always.
+        progress: tqdm bar: None = only on large inputs, False = never, True = always;
+            never when stderr is not a terminal.
     """
 
     kind = "token_tfidf"
@@ -220,7 +225,7 @@ class TokenTfidfFeaturizer:
             raise ValueError("TokenTfidfFeaturizer is not fitted: call fit(docs) first")
         n = len(docs)
         out = np.zeros((n, self.dim), np.float32)
-        bar = _progress(n, self.progress, "featurize")
+        bar = progress_bar(n, self.progress, "featurize")
         for start in range(0, n, self.batch_size):
             batch = docs[start : start + self.batch_size]
             x = self._tfidf(batch)
@@ -313,7 +318,7 @@ class CallableFeaturizer:
         arrays = [as_token_array(d) for d in docs]
         out = np.zeros((len(arrays), self.dim), np.float32)
         nonempty = [i for i, a in enumerate(arrays) if a.size]
-        bar = _progress(len(nonempty), self.progress, "featurize (LM)")
+        bar = progress_bar(len(nonempty), self.progress, "featurize (LM)")
         for start in range(0, len(nonempty), self.batch_size):
             idx = nonempty[start : start + self.batch_size]
             feats = np.asarray(self.fn([arrays[i] for i in idx]), dtype=np.float32)

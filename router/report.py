@@ -17,8 +17,9 @@ def routing_report(
 
     Args:
         path_ids: the path of each document (``route_batch`` output), or the per-document
-            path lists of ``Router.assign``; with lists, shard sizes count every
-            membership and NMI/purity use each document's first (best) path.
+            path lists of ``Router.assign`` (or their int array ``[N, k]``, ``-1`` for no
+            path); with lists, shard sizes count every membership and NMI/purity use each
+            document's first (best) path.
         num_paths: P, so paths that received nothing still appear (as size 0).
         labels: optional known domain of each document (any hashable values).
         grid: modules per level (``num_paths`` must be their product); with labels, adds
@@ -33,7 +34,10 @@ def routing_report(
     num_paths = int(num_paths)
     if num_paths < 1:
         raise ValueError(f"num_paths must be >= 1, got {num_paths}")
-    if len(path_ids) and not np.isscalar(path_ids[0]) and np.ndim(path_ids[0]) == 1:
+    if isinstance(path_ids, np.ndarray) and path_ids.ndim == 2:  # [N, k], -1: no path (no Python lists)
+        best = path_ids[:, 0].astype(np.int64) if path_ids.shape[1] else np.full(len(path_ids), -1, np.int64)
+        members = path_ids[path_ids >= 0].astype(np.int64)
+    elif len(path_ids) and not np.isscalar(path_ids[0]) and np.ndim(path_ids[0]) == 1:
         lists = [list(map(int, p)) for p in path_ids]
         best = np.array([p[0] if p else -1 for p in lists], np.int64)
         members = np.array([q for p in lists for q in p], np.int64)
@@ -52,7 +56,9 @@ def routing_report(
         "empty_shards": np.flatnonzero(sizes == 0).tolist(),
     }
     if labels is not None:
-        labels = list(labels)
+        # int codes stay an array (a million Python objects would cost ~60 MB); anything
+        # else compares as text, None included
+        labels = labels if isinstance(labels, np.ndarray) and labels.dtype.kind in "iu" else list(labels)
         if len(labels) != best.size:
             raise ValueError(f"labels has {len(labels)} entries for {best.size} documents")
         report.update(_agreement(best, num_paths, labels))
@@ -67,16 +73,20 @@ def routing_report(
     return report
 
 
-def _agreement(assigned: np.ndarray, k: int, labels: list[Any]) -> dict[str, float | None]:
-    """NMI and purity of ``assigned`` (ids in [0, k), -1 = none) against ``labels``."""
+def _agreement(assigned: np.ndarray, k: int, labels: Any) -> dict[str, float | None]:
+    """NMI and purity of ``assigned`` (ids in [0, k), -1 = none) against ``labels``
+    (any values, or an int array of label codes: the same partition, the same numbers)."""
     from sklearn.metrics import normalized_mutual_info_score  # lazy: keeps `import router` light
 
     if not assigned.size:
         return {"nmi": None, "purity": None}
-    _, lab = np.unique(np.asarray([str(x) for x in labels]), return_inverse=True)
+    if isinstance(labels, np.ndarray):
+        _, lab = np.unique(labels, return_inverse=True)
+    else:
+        _, lab = np.unique(np.asarray([str(x) for x in labels]), return_inverse=True)
     table = np.zeros((k + 1, lab.max() + 1), np.int64)
     np.add.at(table, (assigned, lab), 1)  # row -1 (a document with no path) never counts as correct
-    return {"nmi": float(normalized_mutual_info_score(labels, assigned)),
+    return {"nmi": float(normalized_mutual_info_score(lab if isinstance(labels, np.ndarray) else labels, assigned)),
             "purity": float(table[:k].max(axis=1).sum() / assigned.size)}
 
 
