@@ -34,7 +34,10 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
                     "trainer.min_lr_ratio", "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1",
                     "trainer.beta2", "trainer.grad_clip", "trainer.warmup_fraction"),
 }
-_IGNORED = ("data.cache_dir", "data.max_doc_chars")  # where the cache lives does not change the data
+_IGNORED = ("data.cache_dir", "data.max_doc_chars",  # where the cache lives does not change the data
+            # what these change is in the inputs already: the documents of each split (the
+            # data fingerprint) and the text the BPE is trained on (bpe_text, dipaco/prepare_tokens.py)
+            "data.splits", "data.tokenizer_sample_bytes", "data.tokenizer_sample_documents")
 # Keys added since fingerprints exist whose "off" value is not null: a run directory
 # recorded before them matches when this run leaves them at this value.
 _ADDED_OFF = {"router.prompt_classifier": False}
