@@ -43,8 +43,8 @@ from router import (
 # memory grows with its sample (the prefixes, their TF-IDF matrix, and the SVD's work
 # arrays of [terms, 74] and [documents, 74] float64), so the sample must stop growing with
 # the corpus early: 2**15 documents hold the default run's whole training split (27,6xx),
-# so its router is unchanged, and faiss samples at most 256 points per centroid anyway.
-# At 262,144 a 1 GB corpus's fit took 1.5 GB more than a 50 MB one's.
+# so its router is unchanged, and faiss samples at most 256 points per centroid anyway
+# (the old cap, 262,144, let a large corpus's fit take 1.6 GB: docs/results.md §20).
 ROUTER_FIT_MAX_DOCUMENTS = 32_768
 
 
