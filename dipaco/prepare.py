@@ -22,7 +22,7 @@ from dipaco.device import model_device, to_device
 from dipaco.early_stopping import write_validation_shards
 from dipaco.fingerprint import Fingerprints
 from dipaco.prepare_tokens import (_require_documents_per_path, evaluated_rows,  # noqa: F401 - re-exported
-                                   peak_rss_mib, prepare_tokens, split_tokens)
+                                   peak_rss_mib, prepare_tokens, release_free_memory, split_tokens)
 from dipaco.progress import bars_enabled
 from dipaco.run_dir import RunDir, RunDirError
 from dipaco.schedule import warmup_steps
@@ -41,11 +41,13 @@ from router import (
 # The router's featurizer and k-means are fitted on at most this many training documents
 # (evenly spaced over the corpus); every document is then routed, in batches. The fit's
 # memory grows with its sample (the prefixes, their TF-IDF matrix, and the SVD's work
-# arrays of [terms, 74] and [documents, 74] float64), so the sample must stop growing with
-# the corpus early: 2**15 documents hold the default run's whole training split (27,6xx),
-# so its router is unchanged, and faiss samples at most 256 points per centroid anyway
-# (the old cap, 262,144, let a large corpus's fit take 1.6 GB: docs/results.md §20).
-ROUTER_FIT_MAX_DOCUMENTS = 32_768
+# arrays of [terms, 74] and [documents, 74] float64, the terms growing with the documents),
+# so the sample stops growing early: measured in a process of its own, +227 MB for 13,800
+# prefixes of a 4 KB-document corpus, +257 MB for 16,384, +392 MB for 32,674 (the old cap,
+# 262,144, let a large corpus's fit take 1.6 GB: docs/results.md §20). k-means samples at
+# most 256 points per centroid anyway (16,384 = 256 x the 64 fine clusters of router=merge
+# on up to 8 paths). The default run's 27,639 training documents are now a sample too.
+ROUTER_FIT_MAX_DOCUMENTS = 16_384
 
 
 @dataclass
@@ -157,6 +159,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         router = _fit_router(cfg, train_ids, featurizer_fn)
         router.save(run.router)
         fps.record("router", want)
+        release_free_memory()  # the fit's work arrays, before the costs of every document
     router.featurizer.progress = False  # routing draws one bar over every document (assign_in_batches)
     assignments = assign_in_batches(router, train_ids, progress=bars_enabled(t.progress))
     want_shards = shards_fingerprint(fps, run)

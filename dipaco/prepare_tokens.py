@@ -9,6 +9,7 @@ Either way what comes out is memory-mapped token ids (:class:`router.TokenDocs`)
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import resource
 import time
@@ -26,7 +27,7 @@ from dipaco.progress import bars_enabled
 from dipaco.run_dir import RunDir, RunDirError
 from router import TokenDocs
 
-__all__ = ["TokenSplits", "evaluated_rows", "peak_rss_mib", "prepare_tokens", "split_tokens"]
+__all__ = ["TokenSplits", "evaluated_rows", "peak_rss_mib", "prepare_tokens", "release_free_memory", "split_tokens"]
 
 
 @dataclass
@@ -48,6 +49,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def release_free_memory() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's ``malloc_trim``) between stages.
+
+    The BPE trainer and the encoding threads free what they allocated, but glibc keeps
+    freed memory in its arenas: after training on a 64 MiB sample the process held 220 MB
+    it no longer used, under every later stage's peak; ``malloc_trim(0)`` returned it. A
+    no-op where the C library has no ``malloc_trim``.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
     """Rows of a split's ``n`` documents that the evaluation scores: all of them, or
     ``max_documents`` spread evenly over the split (row ``floor(i * n / max_documents)``).
@@ -64,9 +79,11 @@ def evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
 
 
 def _stage(timings: dict, name: str, t0: float) -> None:
-    """Record a stage's seconds and the peak RSS so far (``timings``, ``summary.json``)."""
+    """Record a stage's seconds and the peak RSS so far (``timings``, ``summary.json``),
+    and release what the stage freed."""
     timings[f"{name}_s"] = time.perf_counter() - t0
     timings.setdefault("peak_rss_mib", {})[name] = round(peak_rss_mib(), 1)
+    release_free_memory()
 
 
 def prepare_tokens(cfg: Config, run: RunDir, fps: Fingerprints, log: Callable[[str], None]) -> TokenSplits:
@@ -142,6 +159,10 @@ def _tokenizer(cfg: Config, run: RunDir, corpus: Any, fps: Fingerprints, data_fp
     if given is None and getattr(corpus, "pretokenized", False):
         raise DataError(f"data.source=tokens: no tokenizer for the token ids in {d.path}. Fix: put the "
                         f"tokenizer.json they were made with beside them, or pass data.tokenizer=PATH")
+    for key in ("tokenizer_sample_bytes", "tokenizer_sample_documents"):
+        value = getattr(d, key)
+        require(value is None or int(value) > 0, f"data.{key}", f"must be positive or null, got {value}",
+                f"e.g. data.{key}=null (no limit)")
     whole = corpus.split("train", whole=True)
     sample = whole if given is not None else whole.spread(d.tokenizer_sample_bytes, d.tokenizer_sample_documents)
     # A given tokenizer, and the text the BPE is trained on, are part of what the run's
