@@ -19,7 +19,6 @@ from dipaco.decoupled.config import DecoupledConfig
 from modules.config import ModelConfig
 
 DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub", "tokens")
-DATA_SPLITS = ("auto", "hash")  # data.splits (dipaco/data/corpus.py)
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 GROUP_PARALLEL = ("replicate", "fsdp")  # launcher.group_parallel
 ROUTER_METHODS = ("product", "tree", "flat", "grouped", "merge", "random")
@@ -88,9 +87,8 @@ class DataConfig:
     min_doc_chars: int = 64
     val_fraction: float = 0.05
     test_fraction: float = 0.05
-    # auto: a source's own validation/test splits (a hub dataset's, a save_to_disk folder's,
-    # files under validation/ or named test.jsonl) are kept, the splits it lacks are drawn by
-    # hash of the group; hash: every split by hash, whatever the source has (docs/data.md)
+    # auto: a source's own validation/test splits are kept, the ones it lacks drawn by hash of
+    # the group; hash: every split by hash, whatever the source has (docs/data.md)
     splits: str = "auto"
     # the BPE is trained on documents spread evenly over the training split, at most this
     # many bytes of text (the built-in corpora fit whole) and documents (null: no limit)
@@ -351,7 +349,6 @@ def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
     token files), ``model.vocab_size`` becomes that tokenizer's size unless
     ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    # pre-tokenized input brings its tokenizer beside the token files (dipaco/data/pretokenized.py)
     path = cfg.data.tokenizer or (tokenizer_beside(cfg.data) if cfg.data.source == "tokens" else None)
     if path and "model.vocab_size" not in given:
         cfg.model.vocab_size = Tokenizer.load(path).vocab_size

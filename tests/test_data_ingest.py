@@ -119,6 +119,12 @@ def test_file_split_names() -> None:
         ["train", "validation", "test", "validation", None, None, None]
 
 
+def test_an_unknown_split_mode_is_one_line(tmp_path) -> None:
+    _jsonl(tmp_path / "d.jsonl", [_doc(0)])
+    with pytest.raises(DataError, match=r"data\.splits='own' is unknown\. Fix: use one of auto, hash"):
+        load_corpus(_cfg(source="jsonl", path=str(tmp_path / "d.jsonl"), splits="own"), progress=False)
+
+
 def test_own_splits_of_local_files(tmp_path) -> None:
     _jsonl(tmp_path / "train.jsonl", [_doc(i) for i in range(60)])
     _jsonl(tmp_path / "validation.jsonl", [_doc(100 + i) for i in range(4)])
@@ -277,3 +283,15 @@ def test_a_kill_mid_tokenization_leaves_nothing_a_later_run_trusts(tmp_path) -> 
     assert [d.tolist() for d in ids] == [tok.encode(t) for t in corpus.dataset["text"]]
     corpus.close()
     assert [p.name for p in cache.iterdir()] == [Path(ids.tokens.filename).parent.name]  # the dead run's temps are gone
+
+
+def test_repeated_ids_are_numbered_across_the_digest_merges(tmp_path, monkeypatch) -> None:
+    from dipaco.data.cleaning import DigestSet
+
+    monkeypatch.setattr(DigestSet, "MERGE", 4)  # most ids are found in the merged array
+    _jsonl(tmp_path / "d.jsonl", [_doc(i, key=f"k{i % 7}") for i in range(30)])
+    c = load_corpus(_cfg(source="jsonl", path=str(tmp_path / "d.jsonl"), id_field="key", val_fraction=0.0,
+                         test_fraction=0.0), progress=False)
+    ids = c.dataset["id"]
+    assert len(set(ids)) == 30 and ids[:8] == ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k0~2"]
+    assert ids[-1] == "k1~5"

@@ -11,13 +11,15 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional
 
+import numpy as np
+
 from dipaco.data.errors import DataError
 from dipaco.data.readers import count_skip
 
 if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch)
     from dipaco.config import DataConfig
 
-__all__ = ["Cleaner", "Document", "check_fields"]
+__all__ = ["Cleaner", "DigestSet", "Document", "check_fields"]
 
 # values a label, id or group may hold (anything else is a malformed record)
 _SCALARS = (str, int, float, bool)
@@ -56,12 +58,37 @@ def _field(value: Any, what: str) -> Optional[str]:
     return value
 
 
+class DigestSet:
+    """A set of 64-bit digests in ~8 bytes each: recent ones in a Python set, merged into a
+    sorted numpy array every :attr:`MERGE` (a Python set of a million ints costs ~90 MB)."""
+
+    MERGE = 1 << 16
+
+    def __init__(self) -> None:
+        self._recent: set = set()
+        self._sorted = np.zeros(0, np.uint64)
+
+    def add(self, key: int) -> bool:
+        """Add ``key``; True when it was not there yet."""
+        if key in self._recent:
+            return False
+        i = int(np.searchsorted(self._sorted, np.uint64(key)))
+        if i < self._sorted.size and int(self._sorted[i]) == key:
+            return False
+        self._recent.add(key)
+        if len(self._recent) >= self.MERGE:
+            self._sorted = np.union1d(self._sorted, np.fromiter(self._recent, np.uint64, len(self._recent)))
+            self._recent = set()
+        return True
+
+
 class Cleaner:
     """Check raw records one by one, keep the usable ones, count the rest.
 
     ``unique_ids``: ids can repeat (they come from ``data.id_field``), so repeats are
     numbered ``<id>~2``, ``<id>~3``, ... (splits and shards are keyed by id). Seen ids are
-    kept as 8-byte digests, not strings. Generated ids (``file#line``) are unique as made.
+    kept as 8-byte digests (:class:`DigestSet`), not strings. Generated ids (``file#line``)
+    are unique as made.
     """
 
     def __init__(self, cfg: "DataConfig", text_field: str, label_field: Optional[str], id_field: Optional[str],
@@ -74,7 +101,7 @@ class Cleaner:
         self.max_chars = int(cfg.max_doc_chars or 0)
         self.skipped: Dict[str, int] = {}
         self.unique_ids = id_field is not None if unique_ids is None else unique_ids
-        self._seen: set = set()
+        self._seen = DigestSet()
         self._repeats: Dict[int, int] = {}
         self.records = 0
         self.kept = 0
@@ -163,8 +190,7 @@ class Cleaner:
 
     def _unique(self, doc_id: str) -> str:
         key = int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "little")
-        if key not in self._seen:
-            self._seen.add(key)
+        if self._seen.add(key):
             return doc_id
         n = self._repeats.get(key, 1) + 1
         self._repeats[key] = n

@@ -80,7 +80,7 @@ _WRITE_BATCH = 1024  # documents buffered before they go to the store
 Part = Tuple[Optional[str], Iterable[Tuple[str, Dict[str, Any], bool]]]
 
 
-@dataclass
+@dataclass(eq=False)
 class Corpus:
     """The loaded documents (on disk, :class:`Documents` views) and the record of what was left out.
 

@@ -142,7 +142,7 @@ class TokenView(Documents):
         return h.hexdigest()
 
 
-@dataclass
+@dataclass(eq=False)
 class TokenCorpus(Corpus):
     """A pre-tokenized corpus: the metadata of each document (id, label, split) in a text
     store with empty texts, and the token ids of every store row."""
