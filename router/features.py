@@ -186,9 +186,14 @@ class TokenTfidfFeaturizer:
         if n == 0:
             raise ValueError("docs is empty: the featurizer needs at least one document to fit")
         rows, keys = self._term_keys(docs)
-        # Document frequency: count each (doc, term) once.
-        pairs = np.unique(np.stack([rows, keys], axis=1), axis=0) if keys.size else np.zeros((0, 2), np.int64)
-        terms, df = np.unique(pairs[:, 1], return_counts=True)
+        # Document frequency: count each (doc, term) once: the distinct (doc, term) pairs,
+        # found by one sort of the occurrences (no [M, 2] array and its row-unique copies)
+        order = np.lexsort((keys, rows))
+        rows, keys = rows[order], keys[order]
+        first = np.ones(keys.size, bool)
+        first[1:] = (rows[1:] != rows[:-1]) | (keys[1:] != keys[:-1])
+        terms, df = np.unique(keys[first], return_counts=True)
+        del rows, keys, order, first  # the SVD below is the fit's peak: nothing else stays
         keep = df >= self.min_df
         terms, df = terms[keep], df[keep]
         if self.max_features is not None and terms.size > self.max_features:
@@ -199,23 +204,24 @@ class TokenTfidfFeaturizer:
         self.vocab_keys = terms.astype(np.int64)
         # Smoothed idf (as if one extra document contained every term): never zero or inf.
         self.idf = (np.log((1.0 + n) / (1.0 + df)) + 1.0).astype(np.float32)
-        x = self._tfidf(docs)
+        x = self._tfidf(docs).astype(np.float64)
         # Small SVDs run faster on one BLAS thread: with several threads each tiny LU/QR
         # pays synchronisation costs (measured 0.1 s vs up to 2 s on a busy 2-core host).
         small = n * max(terms.size, 1) < _SMALL_SVD
-        components = np.zeros((self.dim, max(terms.size, 1)), np.float32)
         n_comp = min(self.dim, terms.size, n)
+        vt = None
         if n_comp >= 1 and x.nnz:
             from threadpoolctl import threadpool_limits  # lazy: scikit-learn's dependency, needed only here
 
             with threadpool_limits(limits=1 if small else None):
-                _, _, vt = randomized_svd(
-                    x.astype(np.float64), n_comp, n_iter=5, random_state=self.seed
-                )
+                _, _, vt = randomized_svd(x, n_comp, n_iter=5, random_state=self.seed)
+        del x
+        components = np.zeros((self.dim, max(terms.size, 1)), np.float32)
+        for i in range(n_comp if vt is not None else 0):  # a row at a time: no [dim, terms] float64 temporaries
             # Sign convention: the largest-magnitude entry of each component is positive,
             # so features do not flip sign between library versions.
-            signs = np.sign(vt[np.arange(n_comp), np.abs(vt).argmax(axis=1)])
-            components[:n_comp] = (vt * signs[:, None]).astype(np.float32)
+            row = vt[i]
+            components[i] = (row * np.sign(row[np.abs(row).argmax()])).astype(np.float32)
         self.components = components
         return self
 

@@ -39,7 +39,7 @@ SHARDS_FORMAT_VERSION = 2
 _TOKENS, _INDEX, _MANIFEST = "tokens", "shard_index.npz", "shards.json"
 # Rows routed (prefixes featurized) per batch, and tokens copied per batch when writing
 # shards: both bound memory on corpora larger than RAM.
-BATCH_ROWS = 65_536
+BATCH_ROWS = 16_384
 BATCH_TOKENS = 4 * 2**20
 _REWRITE = "route again (dipaco-route, or dipaco-train resume=false into a new run dir)"
 

@@ -161,7 +161,7 @@ def test_path_arrays_give_what_path_lists_give(tmp_path, routed) -> None:
     ds, router, docs = routed
     lists = assign_in_batches(router, docs, batch_size=7)
     array = assign_in_batches(router, docs, batch_size=7, as_array=True)
-    assert array.dtype == np.int16 and array.tolist() == lists
+    assert array.dtype == np.int8 and array.tolist() == lists
     a = write_shards(docs, array, router.num_paths, tmp_path / "a")
     b = write_shards(docs, lists, router.num_paths, tmp_path / "b")
     assert a == b and (tmp_path / "a" / "shard_index.npz").read_bytes() == (tmp_path / "b" / "shard_index.npz").read_bytes()
