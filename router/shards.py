@@ -126,14 +126,13 @@ def write_shards(
     kept_rows = np.flatnonzero(valid.any(axis=1)).astype(np.int64)
     position = np.full(len(paths), -1, np.int64)
     position[kept_rows] = np.arange(kept_rows.size)
-    # per path, its rows in ascending order (a stable sort of the row-major memberships)
-    member_rows = np.nonzero(valid)[0]
-    member_paths = paths[valid].astype(np.int64)
-    by_path = np.argsort(member_paths, kind="stable")
-    sizes = np.bincount(member_paths, minlength=num_paths).astype(np.int64)
+    # per path, its rows in ascending order: one pass over the [N, k] array per path
+    # (a million documents: no int64 arrays of every membership and their argsort)
+    per_path = [position[np.flatnonzero((paths == p).any(axis=1))] for p in range(num_paths)]
+    sizes = np.array([r.size for r in per_path], np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    rows = position[member_rows[by_path]]
-    del member_rows, member_paths, by_path
+    rows = np.concatenate(per_path).astype(np.int64) if per_path else np.zeros(0, np.int64)
+    del per_path
 
     # The writer fills a temporary directory and renames it into place: a reader never
     # sees a half-written tokens/.
