@@ -161,7 +161,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         fps.record("router", want)
         release_free_memory()  # the fit's work arrays, before the costs of every document
     router.featurizer.progress = False  # routing draws one bar over every document (assign_in_batches)
-    assignments = assign_in_batches(router, train_ids, progress=bars_enabled(t.progress))
+    assignments = assign_in_batches(router, train_ids, progress=bars_enabled(t.progress), as_array=True)
+    release_free_memory()  # the [N, P] costs and the assignment's work arrays
     want_shards = shards_fingerprint(fps, run)
     reuse_shards = fps.reusable("shards", want_shards, run.shards.is_dir() and run.routing_report.is_file(),
                                 "shards/")
@@ -169,6 +170,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         with progress_bars(t.progress):
             write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                          router.num_paths * cfg.grid.replicas, run.shards)
+        release_free_memory()
     best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, dtype=np.int64)
     if t.path_early_stopping:  # each path's own validation shard (cheap and deterministic: rewritten)
         write_validation_shards(run, best, val_ids, router.num_paths)
