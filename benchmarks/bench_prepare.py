@@ -178,6 +178,7 @@ def _row(label: str, corpus: dict[str, Any], run: dict[str, Any]) -> dict[str, A
     encode_s = (timings.get("tokenize_s", 0.0) - timings.get("tokenizer_s", 0.0)) or None
     return {"code": label, "text_mb": round(mb, 1), "documents": corpus["documents"],
             "load_s": run["load_s"], "tokenize_s": run["tokenize_s"], "route_s": run["route_s"],
+            "tokenizer_s": timings.get("tokenizer_s"),
             "prepare_s": stages, "wall_s": run["wall_s"], "cpu_s": run["cpu_s"],
             "tokenize_mb_s": mb / run["tokenize_s"],
             "encode_mb_s": mb / encode_s if encode_s else None,

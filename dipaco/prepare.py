@@ -44,7 +44,7 @@ from router import (
 # arrays of [terms, 74] and [documents, 74] float64, the terms growing with the documents),
 # so the sample stops growing early: measured in a process of its own, +227 MB for 13,800
 # prefixes of a 4 KB-document corpus, +257 MB for 16,384, +392 MB for 32,674 (the old cap,
-# 262,144, let a large corpus's fit take 1.6 GB: docs/results.md §20). k-means samples at
+# 262,144, let a fit on synthetic prefixes take 1.6 GB: docs/results.md §20). k-means samples at
 # most 256 points per centroid anyway (16,384 = 256 x the 64 fine clusters of router=merge
 # on up to 8 paths). The default run's 27,639 training documents are now a sample too.
 ROUTER_FIT_MAX_DOCUMENTS = 16_384
