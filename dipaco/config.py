@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from dipaco.config_error import ConfigError, composition_error, require  # noqa: F401 (re-exported)
-from dipaco.data.tokenizer import Tokenizer
+from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
 from dipaco.decoupled.config import DecoupledConfig
 from modules.config import ModelConfig
 
@@ -27,9 +27,10 @@ class DataConfig:
     """Where documents come from (docs/design.md, "Data flow", first box)."""
 
     # multidomain (the default: five labelled domains from this install, docs/data.md) |
-    # python_sources | jsonl | json | parquet | text | hub
+    # python_sources | jsonl | json | parquet | text | hub | tokens (pre-tokenized)
     source: str = "multidomain"
-    # local file, glob or directory (jsonl/json/parquet/text) or a hub dataset name
+    # local file, glob or directory (jsonl/json/parquet/text), a hub dataset name or a
+    # save_to_disk folder (hub), or a directory of token shards (tokens)
     path: Optional[str] = None
     # hub sources only: the dataset's config name and split
     hub_config: Optional[str] = None
@@ -38,6 +39,7 @@ class DataConfig:
     # downloading and converting the whole dataset first; max_documents then takes the
     # first N usable documents of the stream (a hash sample would need all of it)
     streaming: bool = False
+    # the record key holding a document's text (data=tokens: its token ids)
     text_field: str = "text"
     # a label used only to *evaluate* routing (NMI), never to route
     label_field: Optional[str] = None
@@ -68,6 +70,13 @@ class DataConfig:
     min_doc_chars: int = 64
     val_fraction: float = 0.05
     test_fraction: float = 0.05
+    # auto: a source's own validation/test splits are kept, the ones it lacks drawn by hash of
+    # the group; hash: every split by hash, whatever the source has (docs/data.md)
+    splits: str = "auto"
+    # the BPE is trained on documents spread evenly over the training split, at most this
+    # many bytes of text (the built-in corpora fit whole) and documents (null: no limit)
+    tokenizer_sample_bytes: Optional[int] = 64 * 2**20
+    tokenizer_sample_documents: Optional[int] = None
     # where tokenized datasets are cached; None: <run_dir>/cache
     cache_dir: Optional[str] = None
     # an existing HF tokenizer.json, or a local transformers tokenizer directory, to use
@@ -326,11 +335,13 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
 
 
 def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
-    """With ``data.tokenizer`` set, ``model.vocab_size`` becomes that tokenizer's size unless
+    """With ``data.tokenizer`` set (or, for ``data=tokens``, a ``tokenizer.json`` beside the
+    token files), ``model.vocab_size`` becomes that tokenizer's size unless
     ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    if cfg.data.tokenizer and "model.vocab_size" not in given:
-        cfg.model.vocab_size = tokenizer_size(cfg.data.tokenizer)
+    path = cfg.data.tokenizer or (tokenizer_beside(cfg.data) if cfg.data.source == "tokens" else None)
+    if path and "model.vocab_size" not in given:
+        cfg.model.vocab_size = tokenizer_size(path)
     return cfg
 
 
