@@ -10,6 +10,18 @@ run while the module is exchanged, and the sync point τ steps later waits only 
 they did not hide. ``sync_s`` of the round is the time the inner steps stood still at
 sync points (the exposed communication, plus encoding and outer steps); ``compute_s``
 the inner steps and the copies' swaps.
+
+HAZARDS (torch backend; why this cannot deadlock). While a module is in flight two
+threads issue collectives: the communication thread (the module's exchange: its module
+subgroup and, with G > 1, the exchange's own worker group) and this one (the inner loop's
+gradient all-reduce on the worker group, FSDP2 is refused). They never share a process
+group (:mod:`dipaco.sync.groups`, 3.), and each thread issues its collectives in one
+order on every rank: the comm thread runs launches in (step, global module order), the
+same total order on every rank of every module group, so no cycle of waits can form.
+Nothing may issue a collective on a module subgroup from this thread while the stream is
+in flight: the round's barrier, checkpoints, early stopping and the digest checks all run
+after :meth:`~dipaco.sync.streaming.StreamingSync.end_round`, which refuses to end a
+round with an exchange in flight.
 """
 from __future__ import annotations
 

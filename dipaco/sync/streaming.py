@@ -43,11 +43,11 @@ each module's last launch: :meth:`path_state` / :meth:`load_path_state`
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dipaco.plan.stagger import Points, inflight_peak, streaming_points, synchronous_points
+from dipaco.plan.stagger import Points, inflight_peak, synchronous_points
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.module_sync import ModuleRoundStats, RoundStats
@@ -106,12 +106,10 @@ class StreamingSync:
         sync.streaming = self
 
     @classmethod
-    def from_config(cls, sync: DiLoCoSync, d, rounds: int, sizes: dict[str, int]) -> "StreamingSync":
-        """From ``cfg.diloco`` (``d``) with every module's bytes per rank (``sizes``,
-        :func:`dipaco.plan.comm_plan.module_bytes_per_rank`: the same on every rank)."""
-        pts = streaming_points(sync.topology.module_ids, d.inner_steps, d.streaming_delay,
-                               fragments=d.streaming_fragments, spread=d.streaming_spread, sizes=sizes)
-        return cls(sync, pts, rounds, keep=d.streaming_mix)
+    def from_config(cls, sync: DiLoCoSync, d: Any, rounds: int, points: Points) -> "StreamingSync":
+        """From ``cfg.diloco`` (``d``: its ``streaming_mix``) and the run's staggered points
+        (:func:`dipaco.plan.build.build_streaming_points`: the same on every rank)."""
+        return cls(sync, points, rounds, keep=d.streaming_mix)
 
     # ----------------------------------------------------------------- the round
     def points_of(self, r: int) -> Points:
