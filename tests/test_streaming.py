@@ -133,3 +133,8 @@ def test_resume_inside_the_staggered_schedule_equals_the_uninterrupted_run(tmp_p
     golden_run.run_rounds(compose_config(base + ["resume=true"], r.root), r)
     assert_matches(golden_run.trajectory(r), whole, "resumed streaming")
     shutil.rmtree(r.root)
+
+
+def test_the_default_delay_does_not_refuse_short_rounds_that_do_not_stream(tmp_path: Path) -> None:
+    """τ's bound (H − 1) applies only with streaming on: H = 1 runs keep validating."""
+    validate_config(compose_config(golden_run.BASE + ["diloco.inner_steps=1"], tmp_path))
