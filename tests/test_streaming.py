@@ -138,3 +138,16 @@ def test_resume_inside_the_staggered_schedule_equals_the_uninterrupted_run(tmp_p
 def test_the_default_delay_does_not_refuse_short_rounds_that_do_not_stream(tmp_path: Path) -> None:
     """τ's bound (H − 1) applies only with streaming on: H = 1 runs keep validating."""
     validate_config(compose_config(golden_run.BASE + ["diloco.inner_steps=1"], tmp_path))
+
+
+@pytest.mark.multiprocess
+def test_gloo_resume_inside_the_staggered_schedule_equals_the_uninterrupted_local_run(tmp_path: Path) -> None:
+    """The same on 2 gloo ranks: each rank checkpoints its path copies (streams/) and, resumed,
+    lands where the uninterrupted local replay does (no exchange lost or applied twice)."""
+    whole = run(tmp_path, "sync_local", STREAM)
+    r = golden_run.build_run(tmp_path / "stopped_gloo")
+    base = golden_run.BASE + golden_run.SCENARIOS["sync_gloo"] + STREAM
+    golden_run.run_rounds(compose_config(base + ["trainer.stop_after_rounds=1"], r.root), r)
+    assert len(list((r.checkpoints / "round_000001" / "streams").glob("path_*.safetensors"))) == 4
+    golden_run.run_rounds(compose_config(base + ["resume=true"], r.root), r)
+    assert_matches(golden_run.trajectory(r), whole, "resumed streaming, gloo")

@@ -180,25 +180,23 @@ class StreamingSync:
         t0 = time.perf_counter()
         pending.wait()  # the part of the exchange the inner steps did not hide
         self.blocked_s += time.perf_counter() - t0
-        stats = s.finish()
         a, b = self._round_points[m]
         weight = 1.0 if a == b else 1.0 - self.keep
+        if weight != 1.0:  # a path whose copy is still θ_global keeps the one before this step
+            for p in self.holders[m]:
+                if self.resident[m] != p and (p, m) not in self.copies:
+                    self.copies[(p, m)] = s.core.weights.to(s.params[0].device, copy=True)
+        stats = s.finish()
         for p in self.holders[m]:
             if self.resident[m] == p:
                 s.mix(weight)
             elif weight == 1.0:
                 self.copies.pop((p, m), None)  # absent: θ_global
             else:
-                s.core.mix_into([self._copy(p, m)], weight)
+                s.core.mix_into([self.copies[(p, m)]], weight)
         self._bytes[m] = self._per_rank(m, stats.bytes_sent)
         self._intervals.append((pending.started_at, pending.done_at or pending.started_at, self._bytes[m]))
         return stats
-
-    def _copy(self, p: int, m: str) -> torch.Tensor:
-        if (p, m) not in self.copies:
-            w = self.sync.syncs[m].core.weights
-            self.copies[(p, m)] = w.to(self.sync.syncs[m].params[0].device, copy=True)
-        return self.copies[(p, m)]
 
     def _per_rank(self, m: str, sent: int) -> int:
         """Bytes one rank of ``m``'s module group sent (the local backend counts them all)."""
