@@ -1,20 +1,26 @@
-"""Routers saved by earlier code still load and route as they did, and fitting gives what
-the earlier code gave.
+"""The routing methods as a registry: routers saved before it still load and route as
+they did, fitting gives what the code before it gave, and every method is reachable
+through its one registry line and its YAML.
 
-``tests/golden/routers_v3/`` was written by the code of commit 8e27190 (router format
-version 3; ``make.py`` there says how): one saved router per method and
+``tests/golden/routers_v3/`` was written by the code before the registry (commit 8e27190,
+router format version 3; ``make.py`` there says how): one saved router per method and
 what that code computed with it on a small corpus.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from router import METHODS, Router
+from router.methods import method_class, method_config, method_settings
+from router.settings import RouterSettings
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "routers_v3"
@@ -64,3 +70,39 @@ def test_a_router_saved_before_the_registry_loads_and_routes_as_it_did(method: s
 @pytest.mark.parametrize("method", METHODS)
 def test_fitting_gives_what_the_code_before_the_registry_gave(method: str) -> None:
     _check(MAKE.fit(method, _docs()), method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_old_router_saved_again_is_version_4_and_routes_the_same(tmp_path: Path, method: str) -> None:
+    shutil.copytree(GOLDEN / method, tmp_path / "r")
+    Router.load(tmp_path / "r").save(tmp_path / "r")  # in place, as a re-shard does
+    m = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert m["version"] == 4 and not (tmp_path / "r" / "kmeans.npz").exists()
+    assert set(m["method_settings"]) == {f.name for f in fields(method_class(method))}
+    _check(Router.load(tmp_path / "r"), method)
+
+
+def test_every_method_has_a_yaml_in_conf_router() -> None:
+    """Adding a router is one module, one YAML and one registry line: the YAML must exist."""
+    named = {yaml.safe_load(p.read_text()).get("method", "product") for p in (REPO / "conf" / "router").glob("*.yaml")}
+    assert set(METHODS) <= named, sorted(set(METHODS) - named)
+
+
+def test_a_setting_the_method_lacks_is_refused() -> None:
+    with pytest.raises(TypeError, match="method 'tree' has no setting 'fine_clusters'"):
+        method_config("tree", fine_clusters=8)
+    with pytest.raises(ValueError, match="method must be one of"):
+        Router.fit(_docs(), [2, 2], method="nope")
+    with pytest.raises(TypeError, match="no setting"):
+        Router.fit(_docs(), [2, 2], method="flat", fine_clusters=8)
+
+
+def test_method_settings_are_one_list_apart_from_the_router_s() -> None:
+    router = {f.name for f in fields(RouterSettings)}
+    assert set(method_settings()) == {"niter", "fine_clusters"} and not router & set(method_settings())
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if not method_class(m).learns_content])
+def test_a_control_without_content_refuses_a_prompt_classifier(method: str) -> None:
+    with pytest.raises(ValueError, match=f"prompt_classifier=False with method='{method}'"):
+        Router.fit(_docs(), [2, 2], method=method, prompt_classifier=True)
