@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-import zlib
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from functools import lru_cache
 from importlib import import_module
-from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
-
-import numpy as np
+from typing import Any, Mapping, NamedTuple
 
 from ..settings import RouterSettings
-from .base import Grid, MethodConfig, RoutingMethod, setting
+from .base import MethodConfig, RoutingMethod, setting
 
 # method name → "module:ConfigClass" in this folder (imported on first use)
 REGISTRY: dict[str, str] = {
@@ -30,52 +27,14 @@ REGISTRY: dict[str, str] = {
     "flat": "flat:FlatConfig",
     "grouped": "grouped:GroupedConfig",  # experimental
     "merge": "merge:MergeConfig",
+    "random": "random:RandomConfig",  # the control
 }
 
-
-# ---- bridge: "random" is still defined here, outside the registry, until it moves to a
-# module of its own (the commit that moves it is the example of adding a router)
-@dataclass
-class _RandomConfig(MethodConfig):
-    """The random control: a path drawn from a seeded hash of the prefix; no settings."""
-
-    name: ClassVar[str] = "random"
-    learns_content: ClassVar[bool] = False
-
-    def build(self, grid: Grid, *, seed: int, dim: int) -> "_RandomMethod":
-        return _RandomMethod(self, grid, seed=seed)
-
-
-class _RandomMethod:
-    def __init__(self, config: _RandomConfig, grid: Grid, *, seed: int) -> None:
-        self.config, self.grid, self.seed = config, grid, seed
-
-    def fit(self, features: np.ndarray, prefixes: Sequence[np.ndarray]) -> None:
-        pass
-
-    def costs(self, features: np.ndarray, prefixes: Sequence[np.ndarray]) -> np.ndarray:
-        out = np.empty((len(prefixes), int(np.prod(self.grid))), np.float32)
-        for i, x in enumerate(prefixes):
-            key = zlib.crc32(np.asarray(x, np.int64).tobytes()) ^ (self.seed * 2654435761 & 0xFFFFFFFF)
-            out[i] = np.random.default_rng(key).random(out.shape[1])
-        return out
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def load_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
-        pass
-
-
-_OUTSIDE: dict[str, type[MethodConfig]] = {"random": _RandomConfig}
-# ---- end of the bridge
-METHODS = tuple(REGISTRY) + tuple(_OUTSIDE)
+METHODS = tuple(REGISTRY)
 
 
 def method_class(name: str) -> type[MethodConfig]:
     """The config dataclass of method ``name``; ValueError naming the methods for another name."""
-    if name in _OUTSIDE:
-        return _OUTSIDE[name]
     if name not in REGISTRY:
         raise ValueError(f"method must be one of {METHODS}, got {name!r}")
     module, cls = REGISTRY[name].split(":")
