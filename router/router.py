@@ -4,11 +4,10 @@ Path ids follow the grid's mixed radix with level 0 most significant
 (``np.ravel_multi_index(path, grid)``; for grid [4, 4], path (2, 1) is id 9).
 
 How features become path costs is the routing method's (``method``, a name of the
-registry ``router.methods.REGISTRY``: product, tree, flat, grouped, merge, random; each
-described in its module under ``router/methods/``). Everything else is the Router's and
-the same for every method: the views it reads (:class:`router.settings.RouterSettings`),
-the featurizer, balanced top-k training shards, the fallback path, the classifier heads,
-saving and loading.
+registry ``router.methods.REGISTRY``, each described in its module under
+``router/methods/``). Everything else is the Router's and the same for every method: the
+views it reads (:class:`router.settings.RouterSettings`), the featurizer, balanced top-k
+training shards, the fallback path, the classifier heads, saving and loading.
 
 With ``prompt_classifier`` a logistic-regression head is fitted at the end of
 :meth:`Router.fit`: it learns, from each training document's first ``prefix_tokens``

@@ -20,7 +20,8 @@ from typing import Any, Mapping, NamedTuple
 from ..settings import RouterSettings
 from .base import MethodConfig, RoutingMethod, setting
 
-# method name → "module:ConfigClass" in this folder (imported on first use)
+# method name → "module:ConfigClass" in this folder (imported by method_class; importing this
+# package imports them all, to gather MethodSettings)
 REGISTRY: dict[str, str] = {
     "product": "product:ProductConfig",  # router=kmeans, the default
     "tree": "tree:TreeConfig",
