@@ -85,6 +85,10 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
     "route_sharing": (_module("route_sharing"),
                       lambda d: ", ".join(f"{r['method']} {r['level0_nmi']}" for r in d["hierarchy"] if r["grid"] == [4, 4]),
                       "level-0 NMI vs super-topic, synthetic hierarchy [4,4]", "tree ~1"),
+    "link": (_module("link"),
+             lambda d: ", ".join(f"{r['rate_mbit']} Mbit/s {r['setting']}: {fmt(r['hidden'])}" for r in d.get("rows", [])
+                                 if r.get("hidden") is not None) or d.get("skipped", "see link.json"),
+             "share of sync DiLoCo's exposed comm streaming hides, 4 gloo ranks, shaped loopback", ">= 0.8"),
 }
 
 # Scripts added later by others run too (as standalone scripts taking --quick), so the

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups", "prepare"]
+OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups", "prepare", "link"]
 
 
 def test_entry_point_help() -> None:
@@ -37,3 +37,14 @@ def test_entry_point_knows_every_script() -> None:
     scripts = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
     assert scripts <= set(BENCHMARKS), scripts - set(BENCHMARKS)
     assert {"routing", "infer", *OWN} <= set(BENCHMARKS)
+
+
+def test_link_benchmark_skips_with_a_message_when_it_cannot_shape(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """Not root: bench_link says why and skips instead of failing (issue #34 item 5)."""
+    from benchmarks import bench_link
+
+    monkeypatch.setattr(bench_link.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv(bench_link.INSIDE, raising=False)
+    assert "not root" in bench_link.main([])["skipped"]
+    assert "skipped: cannot shape a link here (not root" in capsys.readouterr().out

@@ -172,7 +172,7 @@ def test_driver_misuse_is_reported() -> None:
 
 # ----------------------------------------------------------------------------- codecs
 def test_codec_registry_errors() -> None:
-    with pytest.raises(ValueError, match=r"diloco.codec='zip'.*\['bf16', 'fp16', 'int8', 'none', 'topk'\]"):
+    with pytest.raises(ValueError, match=r"diloco.codec='zip'.*\['bf16', 'fp16', 'fp8', 'int4', 'int8', 'none', 'topk'\]"):
         make_codec("zip")
     with pytest.raises(ValueError, match="diloco.codec_kw"):
         make_codec("int8", fraction=0.1)

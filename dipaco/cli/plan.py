@@ -3,7 +3,8 @@
 Per module: the paths that share it, the worker groups that hold it, its parameters and
 the bytes it sends per round with the configured codec; and the bytes a data-parallel
 (DDP) run of one path's model over the same ranks would send in the same H steps.
-Then each rank's parameter, gradient, optimiser and activation memory
+With ``diloco.streaming=true``, each fragment's launch and landing step and the peak
+bytes a path has in flight (:mod:`dipaco.plan.stagger`). Then each rank's parameter, gradient, optimiser and activation memory
 (:mod:`dipaco.plan.memory`).
 Takes the same overrides as ``dipaco-train``, so a plan can be read before launching::
 
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from dipaco.plan.build import build_comm_plan, build_grid, build_topology
+from dipaco.plan.build import build_comm_plan, build_grid, build_topology, format_streaming_plan
 from dipaco.cli.errors import report_user_errors
 from dipaco.plan.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, ConfigError, compose_config
@@ -119,6 +120,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         cfg = compose_config(overrides)
         validate_config(cfg)
         print(format_plan(plan_for(cfg)))
+        if cfg.diloco.streaming:
+            print(format_streaming_plan(cfg, planned_ranks(cfg)))
         print(format_capacity(cfg))
         print()
         print(format_memory(cfg, memory_for(cfg)))

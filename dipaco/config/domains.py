@@ -145,6 +145,14 @@ DOMAINS: dict[str, Domain] = {
     "diloco.codec_topk_fraction": Real(0, 1, lo_open=True), "diloco.error_feedback": FLAG,
     "diloco.lossy_exchange": OneOf(("auto", "reduce_scatter", "all_gather")), "diloco.sharing_rescale": FLAG,
     "diloco.alpha": OneOf(ALPHAS), "diloco.outer_device": OneOf(("auto", "cpu")),
+    "diloco.streaming": FLAG, "diloco.streaming_spread": OneOf(("even", "size")),
+    # bounded by H only when read: the default τ = 1 must not refuse H = 1 runs that do not stream
+    "diloco.streaming_delay": Int(0, Rel(lambda c: c.diloco.inner_steps - 1 if c.diloco.streaming else _BIG,
+                                         "diloco.inner_steps - 1", ("diloco.inner_steps", "diloco.streaming")),
+                                  why="a module's exchange lands within its round"),
+    "diloco.streaming_mix": Real(0, 0.999, why="1 would keep the live weights and never take the global ones"),
+    "diloco.streaming_fragments": Int(1, Rel(lambda c: len(c.grid.levels) + 2, "the stages of a path (embed, "
+                                             "each level, head)", ("grid.levels",)), null=True),
     "diloco.decoupled.workers": Int(1, MAX_PATHS, null=True),
     "diloco.decoupled.learners": Int(1, MAX_PATHS, null=True),  # deprecated name of workers
     "diloco.decoupled.sync_procs": Int(1, 1024),

@@ -140,8 +140,8 @@ class DiLoCoConfig:
     inner_steps: int = 50  # H
     mode: str = "sync"  # sync | decoupled
     outer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
-    codec: str = "none"  # none | fp16 | bf16 | int8 | topk
-    codec_block: int = 256  # int8: elements per scale
+    codec: str = "none"  # none | fp16 | bf16 | int8 | int4 | fp8 | topk
+    codec_block: int = 256  # int8, int4, fp8: elements per scale
     codec_topk_fraction: float = 0.01  # topk: share of entries kept
     error_feedback: bool = False
     # how lossy codecs cross a module group: reduce_scatter (compressed two-phase
@@ -157,6 +157,21 @@ class DiLoCoConfig:
     # module's own device (a GPU: no PCIe round trip per path and round) for the
     # synchronous, unsharded sync with codec none; cpu otherwise, or when set to cpu
     outer_device: str = "auto"
+    # streaming DiLoCo (arXiv 2501.18512; dipaco/plan/stagger.py): each module launches its
+    # exchange at its own inner step of the round, the path keeps training while it travels,
+    # and streaming_delay (τ) steps later the new global weights land; only a fragment of a
+    # path is in flight at a time. Synchronous rounds (false) exchange every module at step H.
+    streaming: bool = False
+    streaming_delay: int = 1  # τ, inner steps from a module's launch to its new weights landing
+    # the paper's α: the share of the live weights kept when the global ones land (τ ≥ 1;
+    # τ = 0 replaces them, as synchronous DiLoCo); torchft's fragment_update_alpha
+    streaming_mix: float = 0.5
+    # the path's stages (embed, each level, head) cut into this many consecutive fragments,
+    # each with its own launch step (None: one per stage)
+    streaming_fragments: Optional[int] = None
+    # launch steps spread evenly over the round (even), or with gaps in proportion to each
+    # fragment's bytes, so the bytes in flight stay level (size)
+    streaming_spread: str = "even"
     # diloco.mode=decoupled: decoupled workers, synchronisers, quorum, grace, staleness (docs/decoupled.md)
     decoupled: DecoupledConfig = field(default_factory=DecoupledConfig)
 
@@ -295,7 +310,7 @@ def eval_window(cfg: Config) -> int:
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:
     """The keyword arguments of ``make_codec(d.codec, ...)`` for this config."""
-    if d.codec == "int8":
+    if d.codec in ("int8", "int4", "fp8"):
         return {"block_size": d.codec_block}
     if d.codec == "topk":
         return {"fraction": d.codec_topk_fraction}

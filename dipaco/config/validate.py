@@ -42,6 +42,7 @@ def validate_config(cfg: Config) -> None:
     require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
              "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
     _validate_outer_step(cfg)
+    _validate_streaming(cfg)
     require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
              "LM features need the dense warm-up model", "set trainer.warmup_fraction>0 or router.featurizer=tfidf")
     require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
@@ -132,6 +133,23 @@ def _validate_outer_step(cfg: Config) -> None:
     if not torch.isfinite(p).all():
         raise ConfigError("diloco.outer", f"one outer step of {cfg.diloco.outer.name} on a unit "
                           "pseudo-gradient gives a non-finite weight", "lower diloco.outer.lr")
+
+
+def _validate_streaming(cfg: Config) -> None:
+    """``diloco.streaming`` (dipaco/plan/stagger.py): the synchronous rounds only, replicated
+    worker groups; its options are read only when it is on."""
+    dl, key = cfg.diloco, "diloco.streaming"
+    if not dl.streaming:
+        default = type(dl)()
+        for name in ("streaming_delay", "streaming_mix", "streaming_fragments", "streaming_spread"):
+            require(getattr(dl, name) == getattr(default, name), f"diloco.{name}",
+                    "only streaming sync reads it (diloco.streaming=false)",
+                    "set diloco.streaming=true, or drop the override")
+        return
+    require(dl.mode == "sync", key, "decoupled mode has no rounds whose sync points could be staggered",
+            "use diloco.mode=sync, or diloco.streaming=false")
+    require(cfg.launcher.group_parallel != "fsdp", key, "streaming keeps a copy of each path's modules, "
+            "which is not written for FSDP2-sharded modules", "use launcher.group_parallel=replicate")
 
 
 def _validate_evaluation(cfg: Config) -> None:

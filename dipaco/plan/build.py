@@ -10,10 +10,11 @@ from typing import Optional
 
 import torch
 
-from dipaco.plan.comm_plan import CommPlan, plan_round
+from dipaco.plan.comm_plan import CommPlan, module_bytes_per_rank, plan_round
 from dipaco.config import Config, codec_kwargs
 from dipaco.runtime.device import choose_device, local_rank_env
 from dipaco.plan.codecs import make_codec
+from dipaco.plan.stagger import Points, format_stagger, streaming_points
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
 
@@ -61,3 +62,29 @@ def build_comm_plan(cfg: Config, world_size: int) -> CommPlan:
     d = cfg.diloco
     return plan_round(topo, counts, make_codec(d.codec, **codec_kwargs(d)), d.inner_steps, d.lossy_exchange,
                       sharded=cfg.launcher.group_parallel == "fsdp")
+
+
+def build_streaming_points(cfg: Config, grid: ModuleGrid) -> Points:
+    """``diloco.streaming``'s staggered sync points (:mod:`dipaco.plan.stagger`).
+
+    ``streaming_spread=size`` weighs each module by its encoded payload
+    (``codec.nbytes_for(parameters)``), which depends on the module alone: every rank, and
+    the local backend, compute the same points whatever the worker grouping.
+    """
+    d = cfg.diloco
+    codec = make_codec(d.codec, **codec_kwargs(d))
+    sizes = {m: codec.nbytes_for(grid.param_count(m)) for m in grid.module_ids}
+    return streaming_points(grid.module_ids, d.inner_steps, d.streaming_delay, fragments=d.streaming_fragments,
+                            spread=d.streaming_spread, sizes=sizes)
+
+
+def format_streaming_plan(cfg: Config, world_size: int) -> str:
+    """``dipaco-plan``'s streaming table: each fragment's launch and landing step and the
+    peak bytes one path has in flight (per rank, by :func:`module_bytes_per_rank`)."""
+    grid = build_grid(cfg, torch.device("cpu"))
+    topo = build_topology(cfg, grid, world_size, cfg.launcher.name != "local")
+    d = cfg.diloco
+    codec = make_codec(d.codec, **codec_kwargs(d))
+    nbytes = {m: module_bytes_per_rank(topo, m, grid.param_count(m), codec, d.lossy_exchange)
+              for m in grid.module_ids}
+    return format_stagger(build_streaming_points(cfg, grid), topo.path_modules, nbytes)

@@ -11,13 +11,17 @@ Error bounds (per element, x the input, d = decode(encode(x))):
 * ``fp16``: |d - x| ≤ 2^-11·|x| for |x| in fp16's normal range; |x| > 65504 is clamped.
 * ``bf16``: |d - x| ≤ 2^-8·|x|.
 * ``int8``: per block of ``block_size`` entries, |d - x| ≤ absmax(block) / 254.
+* ``int4``: per block, |d - x| ≤ absmax(block) / 14 (15 levels, -7..7, two per byte).
+* ``fp8`` (e4m3, one fp32 scale per block mapping the block's absmax to 448):
+  |d - x| ≤ 2^-4·|x| + absmax(block)·2^-10 / 448 (3 mantissa bits; the second term is
+  half a step of e4m3's subnormals, for entries far below their block's absmax).
 * ``topk``: the kept ``ceil(fraction·numel)`` largest-magnitude entries are exact (fp32
   values) or fp16-rounded (``value_dtype="fp16"``); the rest decode to 0.
 
 In the default two-phase exchange (:mod:`dipaco.sync.comm`) a module's summed
 pseudo-gradient passes through the codec twice: each contribution, then each reduced
 chunk; so the bounds above apply twice (the second to the sum). Chunks are multiples of
-:attr:`Codec.chunk_align` (int8: one block), so int8 blocks never straddle two chunks.
+:attr:`Codec.chunk_align` (the block codecs: one block), so a block never straddles two chunks.
 
 Error feedback (the residual x - d carried to the next round) lives in ``ModuleSync``
 (first encoding) and in the chunk owner's residual (second encoding).
@@ -172,6 +176,97 @@ class Int8Codec(Codec):
 
     def __repr__(self) -> str:
         return f"Int8Codec(block_size={self.block_size})"
+
+
+def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` as fp32 rows of ``block`` entries, the last row zero-padded."""
+    x = flat.detach().to(torch.float32).reshape(-1)
+    n, nb = x.numel(), -(-x.numel() // block)
+    padded = torch.zeros(nb * block, dtype=torch.float32)
+    padded[:n] = x
+    return padded.view(nb, block)
+
+
+def _scales(blocks: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block scale mapping the block's absmax to ``top``, and a divisor safe for
+    all-zero blocks (their scale 0 decodes every entry to exactly 0)."""
+    scale = blocks.abs().amax(dim=1) / top
+    return scale, torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+class _BlockCodec(Codec):
+    """A codec with one fp32 scale per block of ``block_size`` entries (int4, fp8)."""
+
+    def __init__(self, block_size: int = 256) -> None:
+        if int(block_size) < 1:
+            raise ValueError(f"diloco.codec_block={block_size} must be ≥ 1")
+        self.block_size = int(block_size)
+
+    @property
+    def chunk_align(self) -> int:
+        """One block (see :class:`Int8Codec`)."""
+        return self.block_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+
+@register_codec("int4")
+class Int4Codec(_BlockCodec):
+    """Symmetric 4-bit integers (-7..7) with one fp32 absmax scale per block, two per byte.
+
+    Each entry is stored as ``q + 8`` in a nibble (entry ``2i`` low, ``2i+1`` high), so a
+    payload is ``ceil(n/2)`` bytes plus the scales: about 1/8 of fp32.
+    """
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        n = flat.numel()
+        blocks = _blocks(flat, self.block_size)
+        scale, safe = _scales(blocks, 7.0)
+        q = torch.round(blocks / safe[:, None]).clamp_(-7, 7).reshape(-1)[:n].to(torch.int16) + 8
+        if n % 2:
+            q = torch.cat([q, q.new_full((1,), 8)])  # the odd last entry pairs with a zero
+        packed = (q[0::2] | (q[1::2] << 4)).to(torch.uint8)
+        return (packed.contiguous(), scale.contiguous())
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        packed, scale = payload
+        n, b = int(numel), self.block_size
+        p = packed.to(torch.int16)
+        q = torch.stack([p & 15, p >> 4], dim=1).reshape(-1)[:n].to(torch.float32) - 8
+        padded = torch.zeros(scale.numel() * b, dtype=torch.float32)
+        padded[:n] = q
+        return (padded.view(-1, b) * scale[:, None]).reshape(-1)[:n]
+
+    def nbytes_for(self, numel: int) -> int:
+        return -(-int(numel) // 2) + 4 * (-(-int(numel) // self.block_size))
+
+
+@register_codec("fp8")
+class FP8Codec(_BlockCodec):
+    """8-bit floats, e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits,
+    largest 448), after dividing each block by its scale absmax/448. The values travel
+    as their bytes (uint8), so no collective needs to know the fp8 dtype. torch's CPU
+    cast rounds to nearest even and saturates at ±448; the clamp makes that explicit."""
+
+    TOP = 448.0
+
+    def encode(self, flat: torch.Tensor) -> Payload:
+        n = flat.numel()
+        blocks = _blocks(flat, self.block_size)
+        scale, safe = _scales(blocks, self.TOP)
+        q = (blocks / safe[:, None]).clamp_(-self.TOP, self.TOP).reshape(-1)[:n].to(torch.float8_e4m3fn)
+        return (q.view(torch.uint8).contiguous(), scale.contiguous())
+
+    def decode(self, payload: Payload, numel: int) -> torch.Tensor:
+        q, scale = payload
+        n, b = int(numel), self.block_size
+        padded = torch.zeros(scale.numel() * b, dtype=torch.float32)
+        padded[:n] = q.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        return (padded.view(-1, b) * scale[:, None]).reshape(-1)[:n]
+
+    def nbytes_for(self, numel: int) -> int:
+        return int(numel) + 4 * (-(-int(numel) // self.block_size))
 
 
 @register_codec("topk")

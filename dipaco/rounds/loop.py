@@ -12,7 +12,9 @@ pseudo-gradients of its modules weighted by α (``diloco.alpha``). Then the roun
 points run (:class:`dipaco.sync.diloco.RoundSchedule`; in the synchronous schedule every
 module this rank holds launches its exchange over exactly the ranks that hold it and
 takes its outer step). Checkpoints are taken at round boundaries; resume reloads the
-newest valid one and continues bit for bit.
+newest valid one and continues bit for bit. With ``diloco.streaming`` a round is
+:func:`dipaco.rounds.stream.run_streaming_round`: the turns are cut at staggered sync
+points and exchanges travel while the paths train.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dipaco.runtime.progress import say
 from dipaco.run.results import RoundsResult
 from dipaco.rounds.rank import RankState, build_rank, resume
 from dipaco.rounds.record import RoundOutcome, RoundRecorder
+from dipaco.rounds.stream import run_streaming_round
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import lr_at
 
@@ -41,7 +44,8 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     rec = RoundRecorder(rs, start_round)
     R = cfg.trainer.rounds
     for r in range(start_round, R):
-        rec.round_done(r, run_round(rs, r, on_step=rec.on_step))
+        play = run_streaming_round if rs.stream is not None else run_round
+        rec.round_done(r, play(rs, r, on_step=rec.on_step))
         stop = cfg.trainer.stop_after_rounds is not None and r + 1 >= cfg.trainer.stop_after_rounds
         stop = stop_requested(rs.distributed) or stop  # SIGTERM/SIGINT: every rank stops after this round
         if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:

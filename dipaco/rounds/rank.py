@@ -6,7 +6,8 @@ its device, the grid, the topology, the modules of its paths (FSDP2-sharded over
 worker group with ``launcher.group_parallel=fsdp``), the per-module sync driver
 (:class:`dipaco.sync.diloco.DiLoCoSync`), one path learner per path it trains (its own
 AdamW state and data stream, docs/design.md contract 3), the α rule and the checkpoint
-manager.
+manager; with ``diloco.streaming`` the staggered driver over the sync
+(:class:`dipaco.sync.streaming.StreamingSync`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dipaco.plan.build import build_grid, build_topology
+from dipaco.plan.build import build_grid, build_streaming_points, build_topology
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
@@ -32,6 +33,7 @@ from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import apply_fsdp, worker_mesh
 from dipaco.sync.groups import ProcessGroups
+from dipaco.sync.streaming import StreamingSync
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid, PathModel, init_grid_from_dense
 
@@ -57,6 +59,7 @@ class RankState:
     alpha: PathAlpha
     warmup_steps: int  # dense warm-up steps before the paths fork (the schedule continues them)
     ckpts: CheckpointManager
+    stream: Optional[StreamingSync] = None  # diloco.streaming: the staggered driver over ``sync``
 
     @property
     def distributed(self) -> bool:
@@ -94,7 +97,8 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
 
     pgroups = worker_pg = None
     if distributed:
-        pgroups = ProcessGroups(topo, rank, cfg.launcher.backend)
+        # streaming: the exchange gets worker groups of its own (dipaco/sync/groups.py, 3.)
+        pgroups = ProcessGroups(topo, rank, cfg.launcher.backend, exchange_groups=cfg.diloco.streaming)
         worker_pg = pgroups.worker_group(topo.group_of_rank(rank))
     # launcher.group_parallel=fsdp: shard every held module over the worker group BEFORE the
     # sync and the learners take its (then DTensor) parameters
@@ -102,6 +106,9 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
     if fsdp:
         apply_fsdp(modules, worker_mesh(worker_pg, device))
     sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups, sharded=fsdp)
+    streaming = None
+    if cfg.diloco.streaming:
+        streaming = StreamingSync.from_config(sync, cfg.diloco, cfg.trainer.rounds, build_streaming_points(cfg, grid))
 
     G = topo.group_size if distributed else 1
     eos = Tokenizer.load(run.tokenizer).eos_id
@@ -121,7 +128,7 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
                      local_rank=local_rank, paths=my_paths, modules=my_modules, sync=sync, learners=learners,
                      alpha=PathAlpha.from_config(cfg.diloco.alpha, run.shards), warmup_steps=n_warm,
                      ckpts=CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last,
-                                             stamp=checkpoint_stamp(run)))
+                                             stamp=checkpoint_stamp(run)), stream=streaming)
 
 
 def resume(rs: RankState) -> int:

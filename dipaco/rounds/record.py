@@ -106,7 +106,10 @@ class RoundRecorder:
         t.rounds_done.append(r + 1)
         record = {"paths": out.paths, "modules": modules, "bytes_sent": sent,
                   "tokens": sum(v["tokens"] for v in out.paths.values()),
-                  "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s}
+                  "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s,
+                  # streaming (dipaco/sync/streaming.py): bytes per rank one path had in
+                  # flight at once, and the time the inner steps stood waiting for exchanges
+                  "inflight_peak_bytes": out.sync.inflight_peak_bytes, "blocked_s": out.sync.blocked_s}
         everyone = gather(record, rs.distributed)
         if self.writer is not None:
             self.writer.log_round(_round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr))
@@ -183,4 +186,6 @@ def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[
                         tokens=sum(r["tokens"] for r in records),
                         compute_s=max(r["compute_s"] for r in records),
                         wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records))
-    return {**line, "outer_lr": outer_lr}
+    streaming = {"inflight_peak_bytes": max(r["inflight_peak_bytes"] for r in records),
+                 "blocked_s": max(r["blocked_s"] for r in records)}
+    return {**line, "outer_lr": outer_lr, **streaming}

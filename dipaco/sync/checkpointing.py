@@ -8,6 +8,11 @@ files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
   (θ_global, outer optimiser state, error-feedback residuals);
 * ``outer/<module>.rank<r>.safetensors``: residuals of the other holders (torch backend);
 * ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
+* ``streams/path_<p>.safetensors`` (``diloco.streaming``): each path's own copy of its
+  modules and its tokens since each module's last launch
+  (:meth:`dipaco.sync.streaming.StreamingSync.path_state`). No exchange is in flight at a
+  round boundary (the staggered schedule lands every one in its round), so nothing else
+  of the stream needs saving: none is lost or applied twice on resume;
 * ``state.json``: round, grid, and the worker grouping the residuals are keyed by.
 
 Files hold whole tensors in every case: with ``launcher.group_parallel=fsdp`` the shards
@@ -78,6 +83,8 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
         state = learner.state_dict()  # every rank: a collective when sharded
         if not distributed or topo.local_rank(rank) == 0:
             save_state(part / "paths" / f"path_{p}.safetensors", state)
+            if sync.streaming is not None:
+                save_state(part / "streams" / f"path_{p}.safetensors", sync.streaming.path_state(p))
     _barrier(distributed)
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
@@ -127,5 +134,8 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
         sync.syncs[mid].load_state_dict(outer)
     for p, learner in learners.items():
         learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
+        if sync.streaming is not None:  # a checkpoint of synchronous rounds has none: θ_global
+            own = path / "streams" / f"path_{p}.safetensors"
+            sync.streaming.load_path_state(p, load_state(own) if own.exists() else None)
     sync.round = int(state["round"])
     return int(state["round"])

@@ -37,6 +37,7 @@ while the caller goes on (:mod:`dipaco.sync.torch_comm`).
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -88,10 +89,21 @@ Exchanged = tuple[torch.Tensor, torch.Tensor, CommBytes]
 
 
 class Pending:
-    """An exchange started by :meth:`Communicator.start`; :meth:`wait` gives its result."""
+    """An exchange started by :meth:`Communicator.start`; :meth:`wait` gives its result.
+
+    ``started_at`` / ``done_at``: ``time.perf_counter()`` when it was started and when its
+    collectives completed (None until then): the wall-time interval it was in flight,
+    which the streaming driver measures its bytes in flight from.
+    """
 
     def __init__(self, future: "Future[Exchanged]") -> None:
         self._future = future
+        self.started_at = time.perf_counter()
+        self.done_at: float | None = None
+        future.add_done_callback(self._mark_done)  # runs at once when already done
+
+    def _mark_done(self, _: "Future[Exchanged]") -> None:
+        self.done_at = time.perf_counter()
 
     @classmethod
     def done(cls, result: Exchanged) -> "Pending":

@@ -24,8 +24,8 @@ every module and trains every path in turn. In the ``torch`` backend it is one r
 worker group ``g`` and holds ``topology.modules_of_group(g)``.
 
 Cosine similarity between contributions is computed from the pseudo-gradients this
-process saw (all paths of the module in ``local``; only its own group's paths in
-``torch``, None when fewer than 2): exchanging them would cost extra traffic.
+process saw (local: all; torch: its group's; None under 2): exchanging them costs traffic.
+Staggered sync points inside the turns (streaming) are :mod:`dipaco.sync.streaming`'s.
 """
 from __future__ import annotations
 
@@ -166,9 +166,9 @@ class DiLoCoSync:
         # without a config (tests, benchmarks) the round's length does not matter: H = 1
         schedule = schedule or RoundSchedule.synchronous(topology.module_ids, 1)
         if not schedule.is_synchronous:  # before any collective, too
-            raise ValueError("DiLoCoSync runs synchronous schedules (every module launches and finishes after "
-                             "the round's last inner step); sync points inside a path's turn (streaming) are "
-                             "not built yet")
+            raise ValueError("finish_round() runs synchronous schedules (every module launches and finishes after "
+                             "the round's last inner step); sync points inside a path's turn are driven by "
+                             "dipaco.sync.streaming.StreamingSync")
         self.overlap = bool(overlap) and rank is not None
         if rank is None:
             self.comm: LocalComm | TorchComm = LocalComm(topology, lossy_exchange)
@@ -199,6 +199,7 @@ class DiLoCoSync:
         self.round = 0
         self._active: int | None = None
         self._ended: set[int] = set()
+        self.streaming: Any = None  # the StreamingSync driving this one (diloco.streaming), if any
 
     def _state_device(self, outer_device: str, modules: dict[str, nn.Module], held: list[str]) -> torch.device:
         """``diloco.outer_device``: ``auto`` keeps the outer state on the modules' device
@@ -215,13 +216,14 @@ class DiLoCoSync:
                     rank: int | None = None, process_groups: Any = None, backend: str = "auto",
                     track_cosine: bool = True, sharded: bool = False) -> "DiLoCoSync":
         """Build it from ``cfg.diloco``: codec and its options, error feedback, the outer
-        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange and
-        the synchronous schedule of H = ``inner_steps``."""
+        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange, the
+        synchronous schedule of H = ``inner_steps``, and with ``streaming`` the exchanges
+        on the communication thread (``overlap``)."""
         return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d),
                    error_feedback=d.error_feedback, outer=outer_options(d), sharing_rescale=d.sharing_rescale,
                    process_groups=process_groups, backend=backend, track_cosine=track_cosine,
                    lossy_exchange=d.lossy_exchange, sharded=sharded, outer_device=d.outer_device,
-                   schedule=RoundSchedule.synchronous(topology.module_ids, d.inner_steps))
+                   schedule=RoundSchedule.synchronous(topology.module_ids, d.inner_steps), overlap=d.streaming)
 
     def close(self) -> None:
         """Stop the communication thread (``overlap``); nothing to do otherwise."""

@@ -10,7 +10,12 @@ every group, once, in one global order computed from the :class:`Topology` alone
    a. its module group (every rank of every worker group holding it),
    b. for each local rank ``r`` in ``0..G-1``: its module subgroup (rank ``r`` of each
       holder), which exchanges slice ``r`` of the module's buffer;
-2. for each worker group ``g``: its ranks (data parallel inside a path).
+2. for each worker group ``g``: its ranks (data parallel inside a path);
+3. with ``exchange_groups`` (streaming sync), for each worker group ``g`` a second group
+   of the same ranks, used only by the exchange's all-gather of reduced slices: a
+   streaming exchange runs on the communication thread while the inner loop all-reduces
+   gradients (or FSDP2 gathers) on the first one, and two threads must never issue
+   collectives on one process group (their order would differ between ranks).
 
 Groups of one rank are not created (they need no collective), and a rank set already
 created is reused; both decisions depend only on the topology, so every rank makes
@@ -50,7 +55,7 @@ class ProcessGroups:
         backend: ``auto`` | ``gloo`` | ``nccl``.
     """
 
-    def __init__(self, topology: Topology, rank: int, backend: str = "auto") -> None:
+    def __init__(self, topology: Topology, rank: int, backend: str = "auto", exchange_groups: bool = False) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ProcessGroups needs torch.distributed.init_process_group() to have run on every rank")
         if dist.get_world_size() != topology.world_size:
@@ -73,11 +78,18 @@ class ProcessGroups:
                 self._subgroup[(m, r)] = self._make(topology.module_subgroup_ranks(m, r))
         for g in range(topology.num_groups):
             self._worker_group[g] = self._make(topology.ranks_of_group(g))
+        self._exchange_group: dict[int, Any] = {}
+        if exchange_groups:  # the same decision on every rank (a config key): see 3. above
+            for g in range(topology.num_groups):
+                self._exchange_group[g] = self._make(topology.ranks_of_group(g), fresh=True)
 
-    def _make(self, ranks: list[int]) -> Any:
+    def _make(self, ranks: list[int], fresh: bool = False) -> Any:
         key = tuple(sorted(ranks))
         if len(key) <= 1:
             return None  # no collective needed; skipped identically on every rank
+        if fresh:  # a group of its own even when these ranks already have one
+            self.creation_order.append(key)
+            return dist.new_group(list(key), backend=self.backend)
         if key not in self._cache:
             # called by EVERY rank, member or not (non-members get NON_GROUP_MEMBER)
             self._cache[key] = dist.new_group(list(key), backend=self.backend)
@@ -106,6 +118,14 @@ class ProcessGroups:
             g = self.topology.group_of_rank(self.rank)
         self._member(self.topology.ranks_of_group(g), f"worker group {g}")
         return self._worker_group[g]
+
+    def exchange_worker_group(self, g: int | None = None) -> Any:
+        """The group the exchange all-gathers reduced slices over in worker group ``g``:
+        its own (``exchange_groups``) or, in synchronous sync, the worker group itself."""
+        if g is None:
+            g = self.topology.group_of_rank(self.rank)
+        group = self.worker_group(g)
+        return self._exchange_group.get(g, group)
 
     @property
     def num_created(self) -> int:

@@ -69,6 +69,12 @@ class RoundStats:
 
     round: int
     modules: dict[str, ModuleRoundStats] = field(default_factory=dict)
+    # streaming sync (dipaco/sync/streaming.py), bytes per rank: the most one path had in
+    # flight at once by the schedule as run, and by wall time on this process (exchanges
+    # from launch until their collectives completed); 0 in the synchronous round
+    inflight_peak_bytes: int = 0
+    inflight_peak_wall_bytes: int = 0
+    blocked_s: float = 0.0  # streaming: time the inner steps waited for exchanges to complete
 
     @property
     def bytes_sent(self) -> int:
@@ -83,6 +89,8 @@ class RoundStats:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly view."""
         return {"round": self.round, "bytes_sent": self.bytes_sent, "dropped": self.dropped,
+                "inflight_peak_bytes": self.inflight_peak_bytes,
+                "inflight_peak_wall_bytes": self.inflight_peak_wall_bytes, "blocked_s": self.blocked_s,
                 "modules": {m: s.to_dict() for m, s in self.modules.items()}}
 
 
@@ -166,6 +174,12 @@ class ModuleSync:
     def in_flight(self) -> bool:
         """Whether an exchange was launched and not yet finished."""
         return self._inflight is not None
+
+    @property
+    def pending(self) -> Optional[Pending]:
+        """The launched exchange not yet finished (None: none): its ``wait()`` blocks until
+        the collectives complete, after which :meth:`finish` does not block."""
+        return None if self._inflight is None else self._inflight.pending
 
     def _new_round(self) -> Contributions:
         return Contributions(self.contributors, self.padded_numel, self.state_device, keep_deltas=self.track_cosine)

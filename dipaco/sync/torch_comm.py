@@ -9,11 +9,12 @@ the order they were started. Every rank starts its modules in the global module 
 so every rank issues the collectives of every module subgroup in one order, from one
 thread: no cycle of waits can form. HAZARD: while a job is in flight the caller must
 not issue collectives on a process group the job uses. The module subgroups are used
-by the exchange only; the worker group's all-gather of reduced slices (G > 1) shares
-its process group with the inner loop's gradient all-reduce and FSDP2. The synchronous
-round finishes every exchange before the next inner step, so it never overlaps them; a
-schedule that keeps exchanges in flight across inner steps (streaming) must give the
-exchange its own worker-group process group first.
+by the exchange only; the worker group's all-gather of reduced slices (G > 1) runs on
+:meth:`~dipaco.sync.groups.ProcessGroups.exchange_worker_group`: in the synchronous
+round the worker group itself, which the inner loop's gradient all-reduce and FSDP2
+also use (every exchange finishes before the next inner step, so they never overlap);
+under streaming, where exchanges stay in flight across inner steps, a second group of
+the same ranks that only the exchange uses.
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ class TorchComm(Communicator):
             return reduced, nbytes
         wg_ranks = tuple(topo.ranks_of_group(self.group))
         parts = [torch.empty(s, dtype=torch.float32, device=self.device) for _ in range(G)]
-        dist.all_gather(parts, reduced.to(self.device).contiguous(), group=self.pg.worker_group(self.group))
+        dist.all_gather(parts, reduced.to(self.device).contiguous(), group=self.pg.exchange_worker_group(self.group))
         parts = [t.cpu() for t in parts]
         nbytes.intra = allgather_bytes(G, 4 * s)
         self.trace.append((module_id, "all_gather_slices", wg_ranks, nbytes.intra))
