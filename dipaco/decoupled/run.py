@@ -51,7 +51,7 @@ from dipaco.sync.checkpointing import write_module_files
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
-from dipaco.runtime.tracking import MetricsWriter
+from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
 
@@ -319,7 +319,7 @@ def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
         if e["e"] == "end":
             by_phase.setdefault(int(e["phase"]), {}).setdefault(
                 str(e["path"]), {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]})
-    with MetricsWriter(run, cfg) as writer:
+    with writer_for(run, cfg) as writer:  # the job's writer: one W&B run
         for k in sorted(by_phase):
             paths = by_phase[k]
             writer.log_round(round_record(k + 1, "decoupled", paths, {}, bytes_sent=0,
