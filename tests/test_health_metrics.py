@@ -203,3 +203,20 @@ def test_the_job_mirrors_a_spawned_rank_records_to_wandb(tmp_path: Path, monkeyp
     assert [s for s, _ in fake.logged] == [2, H, H]
     assert fake.logged[-1][1] == round_scalars(rnd)
     assert json.loads(run.steps.read_text().splitlines()[0])["kind"] == "step"
+
+
+@pytest.mark.multiprocess
+def test_spawned_ranks_merge_their_records_and_share_train_log(tmp_path: Path) -> None:
+    """One worker group of two spawned ranks: one step record per path and interval (the
+    two ranks' halves of the batch merged), and rank 0's lines in the job's train.log."""
+    cfg = compose_config([*TINY, "trainer.rounds=1", "logging.val_documents=0", "launcher=spawn",
+                          "launcher.nproc=2", "launcher.group_size=2"], tmp_path / "run")
+    train(cfg)
+    run = RunDir.at(tmp_path / "run")
+    H = cfg.diloco.inner_steps
+    recs = run.records(steps=True)
+    assert sorted((r["step"], r["path"]) for r in recs) == [(s, p) for s in range(EVERY, H + 1, EVERY) for p in range(4)]
+    # the two ranks' halves add up to the group's whole batch of every step
+    assert all(r["tokens"] == r["steps"] * cfg.trainer.batch_size * cfg.trainer.seq_len for r in recs)
+    text = run.log_file.read_text()
+    assert "2 rank(s)" in text and f"[DEBUG] - step {EVERY}: loss" in text and "round 1/1" in text

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dipaco.runtime.device import peak_memory_bytes
 from dipaco.rounds.early_stopping import PathEarlyStopping
 from dipaco.rounds.health import SampleValidation, merge_step_records, step_records
-from dipaco.runtime.progress import progress_bar, say, share_run_log
+from dipaco.runtime.progress import progress_bar, say
 from dipaco.run.results import RoundsResult
 from dipaco.rounds.rank import RankState
 from dipaco.run.run_dir import RunDir
@@ -72,7 +72,6 @@ class RoundRecorder:
         self.writer = self.bar = self.stopping = None
         self.owns_writer = False
         if rs.is_rank0:
-            share_run_log(rs.run.log_file)  # a spawned rank 0: its messages join the job's train.log
             # the job's writer (one W&B run per job); a spawned rank 0 has none and writes
             # metrics.jsonl and TensorBoard itself, the job mirrors them to W&B afterwards
             self.writer = MetricsWriter.shared(rs.run)

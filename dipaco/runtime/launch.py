@@ -31,7 +31,7 @@ from dipaco.config import Config, to_config
 from dipaco.runtime.device import rank_device
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
-from dipaco.runtime.progress import log
+from dipaco.runtime.progress import log, share_run_log
 
 
 class LaunchError(RuntimeError):
@@ -143,6 +143,8 @@ def _set_threads(cfg: Config, local_world: int) -> None:
 def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
     """Body of one spawned or torchrun rank."""
     cfg = to_config(cfg_dict)
+    if os.environ.get("RANK") == "0":  # a spawned rank 0: its messages join the job's train.log
+        share_run_log(run.log_file)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
