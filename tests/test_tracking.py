@@ -63,6 +63,18 @@ def test_log_without_a_terminal_has_one_line_per_round(captured_run) -> None:
 
 
 @pytest.mark.slow
+def test_train_log_in_the_hydra_run_dir_holds_the_messages(captured_run) -> None:
+    """Hydra's job log is switched off (a refused run must write nothing); the run writes
+    its own train.log where Hydra would have: every console line of the logger is in it."""
+    run_dir, proc = captured_run
+    text = (run_dir / "train.log").read_text()
+    for line in proc.stdout.splitlines():
+        if line.startswith("[dipaco] "):
+            assert line[len("[dipaco] "):] in text, line
+    assert "[DEBUG] - step " in text  # the per-step health lines, which the console leaves out
+
+
+@pytest.mark.slow
 def test_tensorboard_events_hold_the_round_metrics_and_summary(captured_run) -> None:
     run_dir, _ = captured_run
     scalars = _scalars(run_dir / "tb")
