@@ -111,6 +111,20 @@ def test_step_records_agree_with_the_round_totals(tiny_run) -> None:
             assert mean == pytest.approx(v["loss"], rel=1e-9)
 
 
+def test_metrics_do_not_change_the_results(tiny_run, tmp_path: Path) -> None:
+    """The same run with no per-step metrics and no validation sample trains bit for bit
+    the same: losses of every round and path, and the routed perplexity."""
+    off = tmp_path / "off"
+    summary = train(compose_config([*TINY, "logging.every_steps=0", "logging.val_documents=0"], off))
+
+    def losses(d: Path) -> list:
+        return [{p: v["loss"] for p, v in r["paths"].items()} for r in RunDir.at(d).records()]
+
+    assert losses(off) == losses(tiny_run[0])
+    assert summary["routed_ppl"] == json.loads((tiny_run[0] / "summary.json").read_text())["routed_ppl"]
+    assert not (off / "steps.jsonl").exists()
+
+
 def test_train_log_holds_the_run_messages(tiny_run) -> None:
     text = (tiny_run[0] / "train.log").read_text()
     assert "[dipaco][INFO] - run directory:" in text and "corpus:" in text and "routing:" in text

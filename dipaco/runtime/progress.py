@@ -16,8 +16,8 @@ The run's log file, ``train.log`` in the run directory (the name Hydra gives its
 log, which the CLIs switch off so that a refused command writes nothing), is written
 by the same logger: :func:`run_log` holds the records while the job checks the run, and
 :func:`open_run_log` writes them, and every later one, once the run is accepted. The
-file also gets the DEBUG records (the per-step health lines of
-:mod:`dipaco.rounds.health`), which the console leaves out, and a time stamp per line.
+file also gets the DEBUG records (one line per logged step, written by
+:mod:`dipaco.runtime.tracking`), which the console leaves out, and a time stamp per line.
 """
 from __future__ import annotations
 
