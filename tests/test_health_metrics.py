@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -140,6 +141,23 @@ def test_wandb_is_initialised_once_per_job(tiny_run) -> None:
     steps = [step for step, _ in fake.logged]
     assert steps == sorted(steps)  # W&B drops a step lower than the last one
     assert any("loss_metrics/global_avg_loss" in d for _, d in fake.logged)
+
+
+def test_real_wandb_offline_makes_one_run_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``wandb`` installed (not a dependency): one offline run holding the step metrics."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    train(compose_config([*TINY, "trainer.rounds=1", "logging.val_documents=0", "logging.wandb=true",
+                          "logging.wandb_mode=offline"], run_dir))
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    tags = (b"loss_metrics/global_avg_loss", b"grad_norm", b"throughput(tps)", b"loss/mean")
+    for _ in range(60):  # W&B's own process may still be writing its file after finish()
+        data = next(folder.glob("run-*.wandb")).read_bytes()
+        if all(tag in data for tag in tags):
+            break
+        time.sleep(0.5)
+    assert [tag for tag in tags if tag not in data] == []
 
 
 def test_a_refused_run_writes_no_train_log(tmp_path: Path) -> None:
