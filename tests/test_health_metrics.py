@@ -252,3 +252,21 @@ def test_spawned_ranks_merge_their_records_and_share_train_log(tmp_path: Path) -
     assert all(r["tokens"] == r["steps"] * cfg.trainer.batch_size * cfg.trainer.seq_len for r in recs)
     text = run.log_file.read_text()
     assert "2 rank(s)" in text and f"[DEBUG] - step {EVERY}: loss" in text and "round 1/1" in text
+
+
+def test_a_resume_drops_the_steps_it_trains_again(tmp_path: Path) -> None:
+    run = RunDir.at(tmp_path)
+    cfg = compose_config(["experiment=smoke"], tmp_path)
+    H = cfg.diloco.inner_steps
+
+    def steps(r: int, loss: float) -> list[dict]:
+        return [{"kind": "step", "step": (r - 1) * H + s, "round": r, "path": 0, "loss": loss, "tokens": 1,
+                 "memory": {}} for s in (H // 2, H)]
+
+    with MetricsWriter(run, cfg) as w:
+        w.log_steps(steps(1, 1.0) + steps(2, 2.0))
+    with MetricsWriter(run, cfg) as w:  # resumed from the round-1 checkpoint
+        w.rewind(1)
+        w.log_steps(steps(2, 20.0))
+    assert [(r["round"], r["loss"]) for r in run.records(steps=True)] == [(1, 1.0), (1, 1.0), (2, 20.0), (2, 20.0)]
+    assert [v for _, v in _scalars(run.tensorboard)["loss_metrics/global_avg_loss"]] == [1.0, 1.0, 20.0, 20.0]
