@@ -270,3 +270,18 @@ def test_a_resume_drops_the_steps_it_trains_again(tmp_path: Path) -> None:
         w.log_steps(steps(2, 20.0))
     assert [(r["round"], r["loss"]) for r in run.records(steps=True)] == [(1, 1.0), (1, 1.0), (2, 20.0), (2, 20.0)]
     assert [v for _, v in _scalars(run.tensorboard)["loss_metrics/global_avg_loss"]] == [1.0, 1.0, 20.0, 20.0]
+
+
+@pytest.mark.multiprocess
+def test_decoupled_workers_report_their_steps(tmp_path: Path) -> None:
+    """Decoupled mode: each worker's phase carries its intervals; the job writes them with
+    the phase records, every path at every interval."""
+    cfg = compose_config([*TINY, "logging.val_documents=0", "diloco.mode=decoupled", "launcher.nproc=2"],
+                         tmp_path / "run")
+    train(cfg)
+    H = cfg.diloco.inner_steps
+    recs = RunDir.at(tmp_path / "run").records(steps=True)
+    assert sorted((r["step"], r["path"]) for r in recs) == \
+        [(s, p) for s in range(EVERY, ROUNDS * H + 1, EVERY) for p in range(4)]
+    s = _scalars(tmp_path / "run" / "tb")
+    assert [step for step, _ in s["loss_metrics/global_avg_loss"]] == list(range(EVERY, ROUNDS * H + 1, EVERY))

@@ -25,28 +25,34 @@ from dipaco.runtime.hardware import flops_per_token, peak_flops
 from modules import ModuleGrid, PathModel
 from router import load_shard
 
-__all__ = ["SampleValidation", "merge_step_records", "step_records"]
+__all__ = ["SampleValidation", "interval_records", "merge_step_records", "step_records"]
+
+
+def interval_records(cfg: Config, grid: ModuleGrid, device: torch.device, round_idx: int, path: int,
+                     intervals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Path ``path``'s logging intervals (:class:`dipaco.rounds.turn_log.TurnLog`) as step
+    records of round ``round_idx`` (1-based): ``kind: "step"``, throughput, TFLOP/s and
+    MFU (None where the device's peak is unknown) added."""
+    if not intervals:
+        return []
+    peak = peak_flops(device, cfg.trainer.precision, cfg.logging.peak_tflops)
+    fpt = flops_per_token(grid.path_param_count(path // cfg.grid.replicas),
+                          len(cfg.grid.levels) * cfg.model.layers_per_level, cfg.model.d_model, cfg.trainer.seq_len)
+    out = []
+    for iv in intervals:
+        tps = iv["tokens"] / iv["seconds"] if iv["seconds"] > 0 else None
+        out.append({"kind": "step", "step": iv["step"], "round": round_idx, "path": int(path), **iv,
+                    "tokens_per_s": tps, "tflops": fpt * tps / 1e12 if tps else None,
+                    "mfu_pct": 100.0 * fpt * tps / peak if tps and peak else None})
+    return out
 
 
 def step_records(cfg: Config, grid: ModuleGrid, device: torch.device, round_idx: int,
                  learners: dict[int, PathLearner]) -> list[dict[str, Any]]:
-    """This rank's per-step records of round ``round_idx`` (1-based): each path's
-    logging intervals with ``kind: "step"``, throughput, TFLOP/s and MFU added."""
-    peak = peak_flops(device, cfg.trainer.precision, cfg.logging.peak_tflops)
-    blocks = len(cfg.grid.levels) * cfg.model.layers_per_level
-    out = []
-    for p, learner in learners.items():
-        intervals = learner.take_intervals()
-        if not intervals:
-            continue
-        fpt = flops_per_token(grid.path_param_count(p // cfg.grid.replicas), blocks, cfg.model.d_model,
-                              cfg.trainer.seq_len)
-        for iv in intervals:
-            tps = iv["tokens"] / iv["seconds"] if iv["seconds"] > 0 else None
-            out.append({"kind": "step", "step": iv["step"], "round": round_idx, "path": int(p), **iv,
-                        "tokens_per_s": tps, "tflops": fpt * tps / 1e12 if tps else None,
-                        "mfu_pct": 100.0 * fpt * tps / peak if tps and peak else None})
-    return out
+    """This rank's per-step records of round ``round_idx``: every path's intervals since
+    the last call (:func:`interval_records`)."""
+    return [rec for p, learner in learners.items()
+            for rec in interval_records(cfg, grid, device, round_idx, p, learner.take_intervals())]
 
 
 def _weighted(recs: list[dict], key: str) -> Optional[float]:
