@@ -37,9 +37,6 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, write_result
 
-# dense peak FLOP/s by device-name fragment: (bf16/fp16, TF32) from the vendors' datasheets
-PEAK_FLOPS = {"H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12),
-              "L40S": (362e12, 183e12), "A10G": (70e12, 35e12)}
 # per mode and device type: model presets (conf/model/), steps per sample (= H), rounds
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "tiny": {"cpu": {"models": ["tiny"], "batch": 4, "seq": 64, "H": 2, "rounds": 1},
@@ -49,10 +46,6 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {"cpu": {"models": ["base", "small"], "batch": 16, "seq": 128, "H": 10, "rounds": 3},
              "cuda": {"models": ["paper"], "batch": 16, "seq": 1024, "H": 30, "rounds": 5}},
 }
-
-
-def _flops_per_token(n_params: int, blocks: int, d: int, seq: int) -> float:
-    return 6.0 * n_params + 12.0 * blocks * d * seq
 
 
 def _gemm_peak(device: Any, dtype: Any) -> float:
@@ -79,6 +72,7 @@ def peak_flops(device: Any, precision: str) -> tuple[float, str]:
     import torch
 
     from dipaco.runtime.device import PRECISIONS
+    from dipaco.runtime.hardware import PEAK_FLOPS
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -116,6 +110,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
     from dipaco.config import compose_config
     from dipaco.data import TokenStream
     from dipaco.runtime.device import autocast, peak_memory_bytes, rank_device, reset_peak_memory
+    from dipaco.runtime.hardware import flops_per_token
     from dipaco.rounds.learner import PathLearner, make_inner_optimizer
     from dipaco.plan.memory import rank_memory
     from dipaco.sync.diloco import DiLoCoSync
@@ -188,7 +183,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
     plan = rank_memory(m, len(levels), held, [path_params] * len(paths), sequences=B, seq_len=T,
                        low_precision=precision != "fp32", outer_on_device=on_device)
     planned = plan.total if device.type == "cpu" else plan.device  # CPU: outer state in the same RSS
-    flops = _flops_per_token(path_params, len(levels) * m.layers_per_level, m.d_model, T)
+    flops = flops_per_token(path_params, len(levels) * m.layers_per_level, m.d_model, T)
     peak_fl, peak_src = peak_flops(device, precision)
     tps = tokens / seconds
     return {"model": model_name, "side": side, "device": str(device),

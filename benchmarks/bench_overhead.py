@@ -9,8 +9,9 @@ tokens, same torch thread count, in one process):
 * dipaco: exactly the trainer's loop body, local backend, for a ``[1, 1]`` grid (one path
   of a 2-level grid):
   ``DiLoCoSync.begin_path`` → ``PathLearner.train_steps(H)`` (AdamW with warm-up + cosine
-  LR, gradient clipping, token counting, ``TokenStream`` batches) → ``end_path`` →
-  ``finish_round`` (the outer step of every module).
+  LR, gradient clipping, token counting, the per-step health metrics every
+  ``logging.every_steps`` steps (``--every-steps``, default the config's), ``TokenStream``
+  batches) → ``end_path`` → ``finish_round`` (the outer step of every module).
 * bare: a plain loop over the same batches held in memory: forward, cross entropy,
   backward, ``torch.optim.AdamW.step``. Nothing else.
 
@@ -34,7 +35,8 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def make_sides(model_name: str, steps: int, seed: int = 0) -> tuple[dict[str, Callable[[], float]], dict[str, Any]]:
+def make_sides(model_name: str, steps: int, seed: int = 0,
+               every_steps: Optional[int] = None) -> tuple[dict[str, Callable[[], float]], dict[str, Any]]:
     """The two callables (each runs ``steps`` steps, returns tokens/s) and the setup facts."""
     import numpy as np
     import torch
@@ -60,7 +62,8 @@ def make_sides(model_name: str, steps: int, seed: int = 0) -> tuple[dict[str, Ca
     sync = DiLoCoSync(topo, {m: grid.module(m) for m in grid.module_ids},
                       outer={"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
     stream = TokenStream(docs, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed, path_id=0, eos_id=0)
-    learner = PathLearner(0, model, stream, t, total_steps=10**9)
+    every = cfg.logging.every_steps if every_steps is None else every_steps
+    learner = PathLearner(0, model, stream, t, total_steps=10**9, log_every=every)
 
     def dipaco_round() -> float:
         t0 = time.perf_counter()
@@ -68,6 +71,7 @@ def make_sides(model_name: str, steps: int, seed: int = 0) -> tuple[dict[str, Ca
         stats = learner.train_steps(steps)
         sync.end_path(0, stats.tokens)
         sync.finish_round()
+        learner.take_intervals()  # what the round's record takes
         return stats.tokens / (time.perf_counter() - t0)
 
     # --- bare side: same model shape and init, same batches, but held in memory
@@ -90,13 +94,15 @@ def make_sides(model_name: str, steps: int, seed: int = 0) -> tuple[dict[str, Ca
 
     facts = {"model": model_name, "path_parameters": sum(p.numel() for p in model.parameters()),
              "batch_size": t.batch_size, "seq_len": t.seq_len, "steps_per_sample": steps,
-             "torch_threads": torch.get_num_threads()}
+             "torch_threads": torch.get_num_threads(), "every_steps": every}
     return {"dipaco": dipaco_round, "bare": bare_round}, facts
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap = base_parser(__doc__ or "")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--every-steps", type=int, default=None,
+                    help="per-step metrics interval (default: logging.every_steps; 0: off)")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     if args.threads:
@@ -105,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     load0 = load_average()
     size = SIZES[args.mode]
-    sides, facts = make_sides(size["model"], size["steps"])
+    sides, facts = make_sides(size["model"], size["steps"], every_steps=args.every_steps)
     res = interleaved(sides, repeats=size["repeats"])
     ratio = res["dipaco"]["median"] / res["bare"]["median"]
     rows = [{"side": n, "median_tokens_per_s": r["median"], "min": min(r["samples"]), "max": max(r["samples"])}
@@ -114,7 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     print_table(rows, ["side", "median_tokens_per_s", "min", "max"],
                 title=f"framework overhead ({args.mode}): model={facts['model']}, {facts['path_parameters']:,} "
                       f"params, batch {facts['batch_size']}x{facts['seq_len']}, {facts['steps_per_sample']} steps "
-                      f"per sample, {size['repeats']} interleaved repeats, {torch_threads()} threads")
+                      f"per sample, {size['repeats']} interleaved repeats, {torch_threads()} threads, "
+                      f"step metrics every {facts['every_steps']} steps")
     print(f"ratio dipaco / bare = {ratio:.3f} (target >= {TARGET}: {verdict(ratio, TARGET, at_most=False)})")
     payload = {**facts, "repeats": size["repeats"], "sides": res, "ratio": ratio, "target": TARGET,
                "verdict": verdict(ratio, TARGET, at_most=False)}

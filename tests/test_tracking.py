@@ -27,8 +27,9 @@ SMOKE = ["experiment=smoke", "data.max_documents=200", f"trainer.rounds={ROUNDS}
 
 
 def _series(metrics: list[dict], value) -> list[tuple[int, float]]:
-    """(round, value(record)) per metrics.jsonl record, rounded like TensorBoard's float32."""
-    return [(m["round"], pytest.approx(value(m), rel=1e-6)) for m in metrics]
+    """(step, value(record)) per metrics.jsonl record, rounded like TensorBoard's float32:
+    a round is plotted at its last inner step."""
+    return [(m["step"], pytest.approx(value(m), rel=1e-6)) for m in metrics]
 
 
 def _scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -62,11 +63,25 @@ def test_log_without_a_terminal_has_one_line_per_round(captured_run) -> None:
 
 
 @pytest.mark.slow
+def test_train_log_in_the_hydra_run_dir_holds_the_messages(captured_run) -> None:
+    """Hydra's job log is switched off (a refused run must write nothing); the run writes
+    its own train.log where Hydra would have: every console line of the logger is in it."""
+    run_dir, proc = captured_run
+    text = (run_dir / "train.log").read_text()
+    for line in proc.stdout.splitlines():
+        if line.startswith("[dipaco] "):
+            assert line[len("[dipaco] "):] in text, line
+    assert "[DEBUG] - step " in text  # the per-step health lines, which the console leaves out
+
+
+@pytest.mark.slow
 def test_tensorboard_events_hold_the_round_metrics_and_summary(captured_run) -> None:
     run_dir, _ = captured_run
     scalars = _scalars(run_dir / "tb")
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    H = compose_config(SMOKE).diloco.inner_steps
     assert [m["round"] for m in metrics] == list(range(1, ROUNDS + 1))
+    assert [m["step"] for m in metrics] == [r * H for r in range(1, ROUNDS + 1)]
     for p in "0123":
         assert scalars[f"loss/path_{p}"] == _series(metrics, lambda m: m["paths"][p]["loss"])
         assert scalars[f"lr/path_{p}"] == _series(metrics, lambda m: m["paths"][p]["lr"])
@@ -76,12 +91,12 @@ def test_tensorboard_events_hold_the_round_metrics_and_summary(captured_run) -> 
     assert len(scalars["cosine/L0.0"]) == ROUNDS
     assert scalars["comm/bytes_sent"] == _series(metrics, lambda m: m["bytes_sent"])
     assert all(0 <= v <= 1 for _, v in scalars["time/sync_share"])
-    assert scalars["lr/outer"] == [(r, pytest.approx(0.7)) for r in range(1, ROUNDS + 1)]
+    assert scalars["lr/outer"] == [(r * H, pytest.approx(0.7)) for r in range(1, ROUNDS + 1)]
     # the learning rate follows the schedule: it decays over the rounds after the warm-up
     lrs = [v for _, v in scalars["lr/path_0"]]
     assert lrs[-1] < lrs[0]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert scalars["summary/routed_ppl"] == [(ROUNDS, pytest.approx(summary["routed_ppl"], rel=1e-6))]
+    assert scalars["summary/routed_ppl"] == [(ROUNDS * H, pytest.approx(summary["routed_ppl"], rel=1e-6))]
     assert scalars["summary/ratio_vs_dense"][0][1] == pytest.approx(summary["ratio_vs_dense"], rel=1e-6)
 
 
@@ -108,9 +123,12 @@ def test_resumed_writer_replaces_the_rounds_it_reruns(tmp_path: Path) -> None:
         for r in (1, 2, 3):
             w.log_round(_record(r, float(r)))
     # resumed from the round-2 checkpoint: round 3 is trained again
-    with MetricsWriter(run, cfg, purge_from_round=3) as w:
+    with MetricsWriter(run, cfg) as w:
+        w.rewind(2)
         w.log_round(_record(3, 30.0))
-    assert _scalars(run.tensorboard)["loss/path_0"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    H = cfg.diloco.inner_steps
+    assert _scalars(run.tensorboard)["loss/path_0"] == [(H, 1.0), (2 * H, 2.0), (3 * H, 30.0)]
+    assert [m["round"] for m in run.records()] == [1, 2, 3] and run.records()[-1]["paths"]["0"]["loss"] == 30.0
 
 
 def test_wandb_gets_the_same_scalars_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,7 +155,7 @@ def test_wandb_gets_the_same_scalars_offline(tmp_path: Path, monkeypatch: pytest
         w.log_summary({"routed_ppl": 12.0, "dense_ppl": float("nan")}, step=1)
     (kw,) = calls["init"]
     assert kw["mode"] == "offline" and kw["project"] == "p" and kw["config"]["model"]["d_model"] == 32
-    assert calls["log"] == [(1, round_scalars(_record(1, 4.0)))]
+    assert calls["log"] == [(cfg.diloco.inner_steps, round_scalars(_record(1, 4.0)))]
     assert calls["summary"] == [{"routed_ppl": 12.0}] and calls["finish"] == [True]
     assert not (tmp_path / "tb").exists()
 

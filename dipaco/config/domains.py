@@ -201,6 +201,9 @@ DOMAINS: dict[str, Domain] = {
     "launcher.dry_run": FLAG,
     "logging.tensorboard": FLAG, "logging.wandb": FLAG, "logging.wandb_project": TEXT,
     "logging.wandb_entity": MAYBE_TEXT, "logging.wandb_mode": OneOf(WANDB_MODES),
+    "logging.every_steps": Int(0, 10**7, why="0 logs per round only"),
+    "logging.val_documents": Int(0, 10**6, why="each is scored every round"),
+    "logging.peak_tflops": Real(0, 1e6, lo_open=True, null=True, why="the device's dense peak, for MFU"),
     "resume": FLAG, "run_dir": PATH, "tag": MAYBE_TEXT,
 }
 

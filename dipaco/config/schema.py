@@ -270,13 +270,23 @@ class LauncherConfig:
 
 @dataclass
 class LoggingConfig:
-    """Where round metrics go besides metrics.jsonl (always written) and the PNG plots."""
+    """Which metrics are taken and where they go besides metrics.jsonl (always written)
+    and the PNG plots (docs/metrics.md)."""
 
     tensorboard: bool = True  # event files in <run_dir>/tb/ (tensorboard --logdir <run_dir>)
     wandb: bool = False  # needs `pip install wandb`; refused at validation when missing
     wandb_project: str = "dipaco"
     wandb_entity: Optional[str] = None
     wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`) | disabled
+    # per-step health metrics (loss, grad norm, lr, tokens/s, MFU, memory) every this many
+    # inner steps of each path; 0: per round only. Read from the device once per turn.
+    every_steps: int = 10
+    # validation loss per round on the first N validation documents of each path's
+    # validation shard (a fixed sample, scored after the outer step); 0: none
+    val_documents: int = 0
+    # the device's dense peak TFLOP/s for MFU; None: the datasheet value of a known GPU,
+    # else no MFU (never a guess on the CPU)
+    peak_tflops: Optional[float] = None
 
 
 @dataclass

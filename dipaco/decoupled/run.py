@@ -51,7 +51,7 @@ from dipaco.sync.checkpointing import write_module_files
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
 from dipaco.sync.records import round_record
-from dipaco.runtime.tracking import MetricsWriter
+from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
 
@@ -312,18 +312,27 @@ def _account_leftovers(store: Store, module_ids: list[str]) -> None:
 
 
 def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
-    """One round record per phase index (:func:`dipaco.sync.records.round_record`),
-    persisted by sync mode's writer (metrics.jsonl, TensorBoard, W&B)."""
+    """One round record per phase index (:func:`dipaco.sync.records.round_record`) and the
+    workers' step records (docs/metrics.md), persisted by sync mode's writer (metrics.jsonl,
+    steps.jsonl, TensorBoard, W&B), in step order: W&B drops a step below the last one."""
     by_phase: dict[int, dict[str, dict]] = {}
+    steps: list[dict] = []
     for e in worker_events(store):
-        if e["e"] == "end":
-            by_phase.setdefault(int(e["phase"]), {}).setdefault(
-                str(e["path"]), {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]})
-    with MetricsWriter(run, cfg) as writer:
+        if e["e"] == "end" and str(e["path"]) not in by_phase.get(int(e["phase"]), {}):
+            by_phase.setdefault(int(e["phase"]), {})[str(e["path"])] = \
+                {"loss": e["loss"], "tokens": e["tokens"], "seconds": e["seconds"]}
+            steps += e.get("step_records", [])
+    steps.sort(key=lambda r: (r["step"], r["path"]))
+    with writer_for(run, cfg) as writer:  # the job's writer: one W&B run
         for k in sorted(by_phase):
             paths = by_phase[k]
-            writer.log_round(round_record(k + 1, "decoupled", paths, {}, bytes_sent=0,
-                                          compute_s=max(v["seconds"] for v in paths.values())))
+            record = round_record(k + 1, "decoupled", paths, {}, bytes_sent=0,
+                                  compute_s=max(v["seconds"] for v in paths.values()))
+            at = writer.round_step(record)  # a phase's record after the steps up to its step
+            writer.log_steps([r for r in steps if r["step"] <= at])
+            steps = [r for r in steps if r["step"] > at]
+            writer.log_round(record)
+        writer.log_steps(steps)
 
 
 def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:

@@ -50,6 +50,7 @@ from dipaco.decoupled.scheduling import WorkerScheduling
 from dipaco.decoupled.service import inbox, module_key, path_steps_done, progress_key
 from dipaco.decoupled.store import Store, encode_state
 from dipaco.rounds.dense import load_dense_state
+from dipaco.rounds.health import interval_records
 from dipaco.rounds.learner import PathLearner, make_inner_optimizer
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import total_inner_steps, warmup_steps
@@ -138,7 +139,7 @@ class DecoupledWorker(WorkerScheduling):
             stream = TokenStream.from_shard(self.run.shards, p, seq_len=t.seq_len, batch_size=t.batch_size,
                                             seed=self.cfg.seed, eos_id=self.eos)
             self.learners[p] = PathLearner(p, PathModel(self.grid, p), stream, t, self.total_steps,
-                                           step_offset=self.n_warm)
+                                           step_offset=self.n_warm, log_every=self.cfg.logging.every_steps)
         return self.learners[p]
 
     def _progress(self, p: int) -> int:
@@ -237,6 +238,7 @@ class DecoupledWorker(WorkerScheduling):
                     self._publish_speed(time.time() - t0 - stalled[0], done_steps[0])
                     stop_at[0] = max(done_steps[0], min(stop_at[0], self.phase_steps(n)))
 
+        pl.take_intervals()  # an abandoned phase's intervals are not this phase's
         try:
             stats = pl.train_steps(n, on_step=on_step, should_stop=lambda: done_steps[0] >= stop_at[0])
             lease.check()  # narrow (not close) the window for a zombie push
@@ -272,7 +274,10 @@ class DecoupledWorker(WorkerScheduling):
         self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": steps_done,
                                               "worker": self.id})
         self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": seconds,
-                    "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes})
+                    "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes,
+                    # per-step health metrics (logging.every_steps), persisted by the job at the end
+                    "step_records": interval_records(self.cfg, self.grid, pl.device, phase + 1, p,
+                                                     pl.take_intervals())})
         lease.release()
         self.last_path = p
         self._publish_speed(seconds - stalled[0], stats.steps)

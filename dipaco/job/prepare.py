@@ -23,7 +23,7 @@ from dipaco.rounds.early_stopping import write_validation_shards
 from dipaco.run.fingerprint import Fingerprints
 from dipaco.job.prepare_tokens import (_require_documents_per_path, evaluated_rows,  # noqa: F401 - re-exported
                                    peak_rss_mib, prepare_tokens, release_free_memory, split_tokens)
-from dipaco.runtime.progress import bars_enabled
+from dipaco.runtime.progress import bars_enabled, log
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.config.schedule import warmup_steps
 from modules import PathModel
@@ -70,7 +70,7 @@ class Prepared:
 
 
 def _log(msg: str) -> None:
-    print(f"[dipaco] {msg}", flush=True)
+    log.info(msg)  # the "dipaco" logger: the console and the run's train.log
 
 
 def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]], np.ndarray]:
@@ -174,7 +174,9 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
                          router.num_paths * cfg.grid.replicas, run.shards)
         release_free_memory()
     best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, dtype=np.int64)
-    if t.path_early_stopping:  # each path's own validation shard (cheap and deterministic: rewritten)
+    # each path's own validation shard (cheap and deterministic: rewritten), for early
+    # stopping and the per-round validation sample (logging.val_documents)
+    if t.path_early_stopping or cfg.logging.val_documents:
         write_validation_shards(run, best, val_ids, router.num_paths)
     val_labels = data.val_labels
     labels = val_labels if any(lab is not None for lab in val_labels) else None

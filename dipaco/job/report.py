@@ -39,7 +39,8 @@ METRICS = (
 # Overrides that change how a run is executed or reported, not what it trains.
 IGNORED = frozenset({"sweep", "trainer.threads", "trainer.progress", "trainer.plots", "hydra.sweep.dir",
                      "logging.tensorboard", "logging.wandb", "logging.wandb_project",
-                     "logging.wandb_entity", "logging.wandb_mode"})
+                     "logging.wandb_entity", "logging.wandb_mode", "logging.every_steps",
+                     "logging.val_documents", "logging.peak_tflops"})
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dipaco.runtime.launch import launch
 from dipaco.job.prepare import Prepared, shards_fingerprint
 from dipaco.run.results import RoundsResult
 from dipaco.rounds import run_rank
+from dipaco.runtime.progress import log
 from dipaco.run.run_dir import RunDir
 from modules import PathModel
 from router import (
@@ -46,7 +47,7 @@ from router import (
 
 
 def _log(msg: str) -> None:
-    print(f"[dipaco] {msg}", flush=True)
+    log.info(msg)  # the "dipaco" logger: the console and the run's train.log
 
 
 def reshard_rounds(cfg: Config) -> list[int]:

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,13 +42,14 @@ from dipaco.run.run_dir import RunDir, disk_full_guard, prior_totals
 from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.config.schedule import describe_segments, extension_note
 from dipaco.runtime.slurm import slurm_rendezvous, task_threads
-from dipaco.runtime.tracking import MetricsWriter
+from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
+from dipaco.runtime.tracking import MetricsWriter, writer_for
 from dipaco.config.validate import validate_config
 from modules import PathModel
 
 
 def _log(msg: str) -> None:
-    print(f"[dipaco] {msg}", flush=True)
+    log.info(msg)  # the "dipaco" logger: the console and the run's train.log
 
 
 def train(cfg: Config, overrides: Optional[list[str]] = None,
@@ -62,7 +64,15 @@ def train(cfg: Config, overrides: Optional[list[str]] = None,
     against ``fingerprints.json`` and writes its config and ``resumes.jsonl`` only after
     preparation accepted the data. ``hydra_files`` (relative path → text: Hydra's
     ``.hydra/`` record, which the CLIs hold back) is written into a fresh run once accepted.
+    The job's messages go to ``train.log`` in the run directory from then on (those
+    before are held until then; a refused run writes none: :func:`run_log`).
     """
+    with run_log():
+        return _train_job(cfg, overrides, hydra_files)
+
+
+def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optional[dict[str, str]]) -> dict[str, Any]:
+    """:func:`train`'s body."""
     validate_config(cfg)
     cfg = requeued_resume(cfg, os.environ, _log)  # a requeued SLURM job continues its run
     if not cfg.run_dir:
@@ -120,7 +130,9 @@ def _check_write_targets(cfg: Config, run: RunDir) -> None:
 
 
 def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
-    """config.yaml (atomically), and the allowed changes a resume made, one JSON line each."""
+    """The run is accepted: its train.log opens (the held messages first), then
+    config.yaml (atomically), and the allowed changes a resume made, one JSON line each."""
+    open_run_log(run.log_file, fresh=not (cfg.resume and run.config.is_file()))
     _log(f"run directory: {run.root}")
     if changes:
         _log("resume changes " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
@@ -130,6 +142,7 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if not cfg.resume:
         run.metrics.unlink(missing_ok=True)  # a fresh run's rounds start a fresh log
+        run.steps.unlink(missing_ok=True)
         # events of an earlier attempt in this directory would mix into the new curves
         shutil.rmtree(run.tensorboard, ignore_errors=True)
     if cfg.launcher.name == "local" and cfg.launcher.nproc > 1:
@@ -146,14 +159,18 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
     if cfg.resume and run.config.is_file():
         _save_config(cfg, run, changes)  # the resume is accepted: its changes are recorded
 
-    t0 = time.perf_counter()
-    if cfg.diloco.mode == "decoupled":
-        # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
-        result = run_decoupled(cfg, run)
-    else:
-        result = _run_rounds(cfg, run, prep)
-    rounds_s = time.perf_counter() - t0
-    return _finish(cfg, run, prep, result, rounds_s, wall0)
+    # the job's one writer (one W&B run): the rounds, decoupled mode and the summary use it
+    with MetricsWriter(run, cfg, shared=True) as writer:
+        t0 = time.perf_counter()
+        if cfg.diloco.mode == "decoupled":
+            # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
+            result = run_decoupled(cfg, run)
+        else:
+            result = _run_rounds(cfg, run, prep)
+        rounds_s = time.perf_counter() - t0
+        if cfg.launcher.name == "spawn":  # the spawned rank 0 wrote metrics.jsonl without W&B
+            writer.mirror_to_wandb(after_round=result.start_round)
+        return _finish(cfg, run, prep, result, rounds_s, wall0)
 
 
 def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
@@ -174,8 +191,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
     routed = _evaluate(cfg, run, prep, Path(result.checkpoint))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
     write_json(run.summary, summary)
-    with MetricsWriter(run, cfg) as writer:
-        writer.log_summary(summary, step=cfg.trainer.rounds)
+    with writer_for(run, cfg) as writer:  # plotted at the last round's last inner step
+        writer.log_summary(summary, step=cfg.trainer.rounds * cfg.diloco.inner_steps)
     if cfg.trainer.plots:
         write_plots(run)
     _print_table(summary)
@@ -211,20 +228,22 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
         if resumed:
             _save_config(cfg, run, changes)
     dist.barrier()
-    t0 = time.perf_counter()
-    result = launch(run_rank, cfg, run)
-    rounds_s = time.perf_counter() - t0
-    if not result.finished and StopSignals.received:
-        # every rank stopped after the same round (dipaco.runtime.launch.stop_requested) and knows the
-        # signal: all leave together; under SLURM rank 0 requeues the job (dipaco/runtime/preempt.py)
-        dist.barrier()
-        dist.destroy_process_group()
-        raise stopped(cfg, run, result, StopSignals.received,
-                      requeue_here=rank == 0 and (deadline is None or deadline.claim()))
-    summary: dict[str, Any] = {}
-    if rank == 0:
-        assert prep is not None
-        summary = _finish(cfg, run, prep, result, rounds_s, wall0)
+    # rank 0 is the job's process: its writer is the rounds' and the summary's (one W&B run)
+    with MetricsWriter(run, cfg, shared=True) if rank == 0 else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        result = launch(run_rank, cfg, run)
+        rounds_s = time.perf_counter() - t0
+        if not result.finished and StopSignals.received:
+            # every rank stopped after the same round (dipaco.runtime.launch.stop_requested) and knows the
+            # signal: all leave together; under SLURM rank 0 requeues the job (dipaco/runtime/preempt.py)
+            dist.barrier()
+            dist.destroy_process_group()
+            raise stopped(cfg, run, result, StopSignals.received,
+                          requeue_here=rank == 0 and (deadline is None or deadline.claim()))
+        summary: dict[str, Any] = {}
+        if rank == 0:
+            assert prep is not None
+            summary = _finish(cfg, run, prep, result, rounds_s, wall0)
     dist.barrier()
     dist.destroy_process_group()
     if deadline is not None:
@@ -371,4 +390,4 @@ def _print_table(s: dict[str, Any]) -> None:
              ("bytes sent", f"{s['bytes_sent']:,}"), ("DDP equivalent bytes", f"{int(s['ddp_bytes_equivalent']):,}"),
              ("training tokens/s", s["tokens_per_s"]), ("wall time (s)", s["wall_s"])]
     width = max(len(k) for k, _ in rows)
-    print("\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows), flush=True)
+    say_plain("\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows))

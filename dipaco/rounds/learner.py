@@ -10,7 +10,6 @@ global weights before every turn.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,42 +19,9 @@ import torch.nn.functional as F
 from dipaco.config import TrainerConfig
 from dipaco.runtime.device import autocast, compile_enabled, grad_scaler, maybe_compile, to_device
 from dipaco.config.schedule import lr_at
+from dipaco.rounds.turn_log import InnerStats, TurnLog
 from dipaco.sync.fsdp import full_optimizer_state, full_value, is_sharded, shard_optimizer_state
 from modules import set_activation_checkpointing
-
-
-@dataclass
-class InnerStats:
-    """What one turn of inner steps did."""
-
-    steps: int = 0
-    tokens: int = 0  # target tokens that carried loss: the path's α this round
-    loss_sum: float = 0.0
-    seconds: float = 0.0
-    skipped: int = 0  # steps whose gradient was NaN/inf: not applied (docs/reliability.md)
-
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(1, self.steps)
-
-
-class _TurnTotals:
-    """A turn's loss sum, applied and skipped steps and tokens, accumulated on the device
-    (float64 for the loss, as Python's float sum it replaces) and read once."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.counts = torch.zeros(3, dtype=torch.int64, device=device)  # applied, skipped, tokens
-
-    def add(self, loss: torch.Tensor, bad: torch.Tensor, tokens: int) -> None:
-        ok = ~bad
-        self.loss += torch.where(ok, loss.detach().to(torch.float64), 0.0)  # a skipped step's loss is NaN
-        ok = ok.to(torch.int64)
-        self.counts += torch.stack([ok, 1 - ok, ok * tokens])
-
-    def read(self) -> InnerStats:
-        loss_sum, steps, skipped, tokens = torch.cat([self.loss.view(1), self.counts.to(torch.float64)]).tolist()
-        return InnerStats(steps=int(steps), tokens=int(tokens), loss_sum=loss_sum, skipped=int(skipped))
 
 
 def make_inner_optimizer(model: nn.Module, cfg: TrainerConfig, fused: Optional[bool] = None) -> torch.optim.AdamW:
@@ -98,11 +64,13 @@ class PathLearner:
         total_steps: inner steps over the whole run (sets the cosine schedule).
         grad_sync: called after backward, before clipping; averages gradients over the
             worker group when it has more than one rank (data parallel inside a path).
+        log_every: per-step health metrics every this many steps (``logging.every_steps``;
+            0: none): each turn's intervals wait in :meth:`take_intervals`.
     """
 
     def __init__(self, path_id: int, model: nn.Module, stream: Any, cfg: TrainerConfig,
                  total_steps: int, grad_sync: Optional[Callable[[list[torch.Tensor]], None]] = None,
-                 step_offset: int = 0) -> None:
+                 step_offset: int = 0, log_every: int = 0) -> None:
         self.path_id = path_id
         self.model = model
         self.stream = stream
@@ -125,6 +93,13 @@ class PathLearner:
         # Steps already taken before this learner (the dense warm-up): the schedule of a
         # warm-started path continues where the warm-up left it.
         self.step_offset = step_offset
+        self.log_every = log_every
+        self._intervals: list[dict[str, Any]] = []
+
+    def take_intervals(self) -> list[dict[str, Any]]:
+        """The logging intervals of the turns since the last call (:class:`TurnLog`)."""
+        out, self._intervals = self._intervals, []
+        return out
 
     def _loss_and_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one step's batch (in micro-batches); the mean loss."""
@@ -155,12 +130,12 @@ class PathLearner:
 
         ``on_step()`` runs after each step (applied or skipped); ``should_stop()`` after
         each step ends the turn early when it returns True (decoupled mode's dynamic
-        steps). Loss, tokens and the skip count stay on the device and are read once, at
-        the end of the turn.
+        steps). Loss, gradient norm and the skip flag of each step stay on the device and
+        are read once, at the end of the turn (:class:`TurnLog`).
         """
         self.model.train()
         t0 = time.perf_counter()
-        acc = _TurnTotals(self.device)
+        turn = TurnLog(self.device, n, self.log_every, self.step)
         gated = self._gate_on_device()
         for _ in range(n):
             lr = lr_at(self.step + self.step_offset, self.total_steps, self.cfg)
@@ -193,13 +168,14 @@ class PathLearner:
             else:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-            acc.add(loss, bad, int((y != -100).sum()))  # y is the host batch: no device read
+            turn.add(loss, norm, bad, int((y != -100).sum()), lr, self.step)  # y is the host batch: no device read
             if on_step is not None:
                 on_step()
             if should_stop is not None and should_stop():
                 break
-        stats = acc.read()  # the turn's one device → host read
+        stats = turn.read()  # the turn's one device → host read
         stats.seconds = time.perf_counter() - t0
+        self._intervals.extend(stats.intervals)
         return stats
 
     def _gate_on_device(self) -> bool:

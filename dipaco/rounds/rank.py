@@ -123,7 +123,7 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
         if G > 1 and not fsdp:  # FSDP2 reduce-scatters the gradients itself
             grad_sync = (lambda params, _pg=worker_pg: allreduce_gradients(params, _pg, G))
         learners[p] = PathLearner(p, PathModel(grid, p // cfg.grid.replicas), stream, cfg.trainer, total,
-                                  grad_sync=grad_sync, step_offset=n_warm)
+                                  grad_sync=grad_sync, step_offset=n_warm, log_every=cfg.logging.every_steps)
     return RankState(cfg=cfg, run=run, rank=rank, world_size=world_size, device=device, grid=grid, topo=topo,
                      local_rank=local_rank, paths=my_paths, modules=my_modules, sync=sync, learners=learners,
                      alpha=PathAlpha.from_config(cfg.diloco.alpha, run.shards), warmup_steps=n_warm,

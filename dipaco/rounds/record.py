@@ -1,14 +1,15 @@
 """What the rounds leave behind: per-round records, checkpoints and the run's totals.
 
 :class:`RoundRecorder` is the bookkeeping of :func:`dipaco.rounds.loop.run_rank`: the
-progress bar, per-path early stopping, one ``metrics.jsonl`` line per round (rank 0
-writes all ranks' records merged, :mod:`dipaco.runtime.tracking`), a checkpoint at round
+progress bar, per-path early stopping, the per-step health records of every path
+(``logging.every_steps``) and one round record per round with the sample's validation
+loss (``logging.val_documents``; rank 0 writes all ranks' records merged through the
+job's writer, :mod:`dipaco.runtime.tracking`; docs/metrics.md), a checkpoint at round
 boundaries (:mod:`dipaco.sync.checkpointing`) and, at the end, the
 :class:`~dipaco.run.results.RoundsResult` of every rank's totals.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +18,9 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
-from dipaco.run.checkpoint import atomic_write_text
 from dipaco.runtime.device import peak_memory_bytes
 from dipaco.rounds.early_stopping import PathEarlyStopping
+from dipaco.rounds.health import SampleValidation, merge_step_records, step_records
 from dipaco.runtime.progress import progress_bar, say
 from dipaco.run.results import RoundsResult
 from dipaco.rounds.rank import RankState
@@ -69,17 +70,26 @@ class RoundRecorder:
         self.rs, self.start_round = rs, start_round
         cfg = rs.cfg
         self.writer = self.bar = self.stopping = None
+        self.owns_writer = False
         if rs.is_rank0:
-            if cfg.resume:  # the rounds past the checkpoint are re-run: their lines go
-                _truncate_metrics(rs.run, start_round)
-            self.writer = MetricsWriter(rs.run, cfg, purge_from_round=start_round + 1 if start_round else None)
+            # the job's writer (one W&B run per job); a spawned rank 0 has none and writes
+            # metrics.jsonl and TensorBoard itself, the job mirrors them to W&B afterwards
+            self.writer = MetricsWriter.shared(rs.run)
+            if self.writer is None:
+                self.writer, self.owns_writer = MetricsWriter(rs.run, cfg, wandb=False), True
+            if cfg.resume:  # the rounds past the checkpoint are re-run: their records go
+                self.writer.rewind(start_round)
             steps = (cfg.trainer.rounds - start_round) * cfg.diloco.inner_steps * len(rs.paths)
             self.bar = progress_bar(cfg.trainer.progress, steps, "rounds", "step")
+        R = cfg.grid.replicas
         if cfg.trainer.path_early_stopping and rs.local_rank == 0:
             # one process per grid path checks it: the holder of its first replica
-            R = cfg.grid.replicas
             self.stopping = PathEarlyStopping(cfg, rs.run, rs.grid, [p // R for p in rs.paths if p % R == 0],
                                               start_round)
+        # every rank of a worker group scores its grid paths (in lockstep: a sharded
+        # module's forward is a collective); the group's first rank reports
+        self.validation = SampleValidation(cfg, rs.run, rs.grid, [p // R for p in rs.paths if p % R == 0]) \
+            if cfg.logging.val_documents else None
         self.totals = _Totals()
         self.last_checkpoint: Optional[Path] = None
 
@@ -95,6 +105,10 @@ class RoundRecorder:
             # after the outer step: the live modules hold the global weights
             for q, loss in self.stopping.update(r + 1).items():
                 out.paths[q * cfg.grid.replicas]["val_loss"] = loss
+        if self.validation is not None:
+            for q, (loss, tokens) in self.validation.losses().items():
+                if rs.local_rank == 0:
+                    out.paths[q * cfg.grid.replicas].update(val_sample_loss=loss, val_sample_tokens=tokens)
         modules = _module_stats(out.sync)
         sent = sum(int(m.get("bytes_sent", 0)) for m in modules.values())
         t = self.totals
@@ -109,10 +123,14 @@ class RoundRecorder:
                   "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s,
                   # streaming (dipaco/sync/streaming.py): bytes per rank one path had in
                   # flight at once, and the time the inner steps stood waiting for exchanges
-                  "inflight_peak_bytes": out.sync.inflight_peak_bytes, "blocked_s": out.sync.blocked_s}
+                  "inflight_peak_bytes": out.sync.inflight_peak_bytes, "blocked_s": out.sync.blocked_s,
+                  # the turns' logging intervals: read from the device with the turn's totals
+                  "steps": step_records(cfg, rs.grid, rs.device, r + 1, rs.learners)}
         everyone = gather(record, rs.distributed)
         if self.writer is not None:
-            self.writer.log_round(_round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr))
+            self.writer.log_steps(merge_step_records([rec.pop("steps") for rec in everyone]))
+            line = _round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr)
+            self.writer.log_round({**line, "step": (r + 1) * cfg.diloco.inner_steps})
             losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
             say(f"round {r + 1}/{cfg.trainer.rounds}: mean path loss {np.mean(list(losses.values())):.4f}, "
                 f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
@@ -128,7 +146,7 @@ class RoundRecorder:
         rs, t, R = self.rs, self.totals, self.rs.cfg.trainer.rounds
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
+        if self.writer is not None and self.owns_writer:
             self.writer.close()
         rs.sync.close()
         if self.last_checkpoint is None and self.start_round >= R:
@@ -159,16 +177,6 @@ def _module_stats(round_stats: RoundStats) -> dict[str, dict]:
         d = s.to_dict()
         out[mid] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
     return out
-
-
-def _truncate_metrics(run: RunDir, keep_rounds: int) -> None:
-    """Drop metrics of rounds past the checkpoint we resume from: they are re-run."""
-    if not run.metrics.exists():
-        return
-    lines = [x for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()]
-    kept = [x for x in lines if json.loads(x).get("round", 0) <= keep_rounds]
-    if len(kept) != len(lines):
-        atomic_write_text(run.metrics, "".join(x + "\n" for x in kept))
 
 
 def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[str, Any]:

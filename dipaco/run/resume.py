@@ -151,7 +151,7 @@ def check_fresh(run: RunDir) -> None:
     names = {p.name for p in run.root.iterdir()} if run.root.is_dir() else set()
     foreign = sorted(names - RUN_LAYOUT)
     if not run.config.is_file():  # dipaco writes config.yaml first: what it replaces was not its own
-        foreign += sorted(names & {"tb", "metrics.jsonl"})
+        foreign += sorted(names & {"tb", "metrics.jsonl", "steps.jsonl"})
     if foreign or (run.config.is_file() and not _is_dipaco_config(run)):
         what = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "") if foreign else "a config.yaml of its own"
         raise RunDirError(f"{run.root} is not empty and is not a dipaco run directory (it holds {what}); a new "

@@ -27,7 +27,7 @@ RUN_LAYOUT = frozenset({
     "config.yaml", "tokenizer.json", "router", "shards", "routing_report.json", "warmup", "val_shards",
     "checkpoints", "metrics.jsonl", "tb", "baseline", "summary.json", "plots", "cache", "fingerprints.json",
     "resumes.jsonl", ".dipaco.lock", ".hydra", "decoupled", "decoupled_metrics.json", "train.log", "route.log",
-    "report.md", "report.json", "report.png",
+    "report.md", "report.json", "report.png", "steps.jsonl", "wandb",
 })
 
 
@@ -97,6 +97,24 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.root / "tb"
+
+    @property
+    def steps(self) -> Path:
+        """Per-step health records, one per path and logging interval (docs/metrics.md)."""
+        return self.root / "steps.jsonl"
+
+    def records(self, steps: bool = False) -> list[dict[str, Any]]:
+        """The records of ``metrics.jsonl`` (one per round, or per phase in decoupled
+        mode) or, with ``steps``, of ``steps.jsonl``; empty when the file is missing."""
+        path = self.steps if steps else self.metrics
+        if not path.is_file():
+            return []
+        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+    @property
+    def log_file(self) -> Path:
+        """The run's messages (the ``dipaco`` logger), where Hydra names its job log."""
+        return self.root / "train.log"
 
     # written after training (launching process)
     @property
@@ -183,9 +201,7 @@ def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float) -> tuple[
     are counted in ``totals_missing_rounds``.
     """
     start = int(result.start_round)
-    lines = [json.loads(x) for x in run.metrics.read_text(encoding="utf-8").splitlines() if x.strip()] \
-        if run.metrics.is_file() else []
-    before = [x for x in lines if 0 < int(x.get("round", 0)) <= start]
+    before = [x for x in run.records() if 0 < int(x.get("round", 0)) <= start]
     out = dataclasses.replace(
         result, start_round=0, resumed_from_round=start,
         # metrics.jsonl deleted or edited by hand: say so, do not guess

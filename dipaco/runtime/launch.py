@@ -31,6 +31,7 @@ from dipaco.config import Config, to_config
 from dipaco.runtime.device import rank_device
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
+from dipaco.runtime.progress import log, share_run_log
 
 
 class LaunchError(RuntimeError):
@@ -85,6 +86,8 @@ def _on_stop_signal(signum: int, _frame: Any) -> None:
         signal.signal(signum, signal.SIG_DFL)
         raise KeyboardInterrupt
     StopSignals.received = signal.Signals(signum).name
+    # print, not the logger: a signal handler that takes the logging lock the interrupted
+    # code holds would deadlock
     print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
           "send it again to stop at once", flush=True)
     if StopSignals.on_signal is not None:
@@ -125,7 +128,7 @@ def init_distributed(backend: str, timeout_s: float, device: str = "auto") -> tu
             torch.cuda.set_device(placement.device)
         dist.init_process_group(backend=placement.backend, timeout=_dt.timedelta(seconds=timeout_s))
     if dist.get_rank() == 0:
-        print(f"[dipaco] {dist.get_world_size()} rank(s); rank 0: {placement.describe()}", flush=True)
+        log.info(f"{dist.get_world_size()} rank(s); rank 0: {placement.describe()}")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -140,6 +143,8 @@ def _set_threads(cfg: Config, local_world: int) -> None:
 def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
     """Body of one spawned or torchrun rank."""
     cfg = to_config(cfg_dict)
+    if os.environ.get("RANK") == "0":  # a spawned rank 0: its messages join the job's train.log
+        share_run_log(run.log_file)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     _set_threads(cfg, local_world)
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)

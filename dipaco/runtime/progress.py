@@ -8,21 +8,33 @@ the job prints either way. tqdm is wrapped here and nowhere else in ``dipaco/``.
 
 Those lines go through ONE logger, ``logging.getLogger("dipaco")`` (:data:`log`; its
 children, ``logging.getLogger(__name__)`` in ``dipaco.*``, print through it too): each
-record is one ``[dipaco] <message>`` line on the standard output of the moment, flushed.
-It does not propagate to the root logger, whose console handler (Hydra's, under
+INFO record is one ``[dipaco] <message>`` line on the standard output of the moment,
+flushed. It does not propagate to the root logger, whose console handler (Hydra's, under
 ``dipaco-train``) would print every line a second time in another format.
+
+The run's log file, ``train.log`` in the run directory (the name Hydra gives its job
+log, which the CLIs switch off so that a refused command writes nothing), is written
+by the same logger: :func:`run_log` holds the records while the job checks the run, and
+:func:`open_run_log` writes them, and every later one, once the run is accepted. The
+file also gets the DEBUG records (one line per logged step, written by
+:mod:`dipaco.runtime.tracking`), which the console leaves out, and a time stamp per line.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Iterator, Optional
 
 from tqdm import tqdm
 
-__all__ = ["bars_enabled", "log", "progress_bar", "say"]
+__all__ = ["bars_enabled", "log", "open_run_log", "progress_bar", "run_log", "say", "say_plain",
+           "share_run_log"]
 
 log = logging.getLogger("dipaco")
+# Hydra's job-log format, so train.log reads like the log Hydra would have written
+FILE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 class _Stdout(logging.StreamHandler):
@@ -41,18 +53,102 @@ class _Stdout(logging.StreamHandler):
         pass
 
 
+class _Format(logging.Formatter):
+    """``fmt`` for messages; a record logged with ``extra={"plain": True}`` (the summary
+    table: several lines that are read as a block) as it is."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage() if getattr(record, "plain", False) else super().format(record)
+
+
 if not any(isinstance(h, _Stdout) for h in log.handlers):
     _handler = _Stdout()
-    _handler.setFormatter(logging.Formatter("[dipaco] %(message)s"))
+    _handler.setFormatter(_Format("[dipaco] %(message)s"))
+    _handler.setLevel(logging.INFO)  # the DEBUG lines (per-step health) go to train.log only
     log.addHandler(_handler)
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.DEBUG)
     log.propagate = False
+
+
+class _RunLog(logging.Handler):
+    """``train.log``: records are held until the run is accepted, then written there."""
+
+    HOLD = 10_000  # records held at most before the run is accepted (a few in practice)
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.held: list[logging.LogRecord] = []
+        self.file: Optional[logging.FileHandler] = None
+
+    def open(self, path: Path, fresh: bool) -> None:
+        if self.file is not None:
+            if Path(self.file.baseFilename) == path.resolve():
+                return
+            self.file.close()
+        if fresh:  # a fresh run's log starts empty (emptied, then appended to, like every writer)
+            path.write_text("", encoding="utf-8")
+        # always "a" (O_APPEND): a spawned rank 0 appends to the same file, and a writer at
+        # its own offset would overwrite that rank's lines
+        self.file = logging.FileHandler(path, mode="a", encoding="utf-8")
+        self.file.setFormatter(_Format(FILE_FORMAT))
+        for record in self.held:
+            self.file.emit(record)
+        self.held.clear()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.file is not None:
+            self.file.emit(record)
+        elif len(self.held) < self.HOLD:
+            self.held.append(record)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        self.held.clear()
+        super().close()
+
+
+@contextlib.contextmanager
+def run_log() -> Iterator[None]:
+    """While the block runs, the ``dipaco`` logger's records are kept for the run's
+    ``train.log``: held until :func:`open_run_log` names the file, dropped if it never
+    does (a refused run writes nothing)."""
+    handler = _RunLog()
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+def open_run_log(path: Path, fresh: bool) -> None:
+    """The run is accepted: write the held records to ``path`` (emptied first when
+    ``fresh``) and every later record after them. A no-op outside :func:`run_log`."""
+    for h in log.handlers:
+        if isinstance(h, _RunLog):
+            h.open(path, fresh)
+
+
+def share_run_log(path: Path) -> None:
+    """A spawned rank 0 adds its messages to the job's ``train.log`` (when the job
+    made one: a direct ``launch()`` writes no log file)."""
+    if path.is_file() and not any(isinstance(h, _RunLog) for h in log.handlers):
+        handler = _RunLog()
+        handler.open(path, fresh=False)
+        log.addHandler(handler)
 
 
 def say(msg: str, rank: Optional[int] = None) -> None:
     """One ``[dipaco] ...`` line; in the torch backend (``rank`` given) from rank 0 only."""
     if rank is None or rank == 0:
         log.info(msg)
+
+
+def say_plain(text: str) -> None:
+    """Lines printed as they are (the summary table), and kept in ``train.log``."""
+    log.info(text, extra={"plain": True})
 
 
 def bars_enabled(requested: bool) -> bool:

@@ -1,0 +1,74 @@
+"""What the hardware can do and what a process holds: for MFU and the memory metrics.
+
+* :data:`PEAK_FLOPS`: dense peak FLOP/s of known GPUs, by a fragment of the device name,
+  from the vendors' datasheets (bf16/fp16, and TF32 for fp32 training). The per-step
+  metrics (:mod:`dipaco.rounds.health`) and ``benchmarks/bench_gpu.py`` read it.
+* :func:`flops_per_token`: the training FLOPs of one token of a path, ``6·N + 12·L·d·T``
+  (N parameters, L blocks, d width, T sequence length: the PaLM paper's appendix B
+  formula, forward and backward, attention included).
+* :func:`memory_snapshot`: this process's memory, read on the host without waiting for
+  the device (the CUDA caching allocator keeps its statistics on the host).
+"""
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from typing import Optional
+
+import torch
+
+__all__ = ["PEAK_FLOPS", "flops_per_token", "memory_snapshot", "peak_flops"]
+
+# dense peak FLOP/s by device-name fragment: (bf16/fp16, TF32)
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "H100": (989e12, 494e12), "H200": (989e12, 494e12), "A100": (312e12, 156e12),
+    "L40S": (362e12, 183e12), "A10G": (70e12, 35e12),
+}
+
+
+def flops_per_token(n_params: int, blocks: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs of one token: ``6·N + 12·L·d·T`` (PaLM, appendix B)."""
+    return 6.0 * n_params + 12.0 * blocks * d_model * seq_len
+
+
+def peak_flops(device: torch.device, precision: str, peak_tflops: Optional[float] = None) -> Optional[float]:
+    """The device's dense peak FLOP/s for MFU: ``peak_tflops`` when given (``logging.peak_tflops``),
+    else the datasheet figure of a GPU in :data:`PEAK_FLOPS`, else None (the CPU, an
+    unknown GPU): MFU is then not reported rather than made up."""
+    if peak_tflops:
+        return float(peak_tflops) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (low, tf32) in PEAK_FLOPS.items():
+        if key in name:
+            return tf32 if precision == "fp32" else low
+    return None
+
+
+def _rss_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: no current RSS, the peak still is
+        return None
+
+
+def memory_snapshot(device: torch.device) -> dict[str, int]:
+    """This process's memory now, in bytes (no device synchronisation).
+
+    ``rss_bytes`` / ``max_rss_bytes``: the host process's resident set now and its
+    peak; on CUDA also ``max_active_bytes`` / ``max_reserved_bytes``: the caching
+    allocator's peaks of memory in tensors and of memory held from the driver since the
+    rank started (:func:`dipaco.runtime.device.reset_peak_memory`).
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"max_rss_bytes": int(peak if sys.platform == "darwin" else peak * 1024)}  # KiB on Linux
+    rss = _rss_bytes()
+    if rss is not None:
+        out["rss_bytes"] = rss
+    if device.type == "cuda":
+        out["max_active_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        out["max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+    return out
