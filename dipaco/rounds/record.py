@@ -18,6 +18,7 @@ import numpy as np
 import torch.distributed as dist
 
 from dipaco.run.checkpoint import atomic_write_text
+from dipaco.runtime import elastic
 from dipaco.runtime.device import peak_memory_bytes
 from dipaco.rounds.early_stopping import PathEarlyStopping
 from dipaco.runtime.progress import progress_bar, say
@@ -109,7 +110,11 @@ class RoundRecorder:
                   "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s}
         everyone = gather(record, rs.distributed)
         if self.writer is not None:
-            self.writer.log_round(_round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr))
+            line = _round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr)
+            line["worker_groups"] = rs.topo.num_groups  # changes in an elastic launch
+            if r == self.start_round and elastic.current_change() is not None:
+                line["membership"] = elastic.current_change()  # the change this start began with
+            self.writer.log_round(line)
             losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
             say(f"round {r + 1}/{cfg.trainer.rounds}: mean path loss {np.mean(list(losses.values())):.4f}, "
                 f"bytes sent {sum(x['bytes_sent'] for x in everyone):,}")
