@@ -78,6 +78,10 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
                   "decoupled goodput, one decoupled worker 3x slower", ">= 0.8"),
     "large_corpus": (_module("large_corpus"), lambda d: f"{d['peak_rss_mib']:.0f} MiB for {d['corpus_mib']:.0f} MiB",
                      "peak RSS routing + training from memmapped shards", "flat, << corpus"),
+    "prepare": (_module("prepare"),
+                lambda d: f"{fmt(d['verdicts'].get('peak_rss_largest_over_smallest'))}x, "
+                          f"{fmt(d['verdicts'].get('encode_mb_s_min'))} MB/s",
+                "dipaco-route peak RSS largest / smallest corpus, tokenization MB/s", "<= 1.25, >= 4"),
     "route_sharing": (_module("route_sharing"),
                       lambda d: ", ".join(f"{r['method']} {r['level0_nmi']}" for r in d["hierarchy"] if r["grid"] == [4, 4]),
                       "level-0 NMI vs super-topic, synthetic hierarchy [4,4]", "tree ~1"),

@@ -16,6 +16,7 @@ documents to their first ``prefix_tokens`` tokens.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -65,13 +66,16 @@ def _l2_normalise(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
 
 
-def _progress(total: int, enabled: bool | None, desc: str):
-    """A tqdm bar over ``total`` documents, or None when disabled or the input is small."""
-    if enabled is False or (enabled is None and total < _PROGRESS_MIN_DOCS):
+def progress_bar(total: int, enabled: bool | None, desc: str):
+    """A tqdm bar over ``total`` documents, or None: when ``enabled`` is False, when it is
+    None and the input is small, and whenever stderr is not a terminal (a bar redraws
+    itself with ``\\r``: in a log file that is thousands of lines of noise). The same rule
+    as ``dipaco.runtime.progress``, which ``router`` may not import."""
+    if enabled is False or (enabled is None and total < _PROGRESS_MIN_DOCS) or not sys.stderr.isatty():
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="doc")
+    return tqdm(total=total, desc=desc, unit="doc", leave=False)
 
 
 class TokenTfidfFeaturizer:
@@ -87,7 +91,8 @@ class TokenTfidfFeaturizer:
         sublinear_tf: use ``1 + log(tf)`` instead of raw counts (long repeated runs of one
             token, e.g. padding or indentation, then do not dominate the prefix).
         batch_size: documents per transform batch (bounds memory on large inputs).
-        progress: tqdm bar: None = only on large inputs, False = never, True = always.
+        progress: tqdm bar: None = only on large inputs, False = never, True = always;
+            never when stderr is not a terminal.
     """
 
     kind = "token_tfidf"
@@ -181,9 +186,14 @@ class TokenTfidfFeaturizer:
         if n == 0:
             raise ValueError("docs is empty: the featurizer needs at least one document to fit")
         rows, keys = self._term_keys(docs)
-        # Document frequency: count each (doc, term) once.
-        pairs = np.unique(np.stack([rows, keys], axis=1), axis=0) if keys.size else np.zeros((0, 2), np.int64)
-        terms, df = np.unique(pairs[:, 1], return_counts=True)
+        # Document frequency: count each (doc, term) once: the distinct (doc, term) pairs,
+        # found by one sort of the occurrences (no [M, 2] array and its row-unique copies)
+        order = np.lexsort((keys, rows))
+        rows, keys = rows[order], keys[order]
+        first = np.ones(keys.size, bool)
+        first[1:] = (rows[1:] != rows[:-1]) | (keys[1:] != keys[:-1])
+        terms, df = np.unique(keys[first], return_counts=True)
+        del rows, keys, order, first  # the SVD below is the fit's peak: nothing else stays
         keep = df >= self.min_df
         terms, df = terms[keep], df[keep]
         if self.max_features is not None and terms.size > self.max_features:
@@ -194,23 +204,24 @@ class TokenTfidfFeaturizer:
         self.vocab_keys = terms.astype(np.int64)
         # Smoothed idf (as if one extra document contained every term): never zero or inf.
         self.idf = (np.log((1.0 + n) / (1.0 + df)) + 1.0).astype(np.float32)
-        x = self._tfidf(docs)
+        x = self._tfidf(docs).astype(np.float64)
         # Small SVDs run faster on one BLAS thread: with several threads each tiny LU/QR
         # pays synchronisation costs (measured 0.1 s vs up to 2 s on a busy 2-core host).
         small = n * max(terms.size, 1) < _SMALL_SVD
-        components = np.zeros((self.dim, max(terms.size, 1)), np.float32)
         n_comp = min(self.dim, terms.size, n)
+        vt = None
         if n_comp >= 1 and x.nnz:
             from threadpoolctl import threadpool_limits  # lazy: scikit-learn's dependency, needed only here
 
             with threadpool_limits(limits=1 if small else None):
-                _, _, vt = randomized_svd(
-                    x.astype(np.float64), n_comp, n_iter=5, random_state=self.seed
-                )
+                _, _, vt = randomized_svd(x, n_comp, n_iter=5, random_state=self.seed)
+        del x
+        components = np.zeros((self.dim, max(terms.size, 1)), np.float32)
+        for i in range(n_comp if vt is not None else 0):  # a row at a time: no [dim, terms] float64 temporaries
             # Sign convention: the largest-magnitude entry of each component is positive,
             # so features do not flip sign between library versions.
-            signs = np.sign(vt[np.arange(n_comp), np.abs(vt).argmax(axis=1)])
-            components[:n_comp] = (vt * signs[:, None]).astype(np.float32)
+            row = vt[i]
+            components[i] = (row * np.sign(row[np.abs(row).argmax()])).astype(np.float32)
         self.components = components
         return self
 
@@ -220,7 +231,7 @@ class TokenTfidfFeaturizer:
             raise ValueError("TokenTfidfFeaturizer is not fitted: call fit(docs) first")
         n = len(docs)
         out = np.zeros((n, self.dim), np.float32)
-        bar = _progress(n, self.progress, "featurize")
+        bar = progress_bar(n, self.progress, "featurize")
         for start in range(0, n, self.batch_size):
             batch = docs[start : start + self.batch_size]
             x = self._tfidf(batch)
@@ -313,7 +324,7 @@ class CallableFeaturizer:
         arrays = [as_token_array(d) for d in docs]
         out = np.zeros((len(arrays), self.dim), np.float32)
         nonempty = [i for i, a in enumerate(arrays) if a.size]
-        bar = _progress(len(nonempty), self.progress, "featurize (LM)")
+        bar = progress_bar(len(nonempty), self.progress, "featurize (LM)")
         for start in range(0, len(nonempty), self.batch_size):
             idx = nonempty[start : start + self.batch_size]
             feats = np.asarray(self.fn([arrays[i] for i in idx]), dtype=np.float32)

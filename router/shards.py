@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .assign import balanced_assign_array
+from .features import progress_bar
 from .router import ROUTER_FORMAT_VERSION
 from .storage import atomic_write_json, atomic_write_npz, load_npz_checked
 from .tokens import TokenDocs, TokenDocsWriter, open_token_docs
@@ -37,7 +39,7 @@ SHARDS_FORMAT_VERSION = 2
 _TOKENS, _INDEX, _MANIFEST = "tokens", "shard_index.npz", "shards.json"
 # Rows routed (prefixes featurized) per batch, and tokens copied per batch when writing
 # shards: both bound memory on corpora larger than RAM.
-BATCH_ROWS = 65_536
+BATCH_ROWS = 16_384
 BATCH_TOKENS = 4 * 2**20
 _REWRITE = "route again (dipaco-route, or dipaco-train resume=false into a new run dir)"
 
@@ -63,16 +65,30 @@ def _batches_of_rows(docs: Any, rows: np.ndarray, token_column: str):
             yield [docs[int(i)] for i in chunk]
 
 
+def as_path_array(assignments: "Sequence[Sequence[int]] | np.ndarray") -> np.ndarray:
+    """Per-document path lists as one int array ``[N, k]``, ``-1`` where a row has fewer
+    than ``k`` paths (a 2-D array is returned as is)."""
+    if isinstance(assignments, np.ndarray) and assignments.ndim == 2:
+        return assignments
+    lists = [list(a) for a in assignments]
+    k = max((len(a) for a in lists), default=0)
+    out = np.full((len(lists), k), -1, np.int64)
+    for row, a in enumerate(lists):
+        out[row, : len(a)] = a
+    return out
+
+
 def write_shards(
     docs: "TokenDocs | datasets.Dataset | Sequence[Sequence[int]]",
-    assignments: Sequence[Sequence[int]],
+    assignments: "Sequence[Sequence[int]] | np.ndarray",
     num_paths: int,
     out_dir: str | os.PathLike,
     *,
     token_column: str = "input_ids",
     warn_empty: bool = True,
 ) -> dict[str, Any]:
-    """Write the shards of ``docs`` given each row's paths (``Router.assign`` output).
+    """Write the shards of ``docs`` given each row's paths (``Router.assign`` output, or an
+    int array ``[N, k]`` with ``-1`` for no path, as :func:`assign_in_batches` returns).
 
     ``warn_empty=False``: an empty shard is expected (a path's validation shard on a small
     corpus) and is only recorded in the manifest, without a warning.
@@ -92,22 +108,31 @@ def write_shards(
             f"assignments has {len(assignments)} entries but the dataset has {len(docs)} rows; "
             "pass one list of paths per row"
         )
+    paths = as_path_array(assignments)
+    valid = paths >= 0
+    bad = np.flatnonzero((paths >= num_paths).any(axis=1) | (paths < -1).any(axis=1))
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(f"assignments[{row}] has path {[int(q) for q in paths[row] if q != -1]} outside "
+                         f"[0, {num_paths})")
+    if paths.shape[1] > 1:  # a repeated path in one row
+        ordered = np.sort(paths, axis=1)
+        dup = np.flatnonzero(((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(axis=1))
+        if dup.size:
+            row = int(dup[0])
+            raise ValueError(f"assignments[{row}] repeats a path: {[int(q) for q in paths[row] if q >= 0]}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    kept_rows = np.array([i for i, a in enumerate(assignments) if len(a)], np.int64)
-    position = np.full(len(assignments), -1, np.int64)
+    kept_rows = np.flatnonzero(valid.any(axis=1)).astype(np.int64)
+    position = np.full(len(paths), -1, np.int64)
     position[kept_rows] = np.arange(kept_rows.size)
-    per_path: list[list[int]] = [[] for _ in range(num_paths)]
-    for row, paths in enumerate(assignments):
-        if len(set(paths)) != len(paths):
-            raise ValueError(f"assignments[{row}] repeats a path: {list(paths)}")
-        for p in paths:
-            if not 0 <= int(p) < num_paths:
-                raise ValueError(f"assignments[{row}] has path {p} outside [0, {num_paths})")
-            per_path[int(p)].append(int(position[row]))
-    sizes = np.array([len(r) for r in per_path], np.int64)
+    # per path, its rows in ascending order: one pass over the [N, k] array per path
+    # (a million documents: no int64 arrays of every membership and their argsort)
+    per_path = [position[np.flatnonzero((paths == p).any(axis=1))] for p in range(num_paths)]
+    sizes = np.array([r.size for r in per_path], np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    rows = np.array([r for rs in per_path for r in rs], np.int64)
+    rows = np.concatenate(per_path).astype(np.int64) if per_path else np.zeros(0, np.int64)
+    del per_path
 
     # The writer fills a temporary directory and renames it into place: a reader never
     # sees a half-written tokens/.
@@ -119,7 +144,7 @@ def write_shards(
         writer.abort()
         raise
     lengths = writer.close().lengths
-    tokens = [int(lengths[np.asarray(r, np.int64)].sum()) if r else 0 for r in per_path]
+    tokens = [int(lengths[rows[offsets[p]:offsets[p + 1]]].sum()) for p in range(num_paths)]
 
     index_sha = atomic_write_npz(out / _INDEX, {"offsets": offsets, "rows": rows})
     empty = np.flatnonzero(sizes == 0).tolist()
@@ -197,42 +222,60 @@ def read_assignments(out_dir: str | os.PathLike, replicas: int = 1) -> list[list
 
 
 def assign_in_batches(router: "Router", docs: "TokenDocs | Sequence[Sequence[int]]", *,
-                      batch_size: int = BATCH_ROWS) -> list[list[int]]:
+                      batch_size: int = BATCH_ROWS, as_array: bool = False,
+                      progress: bool | None = None) -> "list[list[int]] | np.ndarray":
     """``router.assign(docs)`` with costs computed ``batch_size`` documents at a time.
 
     Featurization memory is bounded by the batch; what is kept for all documents is the
     cost matrix ``[N, P]`` (the balanced assignment needs every document's costs at once
-    to order them by confidence). Token documents are cut to the router's ``cluster_tokens`` as a
-    view first and each batch of prefixes is read into memory, so no document is copied
-    whole and no page of the memmap stays mapped.
+    to order them by confidence) and O(P) bytes each for the assignment itself
+    (:func:`router.assign.balanced_assign_array`). Token documents are cut to the router's
+    ``cluster_tokens`` as a view first and each batch of prefixes is read into memory, so
+    no document is copied whole and no page of the memmap stays mapped.
+
+    ``as_array``: return the int array ``[N, top_k]`` instead of per-document lists (a
+    million lists of Python ints cost ~100 MB). ``progress``: a bar over the documents
+    (None: on large inputs; drawn only when stderr is a terminal).
     """
     n = len(docs)
     if isinstance(docs, TokenDocs):
         docs = docs.prefixes(router.cluster_tokens)
     if n == 0:
-        return []
+        return np.zeros((0, router.top_k), np.int16) if as_array else []
     costs = None
+    bar = progress_bar(n, progress, "route")
     for lo in range(0, n, batch_size):
         chunk = docs[lo : lo + batch_size]
         batch = router.shard_costs(chunk.in_memory() if isinstance(chunk, TokenDocs) else chunk)
         if costs is None:  # the router's dtype: a cast could reorder near-ties
             costs = np.empty((n, batch.shape[1]), batch.dtype)
         costs[lo : lo + batch_size] = batch
-    return router.assign_costs(costs)
+        if bar is not None:
+            bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    out = balanced_assign_array(costs, top_k=router.top_k, capacity_factor=router.capacity_factor,
+                                balance=router.balance, soft_capacity_factor=router.soft_capacity_factor)
+    return out if as_array else out.tolist()
 
 
 __all__ = ["write_shards", "load_shard", "read_shards_manifest", "read_assignments", "assign_in_batches",
-           "SHARDS_FORMAT_VERSION"]
+           "as_path_array", "SHARDS_FORMAT_VERSION"]
 
 
-def expand_replicas(assignments: list[list[int]], replicas: int, seed: int) -> list[list[int]]:
+def expand_replicas(assignments: "list[list[int]] | np.ndarray", replicas: int,
+                    seed: int) -> "list[list[int]] | np.ndarray":
     """Grid-path assignments → training-path assignments (``t = p·R + r``).
 
     Each document goes to one replica of each of its paths, drawn from a seeded hash of
-    its row, so the replicas of a path split its shard into R disjoint random parts.
+    its row, so the replicas of a path split its shard into R disjoint random parts. An
+    int array ``[N, k]`` (``-1``: no path) gives an array, lists give lists.
     """
     if replicas == 1:
         return assignments
     rng = np.random.default_rng(seed + 7919)
     draws = rng.integers(0, replicas, size=len(assignments))
+    if isinstance(assignments, np.ndarray):
+        a = assignments.astype(np.int64)
+        return np.where(a >= 0, a * replicas + draws[:, None], -1)
     return [[p * replicas + int(r) for p in paths] for paths, r in zip(assignments, draws)]

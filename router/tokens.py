@@ -28,6 +28,7 @@ import numpy as np
 
 TOKEN_DTYPE = np.dtype("<i4")
 TOKENS_FILE, OFFSETS_FILE = "tokens.bin", "offsets.npy"
+_TMP_MARK = ".tmp-"  # .<name>.tmp-<pid>: a write in progress (or left by a killed writer)
 
 
 class TokenFileError(ValueError):
@@ -134,13 +135,14 @@ class TokenDocs(Sequence[np.ndarray]):
 class TokenDocsWriter:
     """Append documents to a token directory, in bounded memory; :meth:`close` publishes it.
 
-    Everything is written under ``<directory>.tmp`` and renamed to ``directory`` only when
-    complete, so a crash never leaves a directory a later reader would trust.
+    Everything is written under ``.<name>.tmp-<pid>`` beside ``directory`` and renamed to
+    ``directory`` only when complete, so a crash never leaves a directory a later reader
+    would trust; :func:`sweep_stale_writes` deletes what a killed writer left.
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
-        self._tmp = self.directory.with_name(f".{self.directory.name}.tmp")
+        self._tmp = self.directory.with_name(f".{self.directory.name}{_TMP_MARK}{os.getpid()}")
         if self._tmp.exists():
             shutil.rmtree(self._tmp)
         self._tmp.mkdir(parents=True)
@@ -179,6 +181,24 @@ class TokenDocsWriter:
         """Drop what was written (the published directory, if any, is left untouched)."""
         self._file.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def sweep_stale_writes(parent: str | os.PathLike) -> None:
+    """Delete the temporary directories under ``parent`` whose writer process is gone."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        head, mark, pid = name.rpartition(_TMP_MARK)
+        if not (name.startswith(".") and mark and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
 
 
 def write_token_docs(directory: str | os.PathLike, docs: Iterable[Sequence[int]],
@@ -225,5 +245,5 @@ def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the dire
     return TokenDocs.from_offsets(tokens, offsets)
 
 
-__all__ = ["TokenDocs", "TokenDocsWriter", "TokenFileError", "open_token_docs",
+__all__ = ["TokenDocs", "TokenDocsWriter", "TokenFileError", "open_token_docs", "sweep_stale_writes",
            "write_token_docs", "TOKEN_DTYPE"]

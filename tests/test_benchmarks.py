@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups"]
+OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups", "prepare"]
 
 
 def test_entry_point_help() -> None:

@@ -13,7 +13,7 @@ from dipaco.config.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-NEEDS_PATH = {"jsonl", "text", "parquet", "hub"}
+NEEDS_PATH = {"jsonl", "text", "parquet", "hub", "tokens"}
 # launcher=slurm has no default partition, and its 8 ranks per node need at least 8 paths
 NEEDS_MORE = {("launcher", "slurm"): ["launcher.partition=gpu", "grid=4x4"]}
 

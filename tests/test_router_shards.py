@@ -151,3 +151,45 @@ def test_assign_in_batches_matches_assign_on_memmapped_docs(tmp_path, routed):
     for p in range(4):
         assert [d.tolist() for d in load_shard(tmp_path / "a", p)] == \
             [d.tolist() for d in load_shard(tmp_path / "b", p)]
+
+
+def test_path_arrays_give_what_path_lists_give(tmp_path, routed) -> None:
+    """The [N, k] int arrays of the large-corpus path (assign_in_batches(as_array=True))
+    write the same shards, report and replicas as per-document lists."""
+    from router import expand_replicas
+
+    ds, router, docs = routed
+    lists = assign_in_batches(router, docs, batch_size=7)
+    array = assign_in_batches(router, docs, batch_size=7, as_array=True)
+    assert array.dtype == np.int8 and array.tolist() == lists
+    a = write_shards(docs, array, router.num_paths, tmp_path / "a")
+    b = write_shards(docs, lists, router.num_paths, tmp_path / "b")
+    assert a == b and (tmp_path / "a" / "shard_index.npz").read_bytes() == (tmp_path / "b" / "shard_index.npz").read_bytes()
+    codes = np.unique(np.asarray(ds["label"]), return_inverse=True)[1].astype(np.int32)  # as label_codes()
+    assert routing_report(array, num_paths=4, labels=codes, grid=[2, 2]) == \
+        routing_report(lists, num_paths=4, labels=list(ds["label"]), grid=[2, 2])
+    assert expand_replicas(array, 3, seed=5).tolist() == expand_replicas(lists, 3, seed=5)
+    # a row with fewer paths (-1) is padding; a bad path or a repeat is refused in one line
+    ragged = np.array([[0, 1]] * (len(docs) - 1) + [[2, -1]])
+    manifest = write_shards(docs, ragged, 4, tmp_path / "c", warn_empty=False)
+    assert manifest["documents_per_path"] == [len(docs) - 1] * 2 + [1, 0]
+    with pytest.raises(ValueError, match=r"assignments\[0\] repeats a path"):
+        write_shards(docs, np.array([[1, 1]] * len(docs)), 4, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
+        write_shards(docs, np.array([[1, 7]] * len(docs)), 4, tmp_path / "e")
+
+
+def test_progress_bars_follow_the_terminal_rule(monkeypatch) -> None:
+    """router may not import dipaco.runtime.progress; its bars follow the same rule: none when
+    asked not to, none for small inputs by default, none when stderr is not a terminal."""
+    import sys
+
+    from router.features import progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert progress_bar(10**6, True, "featurize") is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress_bar(10**6, False, "featurize") is None and progress_bar(10, None, "featurize") is None
+    bar = progress_bar(10**6, None, "featurize")
+    assert bar is not None
+    bar.close()

@@ -221,9 +221,9 @@ def test_soft_capacities_that_leave_no_move_overshoot_by_one_document():
     # path 1 has room (soft capacity 5) but every holder of the full paths 0 and 2 holds it
     # too: no document can make room, so document 0 joins its best missing path anyway
     costs = np.array([[0.5, 0.0, 0.9], [0.0, 0.1, 0.9], [0.9, 0.1, 0.0]])
-    chosen = [[1], [0, 1], [2, 1]]
-    load = np.array([1, 3, 1])
-    _make_room(costs, np.array([1, 0, 2]), chosen, load, 0, np.array([1, 5, 1]))
-    assert chosen[0] == [1, 0] and load.tolist() == [2, 3, 1]
+    chosen = np.array([[1, -1], [0, 1], [2, 1]])  # round 1: document 0 looks for its second path
+    load = [1, 3, 1]
+    _make_room(costs, np.array([1, 0, 2]), chosen, 1, load, 0, [1, 5, 1])
+    assert chosen[0].tolist() == [1, 0] and load == [2, 3, 1]
     with pytest.raises(RuntimeError, match="bug"):  # with equal capacities this is impossible
-        _make_room(costs, np.array([1, 0, 2]), [[1], [0, 1], [2, 1]], np.array([1, 3, 1]), 0, np.full(3, 1))
+        _make_room(costs, np.array([1, 0, 2]), np.array([[1, -1], [0, 1], [2, 1]]), 1, [1, 3, 1], 0, [1, 1, 1])

@@ -47,7 +47,8 @@ def _app(cfg: DictConfig) -> None:
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(conf)))
         prep = prepare(conf, run)
     keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity", "levels")
-    print(json.dumps({k: prep.report.get(k) for k in keys}))
+    # each stage's seconds and the peak RSS after it (benchmarks/bench_prepare.py reads them)
+    print(json.dumps({**{k: prep.report.get(k) for k in keys}, "timings": prep.timings}))
 
 
 def main() -> None:

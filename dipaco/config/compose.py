@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from dipaco.config.errors import ConfigError, composition_error, require
 from dipaco.config.schema import (Config, DataConfig, DiLoCoConfig, GridConfig, LauncherConfig, RouterConfig,
                                   TrainerConfig)
-from dipaco.data.tokenizer import Tokenizer
+from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
 from modules.config import ModelConfig
 
 
@@ -52,11 +52,13 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
 
 
 def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
-    """With ``data.tokenizer`` set, ``model.vocab_size`` becomes that tokenizer's size unless
+    """With ``data.tokenizer`` set (or, for ``data=tokens``, a ``tokenizer.json`` beside the
+    token files), ``model.vocab_size`` becomes that tokenizer's size unless
     ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    if cfg.data.tokenizer and "model.vocab_size" not in given:
-        cfg.model.vocab_size = tokenizer_size(cfg.data.tokenizer)
+    path = cfg.data.tokenizer or (tokenizer_beside(cfg.data) if cfg.data.source == "tokens" else None)
+    if path and "model.vocab_size" not in given:
+        cfg.model.vocab_size = tokenizer_size(path)
     return cfg
 
 

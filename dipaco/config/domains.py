@@ -24,7 +24,7 @@ from dipaco.runtime.device import BACKENDS, DEVICES, PRECISIONS
 from dipaco.plan.codecs import CODECS
 from dipaco.sync.outer import optimizer_names
 
-DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub")
+DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub", "tokens")
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 GROUP_PARALLEL = ("replicate", "fsdp")  # launcher.group_parallel
 ROUTER_METHODS = ("product", "tree", "flat", "grouped", "merge", "random")
@@ -113,7 +113,9 @@ DOMAINS: dict[str, Domain] = {
                                  why="chunks are cut between the shortest and the longest document kept"),
     "data.max_doc_chars": Int(1, 10**8, why=COSTLY), "data.min_doc_chars": Int(0, "data.max_doc_chars"),
     "data.val_fraction": Real(0, 0.5, lo_open=True, why="the validation split scores the run"),
-    "data.test_fraction": Real(0, 0.5), "data.cache_dir": PATH, "data.tokenizer": PATH,
+    "data.test_fraction": Real(0, 0.5), "data.cache_dir": PATH,
+    "data.splits": OneOf(("auto", "hash")),  # dipaco.data.corpus.SPLIT_MODES (config imports no data reader)
+    "data.tokenizer_sample_bytes": Int(1, 10**12, null=True), "data.tokenizer_sample_documents": Int(1, _BIG, null=True), "data.tokenizer": PATH,
     "model.vocab_size": Int(MIN_VOCAB, 2**20, why=f"a byte-level BPE needs {MIN_VOCAB}; " + COSTLY),
     "model.d_model": Int(2, 16384, why=COSTLY), "model.n_heads": Int(1, "model.d_model"),
     "model.layers_per_level": Int(1, 512, why=COSTLY), "model.max_seq_len": Int(2, 2**17, why=COSTLY),

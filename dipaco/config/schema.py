@@ -21,9 +21,10 @@ class DataConfig:
     """Where documents come from (docs/design.md, "Data flow", first box)."""
 
     # multidomain (the default: five labelled domains from this install, docs/data.md) |
-    # python_sources | jsonl | json | parquet | text | hub
+    # python_sources | jsonl | json | parquet | text | hub | tokens (pre-tokenized)
     source: str = "multidomain"
-    # local file, glob or directory (jsonl/json/parquet/text) or a hub dataset name
+    # local file, glob or directory (jsonl/json/parquet/text), a hub dataset name or a
+    # save_to_disk folder (hub), or a directory of token shards (tokens)
     path: Optional[str] = None
     # hub sources only: the dataset's config name and split
     hub_config: Optional[str] = None
@@ -32,6 +33,7 @@ class DataConfig:
     # downloading and converting the whole dataset first; max_documents then takes the
     # first N usable documents of the stream (a hash sample would need all of it)
     streaming: bool = False
+    # the record key holding a document's text (data=tokens: its token ids)
     text_field: str = "text"
     # a label used only to *evaluate* routing (NMI), never to route
     label_field: Optional[str] = None
@@ -62,6 +64,13 @@ class DataConfig:
     min_doc_chars: int = 64
     val_fraction: float = 0.05
     test_fraction: float = 0.05
+    # auto: a source's own validation/test splits are kept, the ones it lacks drawn by hash of
+    # the group; hash: every split by hash, whatever the source has (docs/data.md)
+    splits: str = "auto"
+    # the BPE is trained on documents spread evenly over the training split, at most this
+    # many bytes of text (the built-in corpora fit whole) and documents (null: no limit)
+    tokenizer_sample_bytes: Optional[int] = 64 * 2**20
+    tokenizer_sample_documents: Optional[int] = None
     # where tokenized datasets are cached; None: <run_dir>/cache
     cache_dir: Optional[str] = None
     # an existing HF tokenizer.json, or a local transformers tokenizer directory, to use

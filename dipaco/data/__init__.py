@@ -1,9 +1,10 @@
 """Data: corpus loading, the built-in offline corpus, tokenizer, tokenization cache, batches.
 
-raw documents → :func:`load_corpus` (a :class:`Corpus` holding an HF ``Dataset`` with
-``id``, ``text``, ``label``, ``group``, ``split``) → :class:`Tokenizer` → :func:`tokenize_dataset`
-(adds ``input_ids``, cached on disk) or :func:`tokenize_to_docs` (a memory-mapped
-``router.TokenDocs``) → :class:`TokenStream` batches for one path's shard.
+raw documents → :func:`load_corpus` (a :class:`Corpus`: streamed into a text store on disk,
+read as :class:`Documents` views with ``id``, ``text``, ``label``, ``group``, ``split``) →
+:class:`Tokenizer` → :func:`tokenize_to_docs` (every core, into a memory-mapped
+``router.TokenDocs``, cached) → :class:`TokenStream` batches for one path's shard.
+Pre-tokenized input (``data=tokens``) is :func:`load_token_corpus`.
 
 Names are re-exported lazily (PEP 562): ``from dipaco.data import split_of`` does not pay
 for importing torch, datasets and tokenizers, which matters for CLIs that only print an
@@ -18,6 +19,8 @@ _EXPORTS = {
     "batches": ("IGNORE_INDEX", "PathBatcher", "TokenStream", "build_stream", "iter_eval_batches",
                 "tokens_in_batch"),
     "corpus": ("DOCUMENT_FEATURES", "SOURCES", "Corpus", "load_corpus"),
+    "pretokenized": ("TokenCorpus", "load_token_corpus"),
+    "textstore": ("Documents",),
     "errors": ("DataError",),
     "multidomain": ("DOMAINS", "DomainDocument", "load_multidomain"),
     "python_sources": ("SourceDocument", "iter_python_sources", "list_source_files", "split_source",
@@ -48,6 +51,8 @@ if TYPE_CHECKING:  # static checkers and IDEs see the real names
     from dipaco.data.batches import (IGNORE_INDEX, PathBatcher, TokenStream, build_stream,
                                      iter_eval_batches, tokens_in_batch)
     from dipaco.data.corpus import DOCUMENT_FEATURES, SOURCES, Corpus, load_corpus
+    from dipaco.data.pretokenized import TokenCorpus, load_token_corpus
+    from dipaco.data.textstore import Documents
     from dipaco.data.errors import DataError
     from dipaco.data.multidomain import DOMAINS, DomainDocument, load_multidomain
     from dipaco.data.python_sources import (SourceDocument, iter_python_sources, list_source_files,

@@ -1,27 +1,44 @@
-"""Load raw documents into one HF ``datasets.Dataset`` (the first box of the data flow).
+"""Load raw documents into a corpus on disk, in bounded memory (the first box of the data flow).
 
-With :mod:`dipaco.data.readers`, the only place that reads raw data with ``datasets`` /
-``pyarrow``. Every source goes through the same tolerant path: a reader yields raw records, :class:`_Cleaner` checks each one
-and either keeps it or counts why not, and the kept rows become a ``Dataset`` built with
-explicit ``features=`` (so a corpus of odd rows never trips type inference).
+Every source goes through the same streaming path: a reader (:mod:`dipaco.data.readers`)
+yields raw records, :class:`~dipaco.data.cleaning.Cleaner` keeps each usable one or
+counts why not, each document gets its split, and batches of documents are appended to
+a text store on disk (:mod:`dipaco.data.textstore`). The text of the corpus is never
+held in memory as a whole: what stays is a few dozen bytes per document (offsets, label
+and split codes). With :mod:`dipaco.data.readers`, the only place that touches
+``datasets`` / ``pyarrow``.
+
+Splits (``data.splits``): ``hash`` gives each document the split of a hash of its group
+(:func:`split_of`); ``auto`` (the default) keeps a source's **own** validation and test
+splits where it has them (a hub dataset's or ``save_to_disk`` folder's splits, local
+files under ``validation/`` or named ``test.jsonl``: :func:`dipaco.data.files.file_split`)
+and draws by hash only the splits it lacks, from its training part.
 
 Skip reasons counted in :attr:`Corpus.skipped`:
 
-==================== ===========================================================
-``blank_line``       an empty line of a JSON-lines file (not a document; counted for
-                     the record)
-``malformed_json``   a JSON-lines line (or a ``.json`` file) that does not parse or is
-                     not an object
-``non_utf8``         bytes that are not UTF-8 (also strings holding lone surrogates)
-``binary``           text holding NUL bytes
+====================== ===========================================================
+``blank_line``         an empty line of a JSON-lines file (not a document)
+``malformed_json``     a line (or a ``.json`` element or file) that does not parse or is
+                       not an object
+``nested_too_deep``    JSON nested deeper than the parser's stack
+``line_too_long``      a JSON line (or array element) over 64 MiB, skipped unread
+``non_utf8``           bytes that are not UTF-8, or a string field holding lone surrogates
+``unsupported_encoding`` a file starting with a UTF-16/32 byte-order mark (one per file)
+``binary``             text holding NUL bytes
 ``missing_text_field`` a record without ``data.text_field``
-``not_a_string``     ``data.text_field`` holds a number, list, ...
-``empty``            text that is empty or only whitespace (or null)
-``too_short``        stripped text shorter than ``data.min_doc_chars``
-``unreadable_file``  a parquet file that pyarrow cannot open
-``truncated``        *kept*, cut to ``data.max_doc_chars``
+``not_a_string``       ``data.text_field`` holds a number, list, ...
+``bad_label``          ``data.label_field`` (``bad_id``, ``bad_group``: the id or group
+                       field) holds a list or an object
+``empty``              text that is empty or only whitespace (or null)
+``too_short``          stripped text shorter than ``data.min_doc_chars``
+``unreadable_file``    a file that cannot be opened or read (a damaged parquet file)
+``unreadable_shard``   a ``datasets`` split that failed mid-way (the rest of it)
+``not_a_regular_file`` a FIFO, device, socket, directory matched by a glob, or broken or
+                       looping symlink under ``data.path``
+``missing_label``      *kept*, without a label: ``data.label_field`` absent or null
+``truncated``          *kept*, cut to ``data.max_doc_chars``
 ``capped_by_max_documents`` left out by ``data.max_documents``
-==================== ===========================================================
+====================== ===========================================================
 
 ``data.max_train_documents`` (and ``data.documents_per_path``, which sets it) is not a skip:
 every document stays in the corpus and :meth:`Corpus.split` hands out a hash sample of the
@@ -29,59 +46,68 @@ training split, so validation, test and the tokenizer's text do not depend on it
 """
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import datasets
-from tqdm.auto import tqdm
+import numpy as np
 
+from dipaco.data.cleaning import Cleaner, Document, check_fields
 from dipaco.data.errors import DataError
+from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.multidomain import cache_dir, load_multidomain
 from dipaco.data.python_sources import iter_python_sources, stdlib_root
-from dipaco.data.readers import (LOCAL_SOURCES, count_skip, iter_hub, iter_json_file, iter_json_lines,
-                                 iter_parquet, read_text_head, relative_id, resolve_files)
+from dipaco.data.readers import (LOCAL_SOURCES, count_skip, iter_dataset, iter_json_file, iter_json_lines,
+                                 iter_parquet, open_datasets, read_text_head)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
+from dipaco.data.textstore import Documents, TextStore, TextStoreWriter, new_store_dir
+from dipaco.runtime.progress import progress_bar
 
 if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch), which loading text never needs
     from dipaco.config import DataConfig
 
 # Columns of every corpus: label is None when the source has no label; group is the
 # document family the split is keyed by (the source file of a chunk; the id by default).
-DOCUMENT_FEATURES = datasets.Features(
-    {
-        "id": datasets.Value("string"),
-        "text": datasets.Value("string"),
-        "label": datasets.Value("string"),
-        "group": datasets.Value("string"),
-        "split": datasets.Value("string"),
-    }
-)
+DOCUMENT_FEATURES = datasets.Features({c: datasets.Value("string") for c in ("id", "text", "label", "group", "split")})
 
 SOURCES = ("python_sources", "multidomain") + LOCAL_SOURCES + ("hub",)
+SPLIT_MODES = ("auto", "hash")
+_WRITE_BATCH = 1024  # documents buffered before they go to the store
 
-Record = Dict[str, Any]
+# one part of a source: (its own split or None, records as (default id, record, truncated))
+Part = Tuple[Optional[str], Iterable[Tuple[str, Dict[str, Any], bool]]]
 
 
-@dataclass
+@dataclass(eq=False)
 class Corpus:
-    """The loaded documents and the record of what was left out.
+    """The loaded documents (on disk, :class:`Documents` views) and the record of what was left out.
 
-    ``dataset`` has the columns ``id``, ``text``, ``label`` (string or None), ``group``
-    and ``split`` (``train`` / ``validation`` / ``test``: :func:`split_of` of the group, so
-    no group has documents in two splits).
-
+    ``rows``: the store rows of the corpus (all, or the ``data.max_documents`` sample).
+    ``own_splits``: the splits the source itself provided (``data.splits=auto``).
     ``max_train_documents``: :meth:`split` returns that many training documents, the ones
     with the smallest id hash (``data.max_train_documents``); None: all of them.
     """
 
-    dataset: datasets.Dataset
+    store: TextStore
+    rows: np.ndarray
     skipped: Dict[str, int] = field(default_factory=dict)
-    num_documents: int = 0
     source: str = ""
     max_train_documents: Optional[int] = None
-    _split_cache: Dict[str, datasets.Dataset] = field(default_factory=dict, repr=False)
+    own_splits: Tuple[str, ...] = ()
+    _split_cache: Dict[str, Documents] = field(default_factory=dict, repr=False)
 
-    def split(self, name: str, *, whole: bool = False) -> datasets.Dataset:
+    @property
+    def num_documents(self) -> int:
+        return int(self.rows.size)
+
+    @property
+    def dataset(self) -> Documents:
+        """Every document of the corpus, in corpus order."""
+        return Documents(self.store, self.rows)
+
+    def split(self, name: str, *, whole: bool = False) -> Documents:
         """The documents of one split (``train``, ``validation`` or ``test``), in corpus order.
 
         ``train`` is the ``max_train_documents`` sample unless ``whole=True`` (what the
@@ -93,267 +119,223 @@ class Corpus:
         sampled = name == "train" and not whole and self.max_train_documents is not None
         key = "train_sample" if sampled else name
         if key not in self._split_cache:
-            column = self.dataset["split"]
-            indices = [i for i, s in enumerate(column) if s == name]
-            if sampled and len(indices) > int(self.max_train_documents):  # type: ignore[arg-type]
-                ids = self.dataset["id"]
-                order = sorted(indices, key=lambda i: (id_unit_interval(ids[i], "max_train_documents"), i))
-                indices = sorted(order[: int(self.max_train_documents)])  # type: ignore[arg-type]
-            self._split_cache[key] = self.dataset.select(indices)
+            rows = self.rows[self.store.split_codes[self.rows] == SPLITS.index(name)]
+            if sampled and rows.size > int(self.max_train_documents):  # type: ignore[arg-type]
+                ids = self.store.read("id", rows)
+                keys = np.fromiter((id_unit_interval(i, "max_train_documents") for i in ids), np.float64, len(ids))
+                order = np.lexsort((np.arange(rows.size), keys))
+                rows = np.sort(rows[order[: int(self.max_train_documents)]])  # type: ignore[misc]
+            self._split_cache[key] = Documents(self.store, rows)
         return self._split_cache[key]
 
     @property
     def labels(self) -> List[str]:
         """Distinct non-null labels, sorted."""
-        return sorted({x for x in self.dataset["label"] if x is not None})
+        codes = np.unique(self.store.label_codes[self.rows])
+        return sorted(self.store.label_names[c] for c in codes.tolist() if c >= 0)
 
     def summary(self) -> Dict[str, Any]:
-        """JSON-ready numbers for reports and logs."""
-        splits = list(self.dataset["split"])
+        """JSON-ready numbers for reports and logs (reads the corpus once)."""
+        docs = self.dataset
+        groups, chars = set(), 0
+        for batch in docs.iter_batches():
+            groups.update(self.store.read("group", docs.rows[batch]))
+            chars += sum(map(len, self.store.read("text", docs.rows[batch])))
+        codes = self.store.split_codes[self.rows]
         return {
             "source": self.source,
             "num_documents": self.num_documents,
             "num_labels": len(self.labels),
-            "num_groups": len(set(self.dataset["group"])),
-            "num_chars": sum(len(t) for t in self.dataset["text"]),
-            "split_sizes": {s: splits.count(s) for s in SPLITS},
+            "num_groups": len(groups),
+            "num_chars": chars,
+            "split_sizes": {s: int((codes == i).sum()) for i, s in enumerate(SPLITS)},
             "train_sample": len(self.split("train")) if self.max_train_documents is not None else None,
+            "own_splits": list(self.own_splits),
             "skipped": dict(self.skipped),
         }
 
+    def close(self) -> None:
+        """Delete the store now (it is deleted anyway when the last view of it is gone)."""
+        self.store.close()
 
-# --------------------------------------------------------------------------- cleaning
+    def __enter__(self) -> "Corpus":
+        return self
 
-
-class _Cleaner:
-    """Check raw records one by one, keep the usable ones, count the rest."""
-
-    def __init__(self, cfg: DataConfig, text_field: str, label_field: Optional[str], id_field: Optional[str],
-                 group_field: Optional[str] = None):
-        self.text_field = text_field
-        self.label_field = label_field
-        self.id_field = id_field
-        self.group_field = group_field
-        self.min_chars = int(cfg.min_doc_chars or 0)
-        self.max_chars = int(cfg.max_doc_chars or 0)
-        self.skipped: Dict[str, int] = {}
-        self.rows: Dict[str, List[Any]] = {"id": [], "text": [], "label": [], "group": []}
-        self.seen_ids: Dict[str, int] = {}
-        self.records = 0
-        self.with_text_field = 0
-        self.with_label_field = 0
-        self.with_id_field = 0
-        self.with_group_field = 0
-        self.first_keys: Optional[List[str]] = None
-
-    def add(self, default_id: str, rec: Record, truncated: bool = False) -> None:
-        """Keep ``rec`` as a row or count why not (``truncated``: the reader already cut it)."""
-        self.records += 1
-        if self.first_keys is None:
-            self.first_keys = list(rec.keys())
-        if self.text_field not in rec:
-            count_skip(self.skipped, "missing_text_field")
-            return
-        self.with_text_field += 1
-        text = rec[self.text_field]
-        if isinstance(text, (bytes, bytearray)):
-            if b"\x00" in text:
-                count_skip(self.skipped, "binary")
-                return
-            try:
-                text = bytes(text).decode("utf-8")
-            except UnicodeDecodeError:
-                count_skip(self.skipped, "non_utf8")
-                return
-        elif text is None:
-            count_skip(self.skipped, "empty")
-            return
-        elif not isinstance(text, str):
-            count_skip(self.skipped, "not_a_string")
-            return
-        if "\x00" in text:
-            count_skip(self.skipped, "binary")
-            return
-        try:
-            text.encode("utf-8")  # JSON "\ud800" escapes give lone surrogates arrow rejects
-        except UnicodeEncodeError:
-            count_skip(self.skipped, "non_utf8")
-            return
-        stripped = text.strip()
-        if not stripped:
-            count_skip(self.skipped, "empty")
-            return
-        if len(stripped) < self.min_chars:
-            count_skip(self.skipped, "too_short")
-            return
-        if truncated or (self.max_chars and len(text) > self.max_chars):
-            count_skip(self.skipped, "truncated")
-            if self.max_chars:
-                text = text[: self.max_chars]
-        label = None
-        if self.label_field is not None and self.label_field in rec:
-            self.with_label_field += 1
-            value = rec[self.label_field]
-            if isinstance(value, (bytes, bytearray)):
-                value = bytes(value).decode("utf-8", "replace")
-            label = None if value is None else str(value)
-        doc_id = default_id
-        if self.id_field is not None and rec.get(self.id_field) is not None:
-            self.with_id_field += 1
-            doc_id = str(rec[self.id_field])
-        # ids must be unique (splits and shards are keyed by id): number repeats
-        n = self.seen_ids.get(doc_id, 0)
-        self.seen_ids[doc_id] = n + 1
-        if n:
-            doc_id = f"{doc_id}~{n + 1}"
-        group = doc_id  # no group field, or a record without one: the document is its own group
-        if self.group_field is not None and rec.get(self.group_field) is not None:
-            self.with_group_field += 1
-            group = str(rec[self.group_field])
-        self.rows["id"].append(doc_id)
-        self.rows["text"].append(text)
-        self.rows["label"].append(label)
-        self.rows["group"].append(group)
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
-def _check_fields(c: _Cleaner, where: str) -> None:
-    """Fail loudly when a configured key is absent from every record (a typo, not bad rows)."""
-    keys = ", ".join(c.first_keys or []) or "none"
-    if c.records and not c.with_text_field:
-        raise DataError(
-            f"data.text_field={c.text_field!r} is not a key of any record in {where} "
-            f"(keys of the first record: {keys}). Fix: pass data.text_field=<one of those keys>"
-        )
-    if c.label_field is not None and c.with_text_field and not c.with_label_field:
-        raise DataError(
-            f"data.label_field={c.label_field!r} is not a key of any record in {where} "
-            f"(keys of the first record: {keys}). Fix: pass data.label_field=<key> or data.label_field=null"
-        )
-    for key, name, found in (("id_field", c.id_field, c.with_id_field),
-                             ("group_field", c.group_field, c.with_group_field)):
-        if name is not None and c.with_text_field and not found:
-            raise DataError(
-                f"data.{key}={name!r} is not a key of any record in {where} "
-                f"(keys of the first record: {keys}). Fix: pass data.{key}=<key> or data.{key}=null"
-            )
+def to_dataset(columns: Dict[str, List[Any]], features: Any = None) -> datasets.Dataset:
+    """An in-memory ``datasets.Dataset`` of ``columns`` (small data and tests only)."""
+    return datasets.Dataset.from_dict(columns, features=features)
 
 
-def _cap(rows: Dict[str, List[Any]], max_documents: Optional[int]) -> int:
-    """Keep the ``max_documents`` rows with the smallest id hash, in corpus order.
+# --------------------------------------------------------------------------- sources
 
-    A hash sample (not the first N) so a capped stdlib corpus still spans every package,
-    and the same ids are kept on every run. It samples documents, not groups: splits are
-    keyed by group whatever is sampled, so no group reaches two splits, and a sample by
-    document spreads over more source files (whole files would make a small sample a few
-    packages). Returns how many rows were dropped.
-    """
-    n = len(rows["id"])
-    if max_documents is None or n <= max_documents:
-        return 0
-    order = sorted(range(n), key=lambda i: (id_unit_interval(rows["id"][i], "max_documents"), i))
-    keep = sorted(order[: int(max_documents)])
-    for key in rows:
-        rows[key] = [rows[key][i] for i in keep]
-    return n - len(keep)
+
+def _builtin_parts(cfg: "DataConfig", source: str, cleaner: Cleaner, progress: bool) -> Tuple[List[Part], str]:
+    max_chars = int(cfg.max_doc_chars or 0) or 20000
+    if source == "python_sources":
+        docs: Iterable[Any] = iter_python_sources(
+            exclude_packages=list(cfg.exclude_packages or ()), target_doc_chars=int(cfg.target_doc_chars),
+            max_doc_chars=max_chars, skipped=cleaner.skipped, progress=progress)
+        where = f"the standard library at {stdlib_root()}"
+    else:
+        docs, _ = load_multidomain(exclude_packages=list(cfg.exclude_packages or ()),
+                                   target_doc_chars=int(cfg.target_doc_chars), max_doc_chars=max_chars,
+                                   domain_max_chars=int(cfg.domain_max_chars), progress=progress)
+        where = f"the multidomain corpus (cache in {cache_dir()})"
+    records = ((d.id, {"text": d.text, "label": d.label, "group": d.group}, False) for d in docs)
+    return [(None, records)], where
+
+
+def _file_parts(cfg: "DataConfig", source: str, cleaner: Cleaner, own: bool) -> List[Part]:
+    files, root = resolve_files(cfg.path, source, cleaner.skipped)
+    single = os.path.isfile(os.path.expanduser(str(cfg.path)))
+    columns = [c for c in (cleaner.text_field, cleaner.label_field, cleaner.id_field, cleaner.group_field) if c]
+    max_chars = int(cfg.max_doc_chars or 0)
+
+    def records(path: str, rel: str) -> Iterator[Tuple[str, Dict[str, Any], bool]]:
+        if source == "text":
+            raw, truncated = read_text_head(path, max_chars or 10**9)
+            if raw is None:
+                count_skip(cleaner.skipped, "unreadable_file")
+            else:
+                yield rel, {"text": raw}, truncated
+        else:
+            reader = (iter_parquet(path, rel, columns, cleaner.skipped) if source == "parquet" else
+                      iter_json_file(path, rel, cleaner.text_field, cleaner.skipped) if source == "json" else
+                      iter_json_lines(path, rel, cleaner.skipped))
+            for default_id, rec in reader:
+                yield default_id, rec, False
+
+    parts: List[Part] = []
+    for f in files:
+        rel = relative_id(f, root)
+        # a file named test.jsonl given alone is the corpus, not its test split
+        split = file_split(rel) if own and not single else None
+        parts.append((split, records(f, rel)))
+    return parts
+
+
+def _dataset_parts(cfg: "DataConfig", cleaner: Cleaner, own: bool) -> List[Part]:
+    if not cfg.path:
+        raise DataError("data.path is not set for data.source=hub. Fix: pass data.path=<hub dataset name or "
+                        "a save_to_disk folder>")
+    splits = open_datasets(str(cfg.path), cfg.hub_config, str(cfg.hub_split), bool(cfg.streaming), own)
+    columns = [c for c in (cleaner.text_field, cleaner.label_field, cleaner.id_field, cleaner.group_field) if c]
+    parts: List[Part] = []
+    for name, ds in splits.items():
+        prefix = str(cfg.hub_split) if name == "train" else name
+        records = ((i, r, False) for i, r in iter_dataset(ds, prefix, columns, cleaner.skipped))
+        parts.append((name if own else None, records))
+    return parts
 
 
 # --------------------------------------------------------------------------- entry point
 
 
-def load_corpus(cfg: DataConfig, *, progress: bool = True) -> Corpus:
+def load_corpus(cfg: "DataConfig", *, progress: bool = True, work_dir: Optional[str] = None) -> Corpus:
     """Load the documents described by ``cfg`` (the ``data`` group of the config) into a :class:`Corpus`.
 
-    ``cfg.source`` picks the reader: ``python_sources`` (the built-in offline corpus),
-    ``jsonl`` / ``json`` / ``parquet`` / ``text`` (local file, glob or directory; ``text``
-    is one document per file) or ``hub`` (``load_dataset(path, hub_config, split=hub_split)``).
-    Bad records are skipped and counted, never crashed on; a missing file, a key absent
-    from every record or a corpus with no usable document raises :class:`DataError`.
+    ``cfg.source`` picks the reader: ``python_sources`` / ``multidomain`` (the built-in
+    offline corpora), ``jsonl`` / ``json`` / ``parquet`` / ``text`` (local file, glob or
+    directory; ``text`` is one document per file) or ``hub`` (a hub dataset by name,
+    streamed with ``data.streaming``, or a ``save_to_disk`` folder). The documents go to a
+    text store under ``work_dir`` (default: the system's temporary directory), deleted
+    when the corpus is closed. Bad records are skipped and counted, never crashed on; a
+    missing file, a key absent from every record or a corpus with no usable document
+    raises :class:`DataError`.
     """
     source = str(cfg.source)
     if source not in SOURCES:
         raise DataError(f"data.source={source!r} is unknown. Fix: use one of {', '.join(SOURCES)}")
-    path = cfg.path
-    max_chars = int(cfg.max_doc_chars or 0)
-
-    if source == "python_sources":
-        cleaner = _Cleaner(cfg, "text", "label", None, "group")
-        docs = iter_python_sources(
-            exclude_packages=list(cfg.exclude_packages or ()),
-            target_doc_chars=int(cfg.target_doc_chars),
-            max_doc_chars=max_chars or 20000,
-            skipped=cleaner.skipped,
-            progress=progress,
-        )
-        for doc in docs:
-            cleaner.add(doc.id, {"text": doc.text, "label": doc.label, "group": doc.group})
-        where = f"the standard library at {stdlib_root()}"
-    elif source == "multidomain":
-        cleaner = _Cleaner(cfg, "text", "label", None, "group")
-        domain_docs, _ = load_multidomain(
-            exclude_packages=list(cfg.exclude_packages or ()), target_doc_chars=int(cfg.target_doc_chars),
-            max_doc_chars=max_chars or 20000, domain_max_chars=int(cfg.domain_max_chars), progress=progress)
-        for d in domain_docs:
-            cleaner.add(d.id, {"text": d.text, "label": d.label, "group": d.group})
-        where = f"the multidomain corpus (cache in {cache_dir()})"
-    else:
-        text_field = str(cfg.text_field)
-        label_field = cfg.label_field
-        id_field = cfg.id_field
-        group_field = getattr(cfg, "group_field", None)
-        if source == "text":  # one document per file (its own group): there are no fields to pick
-            text_field, id_field, group_field = "text", None, None
-        cleaner = _Cleaner(cfg, text_field, label_field, id_field, group_field)
-        if source == "hub":
-            if not path:
-                raise DataError("data.path is not set for data.source=hub. Fix: pass data.path=<hub dataset name>")
-            where = f"hub dataset {path}"
-            streaming = bool(getattr(cfg, "streaming", False))
-            cap = getattr(cfg, "max_documents", None) if streaming else None
-            for default_id, rec in tqdm(
-                iter_hub(str(path), cfg.hub_config, str(cfg.hub_split), cfg.streaming),
-                desc="hub", unit="doc", disable=not progress,
-            ):
-                cleaner.add(default_id, rec)
-                if cap is not None and len(cleaner.rows["id"]) >= cap:
-                    break  # a stream has no end to sample from: its first N documents
-        else:
-            files, root = resolve_files(path, source)
-            where = f"data.path={path}"
-            columns = [c for c in (text_field, label_field, id_field, group_field) if c]
-            for f in tqdm(files, desc=f"load {source}", unit="file", disable=not progress):
-                rel = relative_id(f, root)
-                if source == "text":
-                    raw, truncated = read_text_head(f, max_chars or 10**9)
-                    cleaner.add(rel, {"text": raw}, truncated=truncated)
-                    continue
-                if source == "parquet":
-                    records: Iterable[Tuple[str, Any]] = iter_parquet(f, rel, columns, cleaner.skipped)
-                elif source == "json":
-                    records = iter_json_file(f, rel, text_field, cleaner.skipped)
-                else:
-                    records = iter_json_lines(f, rel, cleaner.skipped)
-                for default_id, rec in records:
-                    cleaner.add(default_id, rec)
-        _check_fields(cleaner, where)
-
-    rows = cleaner.rows
-    skipped = cleaner.skipped
-    dropped = _cap(rows, cfg.max_documents)
-    if dropped:
-        skipped["capped_by_max_documents"] = dropped
-    if not rows["id"]:
-        reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "no records at all"
-        raise DataError(
-            f"{where}: no usable document (skipped: {reasons}). "
-            f"Fix: check data.source, data.text_field and data.min_doc_chars"
-        )
-    val = float(cfg.val_fraction)
-    test = float(cfg.test_fraction)
+    mode = str(getattr(cfg, "splits", "auto") or "auto")
+    if mode not in SPLIT_MODES:
+        raise DataError(f"data.splits={mode!r} is unknown. Fix: use one of {', '.join(SPLIT_MODES)}")
+    val, test = float(cfg.val_fraction), float(cfg.test_fraction)
     try:
-        rows["split"] = [split_of(g, val, test) for g in rows["group"]]
+        split_of("", val, test)
     except ValueError as e:
         raise DataError(f"{e}. Fix: use e.g. data.val_fraction=0.05 data.test_fraction=0.05") from None
-    dataset = datasets.Dataset.from_dict(rows, features=DOCUMENT_FEATURES)
-    return Corpus(dataset=dataset, skipped=dict(sorted(skipped.items())),
-                  num_documents=len(dataset), source=source,
-                  max_train_documents=getattr(cfg, "max_train_documents", None))
+    builtin = source in ("python_sources", "multidomain")
+    if builtin:
+        cleaner = Cleaner(cfg, "text", "label", None, "group", unique_ids=True)
+        parts, where = _builtin_parts(cfg, source, cleaner, progress)
+    else:
+        text_field, id_field, group_field = str(cfg.text_field), cfg.id_field, getattr(cfg, "group_field", None)
+        if source == "text":  # one document per file (its own group): there are no fields to pick
+            text_field, id_field, group_field = "text", None, None
+        cleaner = Cleaner(cfg, text_field, cfg.label_field, id_field, group_field)
+        if source == "hub":
+            parts, where = _dataset_parts(cfg, cleaner, mode == "auto"), f"hub dataset {cfg.path}"
+        else:
+            parts, where = _file_parts(cfg, source, cleaner, mode == "auto"), f"data.path={cfg.path}"
+    own = tuple(s for s in SPLITS if any(p[0] == s for p in parts) and s != "train")
+    # the training part gives up a share to each split the source does not have
+    fractions = (0.0 if "validation" in own else val, 0.0 if "test" in own else test)
+    streamed_cap = cfg.max_documents if source == "hub" and bool(cfg.streaming) else None
+    directory = new_store_dir(work_dir)
+    writer = TextStoreWriter(directory)
+    try:
+        _ingest(parts, cleaner, writer, fractions, streamed_cap,
+                progress_bar(progress, total=None, desc=f"load {source}", unit="doc"))
+        if not builtin:
+            check_fields(cleaner, where)
+        store = writer.close()
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    skipped = cleaner.skipped
+    rows = np.arange(len(store), dtype=np.int64)
+    if streamed_cap is None and cfg.max_documents is not None and rows.size > int(cfg.max_documents):
+        # a hash sample (not the first N) so a capped stdlib corpus still spans every
+        # package, and the same ids are kept on every run; of documents, not groups:
+        # splits are keyed by group whatever is sampled
+        ids = store.read("id", rows)
+        keys = np.fromiter((id_unit_interval(i, "max_documents") for i in ids), np.float64, len(ids))
+        keep = np.sort(np.lexsort((rows, keys))[: int(cfg.max_documents)])
+        skipped["capped_by_max_documents"] = int(rows.size - keep.size)
+        rows = rows[keep]
+    if not rows.size:
+        store.close()
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items())) or "no records at all"
+        raise DataError(f"{where}: no usable document (skipped: {reasons}). "
+                        f"Fix: check data.source, data.text_field and data.min_doc_chars")
+    return Corpus(store=store, rows=rows, skipped=dict(sorted(skipped.items())), source=source,
+                  max_train_documents=getattr(cfg, "max_train_documents", None), own_splits=own)
+
+
+def _ingest(parts: List[Part], cleaner: Cleaner, writer: TextStoreWriter, fractions: Tuple[float, float],
+            streamed_cap: Optional[int], bar: Any) -> None:
+    """Clean every record of ``parts`` and append the documents to ``writer`` in batches."""
+    batch: List[Document] = []
+    splits: List[int] = []
+
+    def flush() -> None:
+        if bar is not None:
+            bar.update(len(batch))
+        if batch:
+            writer.add([d.id for d in batch], [d.text for d in batch], [d.label for d in batch],
+                       [d.group for d in batch], splits)
+            batch.clear()
+            splits.clear()
+
+    for own_split, records in parts:
+        kept = 0
+        for default_id, rec, truncated in records:
+            doc = cleaner.add(default_id, rec, truncated)
+            if doc is None:
+                continue
+            split = own_split if own_split in ("validation", "test") else split_of(doc.group, *fractions)
+            batch.append(doc)
+            splits.append(SPLITS.index(split))
+            if len(batch) >= _WRITE_BATCH:
+                flush()
+            kept += 1
+            if streamed_cap is not None and kept >= int(streamed_cap):
+                break  # a stream has no end to sample from: its first N documents
+    flush()
+    if bar is not None:
+        bar.close()

@@ -1,87 +1,257 @@
-"""Readers of raw records: local files (JSON lines, JSON, parquet, text) and the hub.
+"""Readers of raw records: local files (JSON lines, JSON, parquet, text), a ``save_to_disk``
+folder and a Hugging Face dataset by name, streamed or not.
 
 Each reader yields ``(default_id, record)`` pairs, a record being a dict of raw fields,
-and counts what it cannot decode in a ``skipped`` dict (reasons listed in
-:mod:`dipaco.data.corpus`, which checks the records and builds the corpus). One bad line
-or file costs that line or file only.
+and counts what it cannot decode in a ``skipped`` dict (the reasons are listed in
+:mod:`dipaco.data.corpus`). One bad line, element or file costs that line, element or
+file only; nothing is read whole: lines are read one by one (at most
+:data:`MAX_LINE_BYTES` each), a JSON array element by element, parquet and Arrow files
+batch by batch. With :mod:`dipaco.data.corpus`, the only module that reads raw data with
+``datasets`` / ``pyarrow``; which files are read is :mod:`dipaco.data.files`'s rule.
 """
 from __future__ import annotations
 
-import glob
+import codecs
 import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import datasets
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dipaco.data.errors import DataError
+from dipaco.data.files import open_regular
 
-__all__ = ["LOCAL_SOURCES", "count_skip", "iter_hub", "iter_json_file", "iter_json_lines", "iter_parquet",
-           "read_text_head", "relative_id", "resolve_files"]
+__all__ = ["LOCAL_SOURCES", "MAX_LINE_BYTES", "count_skip", "iter_dataset", "iter_json_file", "iter_json_lines",
+           "iter_parquet", "open_datasets", "read_text_head"]
 
 LOCAL_SOURCES = ("jsonl", "json", "parquet", "text")
-
-# file name endings picked up when data.path is a directory
-_SUFFIXES = {
-    "jsonl": (".jsonl", ".ndjson", ".json"),
-    "json": (".json", ".jsonl", ".ndjson"),
-    "parquet": (".parquet",),
-    "text": None,  # every (non-hidden) file
-}
-
-
-# --------------------------------------------------------------------------- files
+# A JSON line longer than this is skipped (``line_too_long``) without being held whole:
+# a binary file or a runaway line must not take the memory with it.
+MAX_LINE_BYTES = 64 * 2**20
+# A .json file whose top level is an object ({"data": [...]}) is parsed whole up to this
+# size; a larger one is read as JSON lines. A top-level array is streamed at any size.
+MAX_JSON_OBJECT_BYTES = 256 * 2**20
+_CHUNK = 1 << 20
+# the split names a dataset's own validation split goes by, in the order they are looked for
+_VALIDATION_NAMES = ("validation", "valid", "dev", "val")
 
 
-def resolve_files(path: Optional[str], source: str) -> Tuple[List[str], str]:
-    """Expand ``data.path`` (file, glob or directory) to sorted files and the root for ids."""
-    if not path:
-        raise DataError(
-            f"data.path is not set but data.source={source} reads local files. "
-            f"Fix: pass data.path=FILE, a glob or a directory"
-        )
-    path = os.path.expanduser(str(path))
-    suffixes = _SUFFIXES[source]
-    if os.path.isdir(path):
-        files = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-            for name in sorted(filenames):
-                if name.startswith("."):
+def count_skip(skipped: Dict[str, int], reason: str, n: int = 1) -> None:
+    """Count one more record left out for ``reason`` (the table in :mod:`dipaco.data.corpus`)."""
+    skipped[reason] = skipped.get(reason, 0) + n
+
+
+def _bom(head: bytes) -> Tuple[int, bool]:
+    """(bytes of a UTF-8 byte-order mark to skip, whether the file is UTF-16/32 instead)."""
+    if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return 0, True
+    return (len(codecs.BOM_UTF8), False) if head.startswith(codecs.BOM_UTF8) else (0, False)
+
+
+def _decode_object(raw: bytes, skipped: Dict[str, int]) -> Optional[Dict[str, Any]]:
+    """One JSON object from one line's bytes, or None with the reason counted."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        count_skip(skipped, "non_utf8")
+        return None
+    try:
+        rec = json.loads(text)
+    except RecursionError:  # [[[[...]]]] deeper than the parser's stack
+        count_skip(skipped, "nested_too_deep")
+        return None
+    except ValueError:
+        count_skip(skipped, "malformed_json")
+        return None
+    if not isinstance(rec, dict):
+        count_skip(skipped, "malformed_json")
+        return None
+    return rec
+
+
+def iter_json_lines(path: str, rel: str, skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
+    """Decode a JSON-lines file line by line: one bad line costs that line only."""
+    f = open_regular(path)
+    if f is None:
+        count_skip(skipped, "unreadable_file")
+        return
+    with f:
+        skip, wide = _bom(f.read(4))
+        if wide:  # UTF-16/32: every line would be garbage; the file is one count
+            count_skip(skipped, "unsupported_encoding")
+            return
+        f.seek(skip)
+        lineno = 0
+        try:
+            while True:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                lineno += 1
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while raw and not raw.endswith(b"\n"):  # drop the rest of the line unread
+                        raw = f.readline(_CHUNK)
+                    count_skip(skipped, "line_too_long")
                     continue
-                if suffixes is None or name.lower().endswith(suffixes):
-                    files.append(os.path.join(dirpath, name))
-        if not files:
-            wanted = "files" if suffixes is None else "/".join(f"*{s}" for s in suffixes)
-            raise DataError(
-                f"data.path={path}: the directory holds no {wanted} for data.source={source}. "
-                f"Fix: point data.path at the data files or change data.source"
-            )
-        return sorted(files), path
-    if os.path.isfile(path):
-        return [path], os.path.dirname(path)
-    if glob.has_magic(path):
-        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-        if not files:
-            raise DataError(f"data.path={path}: no file matches this pattern. Fix: check the pattern")
-        root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
-        return files, root
-    raise DataError(
-        f"data.path={path}: no such file or directory. Fix: pass an existing file, glob or directory"
-    )
+                raw = raw.strip()
+                if not raw:
+                    count_skip(skipped, "blank_line")
+                    continue
+                rec = _decode_object(raw, skipped)
+                if rec is not None:
+                    yield f"{rel}#{lineno}", rec
+        except OSError:  # an I/O error mid-file: what was read stays
+            count_skip(skipped, "unreadable_file")
 
 
-def relative_id(path: str, root: str) -> str:
-    """``path`` relative to ``root`` with ``/`` separators: the id prefix of its documents."""
-    return os.path.relpath(os.path.abspath(path), os.path.abspath(root)).replace(os.sep, "/")
+def iter_json_file(path: str, rel: str, text_field: str, skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
+    """A ``.json`` file: a JSON array of objects (streamed), one object, an object holding
+    one list of objects, or (fallback) JSON lines."""
+    f = open_regular(path)
+    if f is None:
+        count_skip(skipped, "unreadable_file")
+        return
+    with f:
+        head = f.read(4096)
+        skip, wide = _bom(head)
+        if wide:
+            count_skip(skipped, "unsupported_encoding")
+            return
+        first = head[skip:].lstrip()[:1]
+        size = os.fstat(f.fileno()).st_size
+        if first == b"[":
+            f.seek(skip)
+            yield from _iter_array(f, rel, skipped)
+            return
+        if first != b"{" or size > MAX_JSON_OBJECT_BYTES:
+            f.close()
+            yield from iter_json_lines(path, rel, skipped)
+            return
+        f.seek(skip)
+        try:
+            whole = json.loads(f.read().decode("utf-8"))
+        except UnicodeDecodeError:
+            count_skip(skipped, "non_utf8")
+            return
+        except RecursionError:
+            count_skip(skipped, "nested_too_deep")
+            return
+        except ValueError:  # most likely JSON lines with a .json name
+            whole = None
+    if whole is None:
+        yield from iter_json_lines(path, rel, skipped)
+        return
+    if isinstance(whole, dict) and text_field not in whole:
+        # {"data": [{...}, ...]}: the one list of objects inside is the table
+        lists = [v for v in whole.values() if isinstance(v, list)]
+        whole = lists[0] if len(lists) == 1 else [whole]
+    elif isinstance(whole, dict):
+        whole = [whole]
+    for i, rec in enumerate(whole):
+        if isinstance(rec, dict):
+            yield f"{rel}#{i}", rec
+        else:
+            count_skip(skipped, "malformed_json")
 
 
-def read_text_head(path: str, max_chars: int) -> Tuple[bytes, bool]:
-    """Read at most enough bytes for ``max_chars`` characters (huge files stay off the heap)."""
+def _iter_array(f: Any, rel: str, skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
+    """The elements of a top-level JSON array, decoded one at a time from a sliding buffer.
+
+    An element that does not parse ends the file (an array cannot be resynchronised):
+    counted once as ``malformed_json`` (``nested_too_deep``, ``non_utf8``), the elements
+    before it stay. An element longer than :data:`MAX_LINE_BYTES` counts as ``line_too_long``.
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    buf, pos, eof, i = "", 0, False, 0
+
+    def more() -> bool:
+        nonlocal buf, pos, eof
+        chunk = f.read(_CHUNK)
+        eof = not chunk
+        buf = buf[pos:] + utf8.decode(chunk, final=eof)
+        pos = 0
+        return not eof
+
+    try:
+        more()
+        pos = buf.index("[") + 1
+        while True:
+            while True:  # whitespace and one separating comma
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buf) or not more():
+                    break
+            if pos >= len(buf):
+                count_skip(skipped, "malformed_json")  # the array never closes
+                return
+            if buf[pos] == "]":
+                return
+            if buf[pos] == "," and i:
+                pos += 1
+                continue
+            while True:
+                try:
+                    rec, end = decoder.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError:
+                    if len(buf) - pos > MAX_LINE_BYTES:
+                        count_skip(skipped, "line_too_long")
+                        return
+                    if not more():
+                        count_skip(skipped, "malformed_json")
+                        return
+            pos = end
+            if isinstance(rec, dict):
+                yield f"{rel}#{i}", rec
+            else:
+                count_skip(skipped, "malformed_json")
+            i += 1
+            if pos > _CHUNK:
+                buf, pos = buf[pos:], 0
+    except UnicodeDecodeError:
+        count_skip(skipped, "non_utf8")
+    except RecursionError:
+        count_skip(skipped, "nested_too_deep")
+    except OSError:
+        count_skip(skipped, "unreadable_file")
+
+
+def iter_parquet(path: str, rel: str, columns: List[str], skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
+    """Stream a parquet file in record batches, reading only the columns we use."""
+    f = open_regular(path)
+    if f is None:
+        count_skip(skipped, "unreadable_file")
+        return
+    with f:
+        row = 0
+        try:
+            pf = pq.ParquetFile(f)
+            present = [c for c in columns if c in pf.schema_arrow.names]
+            for batch in pf.iter_batches(batch_size=1024, columns=present or None):
+                for rec in batch.to_pylist():
+                    yield f"{rel}#{row}", rec
+                    row += 1
+        except Exception:  # pyarrow raises several types for a damaged file: the rest of it is lost
+            count_skip(skipped, "unreadable_file")
+
+
+def read_text_head(path: str, max_chars: int) -> Tuple[Optional[bytes], bool]:
+    """Read at most enough bytes for ``max_chars`` characters (huge files stay off the heap);
+    ``(None, False)`` when the file cannot be opened as a regular file."""
     limit = 4 * max_chars + 4  # a UTF-8 character is at most 4 bytes
-    with open(path, "rb") as f:
-        raw = f.read(limit + 1)
+    f = open_regular(path)
+    if f is None:
+        return None, False
+    try:
+        with f:
+            raw = f.read(limit + 1)
+    except OSError:
+        return None, False
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
     if len(raw) <= limit:
         return raw, False
     raw = raw[:limit]
@@ -95,105 +265,81 @@ def read_text_head(path: str, max_chars: int) -> Tuple[bytes, bool]:
     return raw, True  # not UTF-8 anyway: the cleaner counts it
 
 
-# --------------------------------------------------------------------------- readers
+# --------------------------------------------------------------------------- datasets
 
 
-def count_skip(skipped: Dict[str, int], reason: str, n: int = 1) -> None:
-    """Count one more record left out for ``reason`` (the table in :mod:`dipaco.data.corpus`)."""
-    skipped[reason] = skipped.get(reason, 0) + n
+def is_saved_dataset(path: str) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    return os.path.isfile(os.path.join(path, "dataset_dict.json")) or (
+        os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json")))
 
 
-def iter_json_lines(path: str, rel: str, skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
-    """Decode a JSON-lines file line by line: one bad line costs that line only."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            raw = raw.strip()
-            if not raw:
-                count_skip(skipped, "blank_line")
-                continue
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                count_skip(skipped, "non_utf8")
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                count_skip(skipped, "malformed_json")
-                continue
-            if not isinstance(rec, dict):
-                count_skip(skipped, "malformed_json")
-                continue
-            yield f"{rel}#{lineno}", rec
+def open_datasets(path: str, hub_config: Optional[str], hub_split: str, streaming: bool,
+                  own_splits: bool) -> Dict[str, Any]:
+    """The dataset(s) ``data.path`` names, by corpus split: ``{"train": ds}`` and, with
+    ``own_splits`` and a dataset that has them, ``"validation"`` / ``"test"``.
 
-
-def iter_json_file(
-    path: str, rel: str, text_field: str, skipped: Dict[str, int]
-) -> Iterator[Tuple[str, Any]]:
-    """A ``.json`` file: a JSON array of objects, one object, or (fallback) JSON lines."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    if not head.startswith((b"[", b"{")):
-        yield from iter_json_lines(path, rel, skipped)
-        return
+    A ``save_to_disk`` folder loads with ``datasets.load_from_disk`` (no network);
+    anything else with ``datasets.load_dataset`` (a hub name, or a local folder of data
+    files). Failures are one :class:`DataError`."""
+    saved = os.path.isdir(path) and is_saved_dataset(path)
     try:
-        with open(path, "rb") as f:
-            whole = json.loads(f.read().decode("utf-8"))
-    except UnicodeDecodeError:
-        count_skip(skipped, "non_utf8")
-        return
-    except ValueError:
-        if head.startswith(b"{"):  # most likely JSON lines with a .json name
-            yield from iter_json_lines(path, rel, skipped)
+        if saved:
+            loaded = datasets.load_from_disk(path)
         else:
-            count_skip(skipped, "malformed_json")
-        return
-    if isinstance(whole, dict) and text_field not in whole:
-        # {"data": [{...}, ...]}: the one list of objects inside is the table
-        lists = [v for v in whole.values() if isinstance(v, list)]
-        whole = lists[0] if len(lists) == 1 else [whole]
-    elif isinstance(whole, dict):
-        whole = [whole]
-    if not isinstance(whole, list):
-        count_skip(skipped, "malformed_json")
-        return
-    for i, rec in enumerate(whole):
-        if isinstance(rec, dict):
-            yield f"{rel}#{i}", rec
-        else:
-            count_skip(skipped, "malformed_json")
-
-
-def iter_parquet(
-    path: str, rel: str, columns: List[str], skipped: Dict[str, int]
-) -> Iterator[Tuple[str, Any]]:
-    """Stream a parquet file in record batches, reading only the columns we use."""
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception:  # pyarrow raises several types for a damaged file
-        count_skip(skipped, "unreadable_file")
-        return
-    present = [c for c in columns if c in pf.schema_arrow.names]
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=present or None):
-        for rec in batch.to_pylist():
-            yield f"{rel}#{row}", rec
-            row += 1
-
-
-def iter_hub(path: str, hub_config: Optional[str], hub_split: str,
-             streaming: bool = False) -> Iterator[Tuple[str, Any]]:
-    """A dataset on the Hugging Face hub (needs network; tests replace ``load_dataset``).
-    ``streaming``: records arrive as read, so ``data.max_documents`` stops the download."""
-    try:
-        ds = datasets.load_dataset(path, hub_config, split=hub_split, streaming=streaming)
-    except Exception as e:  # network, auth, unknown name, offline mode: all one message
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            loaded = datasets.load_dataset(path, hub_config, split=None if own_splits else hub_split,
+                                           streaming=streaming)
+    except Exception as e:  # network, auth, unknown name, offline mode, a damaged folder: all one message
+        first = (str(e).strip().splitlines() or [""])[0]
+        if saved:
+            raise DataError(f"data.path={path}: the save_to_disk folder cannot be loaded ({type(e).__name__}: "
+                            f"{first}). Fix: save it again with Dataset.save_to_disk") from None
         raise DataError(
-            f"data.path={path}: could not load hub dataset (config={hub_config}, "
-            f"split={hub_split}): {type(e).__name__}: {first}. Fix: check the name, "
-            f"data.hub_config and data.hub_split, and that the hub is reachable "
-            f"(HF_DATASETS_OFFLINE unset), or use a local source such as data=jsonl"
-        ) from None
-    for i, rec in enumerate(ds):
-        yield f"{hub_split}#{i}", rec
+            f"data.path={path}: could not load hub dataset (config={hub_config}, split={hub_split}): "
+            f"{type(e).__name__}: {first}. Fix: check the name, data.hub_config and data.hub_split, and that the "
+            f"hub is reachable (HF_DATASETS_OFFLINE unset), or use a local source such as data=jsonl") from None
+    if not isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict, dict)):
+        return {"train": loaded}
+    names = list(loaded)
+    if hub_split not in loaded:
+        raise DataError(f"data.path={path} has no split {hub_split!r} (it has {', '.join(names)}). "
+                        f"Fix: pass data.hub_split=<one of those>")
+    out = {"train": loaded[hub_split]}
+    if own_splits:
+        val = next((n for n in _VALIDATION_NAMES if n in loaded and n != hub_split), None)
+        if val is not None:
+            out["validation"] = loaded[val]
+        if "test" in loaded and hub_split != "test":
+            out["test"] = loaded["test"]
+    return out
+
+
+def iter_dataset(ds: Any, prefix: str, columns: List[str], skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
+    """Records of one ``datasets`` split, ids ``<prefix>#<row>``.
+
+    A map-style dataset whose rows are its Arrow files (no indices mapping) is read file
+    by file with pyarrow's stream reader: batch by batch, with ordinary reads, so the
+    pages read do not stay mapped (iterating the memory-mapped table would keep every page
+    it touched in the process's RSS). Other datasets, streamed ones included, are
+    iterated. A failure mid-way costs the rest of that split (``unreadable_shard``).
+    """
+    row = 0
+    try:
+        files = [c["filename"] for c in getattr(ds, "cache_files", None) or []]
+        if files and isinstance(ds, datasets.Dataset) and getattr(ds, "_indices", None) is None:
+            for name in files:
+                with pa.OSFile(name) as source:
+                    reader = pa.ipc.open_stream(source)
+                    keep = [c for c in columns if c in reader.schema.names] or None
+                    for batch in reader:
+                        for rec in (batch.select(keep) if keep else batch).to_pylist():
+                            yield f"{prefix}#{row}", rec
+                            row += 1
+            return
+        for rec in ds:
+            yield f"{prefix}#{row}", rec
+            row += 1
+    except DataError:
+        raise
+    except Exception:  # a damaged shard, a dropped connection: what was read stays
+        count_skip(skipped, "unreadable_shard")

@@ -1,19 +1,20 @@
-"""Tokenize a document dataset once and keep the result on disk.
+"""Tokenize documents once, on every core, straight into the token store; keep it on disk.
 
-The cache key is (content hash of the dataset, tokenizer sha256). The content hash is
-computed here from the ``id`` and ``text`` columns rather than taken from
-``Dataset._fingerprint``: an in-memory dataset built with ``from_dict`` gets a
-fingerprint that is not guaranteed to be the same in the next process, and the point of
-the cache is that ``dipaco-route`` and ``dipaco-train`` (different processes) share it.
-Hashing ~12 MB of text costs well under a second; tokenizing it costs several.
+The cache key is (content hash of the documents, tokenizer sha256). The content hash is
+computed here from the ``id`` and ``text`` columns (the same number for a corpus's
+:class:`~dipaco.data.textstore.Documents` and for an HF dataset of the same rows), not
+taken from ``Dataset._fingerprint``: that one is not guaranteed to be the same in the
+next process, and the point of the cache is that ``dipaco-route`` and ``dipaco-train``
+(different processes) share it.
 
-Entries are written to a temporary directory and renamed into place, so a crash
-mid-write leaves no half entry that a later run would trust.
-
-Two forms of entry: :func:`tokenize_dataset` keeps an HF dataset (``input_ids`` column);
-:func:`tokenize_to_docs`, what training uses, writes a flat token memmap + offsets
-(``router.tokens``) in batches, so a corpus larger than RAM is tokenized and then read
-by offset without ever being held in memory.
+:func:`tokenize_to_docs`, what training uses, reads the texts in batches, encodes them
+on a pool of threads (``tokenizers`` releases the GIL while it encodes, and its batch
+encoder is itself parallel unless ``TOKENIZERS_PARALLELISM=false``) and appends each
+batch's ids, in order, to a flat token file + offsets (``router.tokens``) under a
+temporary name that is renamed into place when complete: a crash mid-write leaves no
+entry a later run would trust, and the next write sweeps what it left. Memory is a few
+batches whatever the corpus size. :func:`tokenize_dataset` keeps an HF dataset with an
+``input_ids`` column (small data).
 """
 from __future__ import annotations
 
@@ -22,15 +23,18 @@ import hashlib
 import os
 import shutil
 import tempfile
-from typing import Dict, Iterator, Optional
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import datasets
 import numpy as np
 
+from dipaco.data.textstore import Documents
 from dipaco.data.tokenizer import Tokenizer
 from dipaco.run.file_mode import follow_umask
 from dipaco.runtime.progress import bars_enabled, progress_bar
-from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs
+from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs, sweep_stale_writes
 
 # Hits and misses of this process, for tests and logs ("tokenized: cache hit").
 CACHE_STATS: Dict[str, int] = {"hits": 0, "misses": 0}
@@ -42,40 +46,75 @@ _TOKEN_FEATURES = {
     "num_tokens": datasets.Value("int32"),
 }
 _CACHE_VERSION = "tok-v1"  # bump when the stored layout changes
+_HASH_BATCH = 4096  # rows per hashed group: part of the hash's definition, do not change
+# text per encoded batch: large enough to amortise a call, small enough that every thread
+# gets work and the batches in flight stay small. tokenizers holds ~80 bytes per token
+# while it encodes (strings, offsets, masks): 2 MiB batches took 200 MB more than 128
+# KiB ones, at the same speed
+_ENCODE_BYTES = 128 * 2**10
 
 
-def dataset_content_hash(ds: datasets.Dataset) -> str:
-    """Hex sha256 over the ``id`` and ``text`` columns (order-sensitive), same in every process."""
+def _threads() -> int:
+    """Encoding threads: the CPUs this process may use (at most 8)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def _hash_values(h: Any, values: Iterable[Any]) -> None:
+    for value in values:
+        b = ("" if value is None else str(value)).encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(8, "little"))  # length prefix: no ambiguous joins
+        h.update(b)
+
+
+def dataset_content_hash(ds: Any) -> str:
+    """Hex sha256 over the ``id`` and ``text`` columns (order-sensitive), same in every process.
+
+    ``ds``: corpus :class:`Documents` or an HF dataset; the same rows give the same hash.
+    """
+    if callable(getattr(ds, "content_hash", None)):  # pre-tokenized documents hash their token ids
+        return ds.content_hash()
     h = hashlib.sha256(_CACHE_VERSION.encode())
     h.update(len(ds).to_bytes(8, "little"))
+    if isinstance(ds, Documents):
+        for lo in range(0, len(ds), _HASH_BATCH):  # per group of rows: its ids, then its texts
+            part = ds.select(np.arange(lo, min(lo + _HASH_BATCH, len(ds))))
+            _hash_values(h, part.column("id"))
+            for texts in part.iter_texts():
+                _hash_values(h, texts)
+        return h.hexdigest()
     columns = [c for c in ("id", "text") if c in ds.column_names]
-    for batch in ds.select_columns(columns).iter(batch_size=4096):
+    for batch in ds.select_columns(columns).iter(batch_size=_HASH_BATCH):
         for col in columns:
-            for value in batch[col]:
-                b = ("" if value is None else str(value)).encode("utf-8", "surrogatepass")
-                h.update(len(b).to_bytes(8, "little"))  # length prefix: no ambiguous joins
-                h.update(b)
+            _hash_values(h, batch[col])
     return h.hexdigest()
 
 
-def cache_path(ds: datasets.Dataset, tokenizer: Tokenizer, cache_dir: str) -> str:
-    """Directory where the tokenized version of ``ds`` under ``tokenizer`` is stored."""
-    key = hashlib.sha256(f"{dataset_content_hash(ds)}:{tokenizer.sha256}".encode()).hexdigest()[:24]
+def cache_path(ds: Any, tokenizer: Tokenizer, cache_dir: str, content: Optional[str] = None) -> str:
+    """Directory where the tokenized version of ``ds`` under ``tokenizer`` is stored
+    (``content``: :func:`dataset_content_hash` of ``ds`` when already known)."""
+    content = content or dataset_content_hash(ds)
+    key = hashlib.sha256(f"{content}:{tokenizer.sha256}".encode()).hexdigest()[:24]
     return os.path.join(cache_dir, f"tokenized-{key}")
 
 
 def tokenize_dataset(
-    ds: datasets.Dataset,
+    ds: Any,
     tokenizer: Tokenizer,
     *,
     cache_dir: Optional[str] = None,
     progress: bool = True,
 ) -> datasets.Dataset:
-    """Return ``ds`` with ``input_ids`` (list of int32, no eos) and ``num_tokens`` added.
-
-    With ``cache_dir`` the result is stored there and a later call with the same
-    documents and tokenizer loads it (memory-mapped) instead of tokenizing again.
+    """Return ``ds`` as an HF dataset with ``input_ids`` (list of int32, no eos) and
+    ``num_tokens`` added (small data: the table is built in memory; training uses
+    :func:`tokenize_to_docs`). With ``cache_dir`` the result is stored there and a later
+    call with the same documents and tokenizer loads it (memory-mapped) instead.
     """
+    if isinstance(ds, Documents):
+        ds = ds.to_hf()
     if "text" not in ds.column_names:
         raise ValueError(f"tokenize_dataset needs a 'text' column, got {ds.column_names}")
     path = cache_path(ds, tokenizer, cache_dir) if cache_dir else None
@@ -98,15 +137,12 @@ def tokenize_dataset(
         return {"input_ids": ids, "num_tokens": [len(x) for x in ids]}
 
     # new_fingerprint: datasets would otherwise try to hash the Rust tokenizer via dill
-    # (and warn when it cannot)
-    fingerprint = hashlib.sha256(
-        f"{getattr(ds, '_fingerprint', '')}:{tokenizer.sha256}".encode()
-    ).hexdigest()[:16]
+    fingerprint = hashlib.sha256(f"{getattr(ds, '_fingerprint', '')}:{tokenizer.sha256}".encode()).hexdigest()[:16]
     with progress_bars(progress):
         out = ds.map(encode, batched=True, batch_size=256, num_proc=1, features=features,
                      new_fingerprint=fingerprint, keep_in_memory=True, desc="tokenize")
     if path:
-        os.makedirs(cache_dir, exist_ok=True)
+        os.makedirs(cache_dir, exist_ok=True)  # type: ignore[arg-type]
         tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-tokenized-")
         try:
             follow_umask(tmp)  # mkdtemp: 0700 whatever the umask
@@ -124,26 +160,32 @@ def tokenize_dataset(
 
 
 def tokenize_to_docs(
-    ds: datasets.Dataset,
+    ds: Any,
     tokenizer: Tokenizer,
     *,
     cache_dir: Optional[str] = None,
     progress: bool = True,
     batch_size: int = 1024,
+    content: Optional[str] = None,
 ) -> TokenDocs:
-    """Token ids of every document of ``ds`` (no eos) as :class:`router.TokenDocs`.
+    """Token ids of every document of ``ds`` (corpus :class:`Documents` or an HF dataset;
+    no eos) as :class:`router.TokenDocs`.
 
     With ``cache_dir`` they are written once to ``tokens-<key>/`` (same key as
-    :func:`cache_path`) and memory-mapped; a later call with the same documents and
-    tokenizer maps that entry. A damaged entry is rebuilt (it is a cache: nothing is lost).
-    Without ``cache_dir`` the ids are kept in memory. Memory while tokenizing is bounded
-    by ``batch_size`` documents.
+    :func:`cache_path`; ``content``: the documents' content hash when already known) and
+    memory-mapped; a later call with the same documents and tokenizer maps that entry. A
+    damaged entry is rebuilt (it is a cache: nothing is lost). Without ``cache_dir`` the
+    ids are kept in memory. Memory while tokenizing is bounded by a few batches of at most
+    ``batch_size`` documents.
     """
     if "text" not in ds.column_names:
         raise ValueError(f"tokenize_to_docs needs a 'text' column, got {ds.column_names}")
     if not cache_dir:
-        return TokenDocs.from_arrays(_encode_batches(ds, tokenizer, batch_size, progress, flat=True))
-    path = cache_path(ds, tokenizer, cache_dir).replace("tokenized-", "tokens-")
+        parts = list(encode_batches(ds, tokenizer, batch_size, progress))
+        flat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
+        lengths = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+        return TokenDocs.from_offsets(flat, np.concatenate([[0], np.cumsum(lengths)]))
+    path = cache_path(ds, tokenizer, cache_dir, content).replace("tokenized-", "tokens-")
     if os.path.isdir(path):
         try:
             out = open_token_docs(path)
@@ -153,30 +195,47 @@ def tokenize_to_docs(
             shutil.rmtree(path, ignore_errors=True)
     CACHE_STATS["misses"] += 1
     os.makedirs(cache_dir, exist_ok=True)
+    sweep_stale_writes(cache_dir)
     writer = TokenDocsWriter(path)
     try:
-        for ids in _encode_batches(ds, tokenizer, batch_size, progress):
-            writer.append(ids)
+        for flat, lengths in encode_batches(ds, tokenizer, batch_size, progress):
+            writer.append_flat(flat, lengths)
     except BaseException:
         writer.abort()
         raise
     return writer.close()
 
 
-def _encode_batches(ds: datasets.Dataset, tokenizer: Tokenizer, batch_size: int, progress: bool,
-                    *, flat: bool = False) -> Iterator:
-    """Token ids of ``ds``'s texts, one list per ``batch_size`` documents (or one by one if ``flat``)."""
-    bar = progress_bar(progress, total=len(ds), desc="tokenize", unit="doc")
+def _text_batches(ds: Any, batch_size: int) -> Iterator[List[str]]:
+    if isinstance(ds, Documents):
+        yield from ds.iter_texts(max_docs=batch_size, max_bytes=_ENCODE_BYTES)
+        return
     for batch in ds.select_columns(["text"]).iter(batch_size=batch_size):
-        ids = tokenizer.encode_batch(["" if t is None else t for t in batch["text"]])
-        if bar is not None:
-            bar.update(len(ids))
-        if flat:
-            yield from ids
-        else:
-            yield ids
+        yield ["" if t is None else t for t in batch["text"]]
+
+
+def encode_batches(ds: Any, tokenizer: Tokenizer, batch_size: int = 1024, progress: bool = False,
+                   threads: Optional[int] = None) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    """``(flat int32 ids, int64 lengths)`` of consecutive batches of ``ds``'s texts, in
+    order, encoded on ``threads`` threads (default: every CPU this process may use)."""
+    threads = threads or _threads()
+    bar = progress_bar(progress, total=len(ds), desc="tokenize", unit="doc")
+    pending: deque = deque()
+    with ThreadPoolExecutor(threads) as pool:
+        for texts in _text_batches(ds, batch_size):
+            pending.append(pool.submit(tokenizer.encode_flat, texts))
+            while len(pending) > threads:  # keep every thread busy, and no more in flight
+                yield _done(pending.popleft().result(), bar)
+        while pending:
+            yield _done(pending.popleft().result(), bar)
     if bar is not None:
         bar.close()
+
+
+def _done(result: Tuple[np.ndarray, np.ndarray], bar: Any) -> Tuple[np.ndarray, np.ndarray]:
+    if bar is not None:
+        bar.update(len(result[1]))
+    return result
 
 
 def dataset_token_stream(ds: datasets.Dataset, eos_id: int, column: str = "input_ids") -> np.ndarray:

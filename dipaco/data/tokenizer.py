@@ -13,10 +13,13 @@ The serialized JSON is kept byte for byte, so :attr:`Tokenizer.sha256` is the sa
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
-from typing import Iterable, List, Sequence
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -143,6 +146,16 @@ class Tokenizer:
         """Token ids of many texts (Rust-parallel when TOKENIZERS_PARALLELISM allows)."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """Token ids of many texts laid end to end (int32) and each text's count (int64):
+        what the token store appends. The fast batch encoder skips the character offsets,
+        which only alignment needs; the ids are the same."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        ids = [e.ids for e in encode(list(texts), add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(lengths.sum()))
+        return flat, lengths
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of token ids; ``<|endoftext|>`` is kept unless ``skip_special_tokens``."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -169,6 +182,18 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, sha256={self.sha256[:12]})"
+
+
+def tokenizer_beside(data: Any) -> Optional[str]:
+    """The ``tokenizer.json`` beside pre-tokenized data (``data=tokens``): in ``data.path``
+    when it is a directory, else beside the file it names; None when there is none."""
+    if not getattr(data, "path", None):
+        return None
+    path = os.path.expanduser(str(data.path))
+    for d in (path, os.path.dirname(path)):
+        if os.path.isdir(d) and os.path.isfile(os.path.join(d, TOKENIZER_FILE)):
+            return os.path.join(d, TOKENIZER_FILE)
+    return None
 
 
 def _find_eos(hf: _HFTokenizer, path: str) -> str:

@@ -42,6 +42,25 @@ def bar_chart(out: Path, labels: Sequence[str], values: Sequence[float], ylabel:
     return _save(plt, fig, out)
 
 
+def scaling_chart(out: Path, panels: Sequence[tuple[str, dict[str, tuple[Sequence[float], Sequence[float]]]]],
+                  xlabel: str) -> Path:
+    """Side-by-side panels of lines against one x (log-log): ``panels`` is
+    ``[(ylabel, {series label: (xs, ys)})]`` (``benchmarks/bench_prepare.py``: time and
+    memory against corpus size, before and after)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (ylabel, series) in zip(list(axes) if len(panels) > 1 else [axes], panels):
+        for label, (xs, ys) in series.items():
+            ax.plot(list(xs), list(ys), marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", linewidth=0.3)
+        ax.legend(fontsize=7)
+    return _save(plt, fig, out)
+
+
 def write_plots(run: RunDir) -> list[Path]:
     """Write ``plots/loss.png`` and ``plots/shards.png``; return the files written."""
     plt = _pyplot()

@@ -57,7 +57,10 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
                     "trainer.min_lr_ratio", "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1",
                     "trainer.beta2", "trainer.grad_clip", "trainer.warmup_fraction"),
 }
-_IGNORED = ("data.cache_dir", "data.max_doc_chars")  # where the cache lives does not change the data
+_IGNORED = ("data.cache_dir", "data.max_doc_chars",  # where the cache lives does not change the data
+            # what these change is in the inputs already: the documents of each split (the
+            # data fingerprint) and the text the BPE is trained on (bpe_text, dipaco/job/prepare_tokens.py)
+            "data.splits", "data.tokenizer_sample_bytes", "data.tokenizer_sample_documents")
 # Recorded by earlier dipacos, no longer part of what an artefact is made from: a resume
 # may change it (a run recorded with it stays resumable with another value).
 _NO_LONGER_DEPENDS = frozenset({"diloco.outer_device"})
