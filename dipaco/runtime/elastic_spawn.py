@@ -29,7 +29,8 @@ hosted it would take the rendezvous with it when lost. An agent that ends on its
 (success, or out of restarts) closes the rendezvous for everyone (torch's rule), so the
 ranks of an agent stopped for a restart must never exit 0
 (:data:`RESTART_EXIT`): an agent that has not yet seen the change would take that for
-the end of the run.
+the end of the run. torch's agents must not share their rendezvous TCPStore with the ranks
+(:data:`NO_SHARED_STORE_ENV`): the ranks of a restart would read the previous ranks' keys.
 """
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ from dipaco.runtime.progress import say
 
 __all__ = ["ElasticOutcome", "run_agents", "RESTART_EXIT"]
 
+# torch's agents share one TCPStore server across rendezvous rounds by default; its keys
+# outlive a restart, so the ranks of the next round read the dead round's gloo addresses
+# ("connectFullMesh failed ... Connection refused"). Off: a fresh store per round.
+NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RESTART_EXIT = 75  # a rank stopped for a restart of its agent: never 0 (module doc)
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES = 1, 5  # a lost agent leaves the rendezvous after ~5 s of silence
 LAST_CALL_S = 2  # how long a forming rendezvous waits for more agents once it has enough
@@ -72,6 +77,7 @@ class ElasticOutcome:
     failures: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)  # agents lost along the way
     rejoined: list[str] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)  # agents that left the rendezvous without a result, and why
 
 
 def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, out: Any) -> None:
@@ -81,6 +87,7 @@ def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, 
 
     os.setpgrp()  # a Ctrl-C in the terminal reaches the launcher only, which stops the agents
     os.environ[NODE_ENV] = f"spawn-{slot}"  # the ranks inherit it: the name in membership.jsonl
+    os.environ[NO_SHARED_STORE_ENV] = "1"  # see HAZARDS
     for name in _QUIET:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
@@ -206,6 +213,10 @@ def _drain(out: Any, result: ElasticOutcome) -> None:
             result.value, result.finished = payload, True
         elif kind == "failed":
             result.failures.append(f"agent spawn-{slot}: {payload}")
+        elif kind == "ended":
+            result.ended.append(f"agent spawn-{slot}: {payload}")
+            if not result.finished:  # after the end, a waiting agent finds the rendezvous closed: expected
+                say(f"elastic: agent spawn-{slot} left the rendezvous without a result ({payload})")
 
 
 def _signal(p: Any, sig: int, group: bool = False) -> None:
