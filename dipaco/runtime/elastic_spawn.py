@@ -60,7 +60,13 @@ NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 RESTART_EXIT = 75  # a rank stopped for a restart of its agent: never 0 (module doc)
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES = 1, 5  # a lost agent leaves the rendezvous after ~5 s of silence
 LAST_CALL_S = 2  # how long a forming rendezvous waits for more agents once it has enough
-MONITOR_S = 0.5  # how often an agent looks at its ranks (and at agents waiting to join)
+MONITOR_S = 0.5
+# how long an agent waits in the rendezvous (torch's join_timeout): a late or rejoining agent
+# waits there while the running ranks finish their round (torch stops them within 30 s)
+# and restart; at least launcher.timeout_s
+JOIN_TIMEOUT_S = 600
+BOOT_TIMEOUT_S = 300  # how long the first agents wait for each other (_boot_barrier)
+_BOOT_KEY = "dipaco/agents_started"  # how often an agent looks at its ranks (and at agents waiting to join)
 _ROUND_DIR = re.compile(r"^round_(\d{6})$")
 # the agents' own log lines ("Received 15 death signal ...") would break the one-line rule
 _QUIET = ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
@@ -80,10 +86,15 @@ class ElasticOutcome:
     ended: list[str] = field(default_factory=list)  # agents that left the rendezvous without a result, and why
 
 
-def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, out: Any) -> None:
-    """Body of one agent process: torch's elastic agent for the ranks of worker group ``slot``."""
+def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, out: Any,
+                first: Optional[int] = None) -> None:
+    """Body of one agent process: torch's elastic agent for the ranks of worker group ``slot``.
+    ``first``: one of the launch's first ``first`` agents, which all meet before the rendezvous."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if first is not None:
+        _boot_barrier(lc["rdzv_endpoint"], first)
 
     os.setpgrp()  # a Ctrl-C in the terminal reaches the launcher only, which stops the agents
     os.environ[NODE_ENV] = f"spawn-{slot}"  # the ranks inherit it: the name in membership.jsonl
@@ -100,6 +111,22 @@ def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, 
         out.put(("ended", slot, f"{type(e).__name__}: {e}".splitlines()[0]))
         sys.exit(3)
     out.put(("done", slot, values.get(0) if values else None))
+
+
+def _boot_barrier(endpoint: str, n: int) -> None:
+    """Wait until the launch's ``n`` first agents have started (a process start with torch
+    imported takes seconds, tens under load). Without it the c10d rendezvous, which needs
+    only ``min_nodes`` and then waits ``LAST_CALL_S``, would begin the run with the agents
+    that happened to be ready and restart every rank as each late one arrived. A key in
+    the launcher's store, not a membership protocol: who trains is still the rendezvous'."""
+    from torch.distributed import TCPStore
+
+    host, port = endpoint.rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=BOOT_TIMEOUT_S))
+    store.add(_BOOT_KEY, 1)
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    while store.add(_BOOT_KEY, 0) < n and time.monotonic() < deadline:
+        time.sleep(0.1)  # past the deadline the rendezvous goes on with whoever is there
 
 
 def _newest_round(run: RunDir) -> int:
@@ -124,7 +151,7 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
                      timeout=datetime.timedelta(seconds=la.timeout_s))
     lc = dict(min_nodes=min_slots, max_nodes=slots, nproc_per_node=G, run_id=f"dipaco-{uuid.uuid4().hex[:8]}",
               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-              rdzv_configs={"is_host": False, "join_timeout": int(la.timeout_s), "last_call_timeout": LAST_CALL_S,
+              rdzv_configs={"is_host": False, "join_timeout": int(max(JOIN_TIMEOUT_S, la.timeout_s)), "last_call_timeout": LAST_CALL_S,
                             "keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": KEEP_ALIVE_TRIES},
               max_restarts=la.max_restarts, monitor_interval=MONITOR_S, start_method="spawn")
     ctx = mp.get_context("spawn")
@@ -134,13 +161,13 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
     pending: dict[int, tuple[float, int]] = {}  # slot -> (rejoin no earlier than, after this round)
     result = ElasticOutcome()
 
-    def start(slot: int) -> None:
-        p = ctx.Process(target=_agent_main, args=(slot, lc, entry, fn_args, out), name=f"dipaco-agent-{slot}")
+    def start(slot: int, first: Optional[int] = None) -> None:
+        p = ctx.Process(target=_agent_main, args=(slot, lc, entry, fn_args, out, first), name=f"dipaco-agent-{slot}")
         p.start()
         agents[slot] = p
 
     for s in range(slots):
-        start(s)
+        start(s, first=slots)
     done = False
     try:
         while agents or pending:
@@ -176,6 +203,8 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
                     say(f"elastic: starting agent spawn-{slot} again (rejoin {rejoins[slot]} of "
                         f"launcher.max_restarts={la.max_restarts}); it joins at the next round boundary")
                     start(slot)
+            if not agents and pending:  # nobody is left to commit the round a rejoin waits for
+                pending.clear()
             alive = len(agents) + len(pending)
             if not done and alive < min_slots and not result.stopped:
                 result.failures.append(f"{alive} of {slots} worker groups left, fewer than launcher.min_nproc="

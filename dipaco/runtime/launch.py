@@ -233,7 +233,8 @@ def _launch_elastic(fn: Callable[..., Any], cfg: Config, cfg_dict: dict, run: Ru
         return outcome.value
     if outcome.stopped:
         return _stopped_result(cfg, run)
-    raise LaunchError("a rank failed: " + ("; ".join(outcome.failures) or "every agent ended without a result"))
+    why = "; ".join(outcome.failures) or "every agent ended without a result (" + "; ".join(outcome.ended) + ")"
+    raise LaunchError("a rank failed: " + why)
 
 
 def _stopped_result(cfg: Config, run: RunDir) -> RoundsResult:
