@@ -44,7 +44,8 @@ from dipaco.runtime.faults import NODE_ENV, START_ENV
 
 __all__ = ["Membership", "join", "started", "current_change", "changes", "launch_first_round", "LAUNCH_ENV"]
 
-LAUNCH_ENV = "DIPACO_ELASTIC_LAUNCH"  # the launch this process belongs to (the run lock reads it)
+LAUNCH_ENV = "DIPACO_ELASTIC_LAUNCH"  # the launch this rank belongs to (for code the rank runs; the
+# run lock is held by the launching process, which outlives every restart of the ranks)
 
 
 def _proc_start(pid: int) -> str:
@@ -112,8 +113,8 @@ def _process_start_time() -> float:
 def join(run: RunDir, rank: int, world_size: int) -> Membership:
     """Which start of which launch this is (a collective over the world; see the module doc).
 
-    Sets ``DIPACO_START`` (:mod:`dipaco.runtime.faults`), ``DIPACO_ELASTIC_LAUNCH`` (the run
-    lock lets a restart of its launch take over) and ``DIPACO_NODE`` in this process.
+    Sets ``DIPACO_START`` (:mod:`dipaco.runtime.faults`), ``DIPACO_ELASTIC_LAUNCH`` (which
+    launch) and ``DIPACO_NODE`` in this process.
     """
     global _CURRENT, _CHANGE
     me = {"agent": agent_id(), "node": node_name()}
