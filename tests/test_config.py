@@ -102,6 +102,25 @@ def test_cluster_tokens_shorter_than_the_routing_prefix_is_refused() -> None:
         validate_config(compose_config(["router.cluster_tokens=16"]))
 
 
+def test_the_router_keys_are_the_router_package_s_settings() -> None:
+    """router.<name> keys, their domains and the router's fingerprint come from router/
+    (RouterSettings and every routing method's config): a method's new setting needs no
+    line in dipaco."""
+    from dataclasses import fields
+
+    from dipaco.config import RouterConfig
+    from dipaco.config.domains import DOMAINS
+    from dipaco.run.fingerprint import _DEPENDS_ON
+    from router.methods import METHODS, method_settings
+    from router.settings import RouterSettings
+
+    declared = {f.name for f in fields(RouterSettings)} | set(method_settings())
+    assert declared <= {f.name for f in fields(RouterConfig)}
+    assert {f"router.{n}" for n in declared} <= set(_DEPENDS_ON["router"])
+    assert DOMAINS["router.method"].names() == METHODS
+    assert DOMAINS["router.niter"].hi == 10_000 and DOMAINS["router.fine_clusters"].null
+
+
 def test_merge_router_options_are_validated() -> None:
     validate_config(compose_config(["router=merge"]))
     validate_config(compose_config(["router=merge", "grid=4x4", "router.fine_clusters=16"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from router import CallableFeaturizer, Router, balanced_assign, routing_report
 from router.synthetic import topic_corpus
 
 REPO = Path(__file__).resolve().parents[1]
+GOLDEN_V3 = REPO / "tests" / "golden" / "routers_v3"  # routers saved before the registry
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def test_path_ids_are_mixed_radix_level0_most_significant(corpus, product44):
     assert product44.path_id((2, 1)) == 9
     assert product44.path_tuple(9) == (2, 1)
     feats = product44.features(docs[:20])
-    d0, d1 = product44.level_costs(feats)
+    d0, d1 = product44.routing.level_costs(feats)
     costs = product44.costs(docs[:20])
     for a in range(4):
         for b in range(4):
@@ -67,7 +69,7 @@ def test_path_ids_are_mixed_radix_level0_most_significant(corpus, product44):
 def test_level_with_one_module_contributes_nothing(corpus):
     docs, _ = corpus
     r = Router.fit(docs, [1, 4], method="product", seed=0)
-    d0, d1 = r.level_costs(r.features(docs[:10]))
+    d0, d1 = r.routing.level_costs(r.features(docs[:10]))
     assert d0.shape == (10, 1) and np.all(d0 == 0)
     np.testing.assert_allclose(r.costs(docs[:10]), d1, rtol=1e-6)
 
@@ -78,7 +80,7 @@ def test_fit_is_deterministic_for_a_fixed_seed(corpus, method):
     docs, _ = corpus
     a = Router.fit(docs, [2, 4], method=method, seed=3)
     b = Router.fit(docs, [2, 4], method=method, seed=3)
-    for ca, cb in zip(a.centroids, b.centroids):
+    for ca, cb in zip(a.routing.arrays().values(), b.routing.arrays().values()):
         np.testing.assert_array_equal(ca, cb)
     np.testing.assert_array_equal(a.costs(docs), b.costs(docs))
     assert a.assign(docs, top_k=2) == b.assign(docs, top_k=2)
@@ -240,9 +242,9 @@ def test_save_load_round_trip_gives_identical_assignments(tmp_path, corpus, prod
     assert loaded.assign(docs) == product44.assign(docs)
     assert loaded.fallback_path == product44.fallback_path
     m = json.loads((tmp_path / "r" / "manifest.json").read_text())
-    assert m["grid"] == [4, 4] and m["method"] == "product" and m["prefix_tokens"] == 32
-    assert m["top_k"] == 2 and m["featurizer"]["kind"] == "token_tfidf"
-    assert set(m["files"]) == {"kmeans.npz", "featurizer.npz"}
+    assert m["grid"] == [4, 4] and m["method"] == "product" and m["settings"]["prefix_tokens"] == 32
+    assert m["settings"]["top_k"] == 2 and m["method_settings"] == {"niter": 20} and m["featurizer"]["kind"] == "token_tfidf"
+    assert set(m["files"]) == {"method.npz", "router.npz", "featurizer.npz"}
     assert not list((tmp_path / "r").glob("*.tmp"))  # atomic writes leave no temp files
     for f in m["files"]:
         np.load(tmp_path / "r" / f, allow_pickle=False)
@@ -253,10 +255,10 @@ def test_load_refuses_corrupt_missing_or_foreign(tmp_path, flat8):
     flat8.save(d)
     with pytest.raises(ValueError, match="grid"):
         Router.load(d, expected_grid=[4, 4])
-    blob = bytearray((d / "kmeans.npz").read_bytes())
+    blob = bytearray((d / "method.npz").read_bytes())
     blob[len(blob) // 2] ^= 0xFF
-    (d / "kmeans.npz").write_bytes(bytes(blob))
-    with pytest.raises(ValueError, match="kmeans.npz"):
+    (d / "method.npz").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="method.npz"):
         Router.load(d)
     flat8.save(d)
     (d / "featurizer.npz").unlink()
@@ -367,12 +369,15 @@ def test_cluster_tokens_is_saved_and_checked(tmp_path):
     assert loaded.reroute_context is None  # everything read so far, saved as such
     Router.fit(docs, [2, 2], prefix_tokens=16, seed=0, reroute_context=40).save(tmp_path / "r40")
     assert Router.load(tmp_path / "r40").reroute_context == 40
-    # a manifest written before cluster_tokens existed clusters on the routing prefix
-    m = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    # a manifest written before cluster_tokens existed (a version 3 one, flat keys, with
+    # both keys removed) clusters on the routing prefix
+    old = tmp_path / "old"
+    shutil.copytree(GOLDEN_V3 / "product", old)
+    m = json.loads((old / "manifest.json").read_text())
     del m["cluster_tokens"], m["reroute_context"]
-    (tmp_path / "r" / "manifest.json").write_text(json.dumps(m))
-    assert Router.load(tmp_path / "r").cluster_tokens == 16
+    (old / "manifest.json").write_text(json.dumps(m))
+    assert Router.load(old).cluster_tokens == m["prefix_tokens"] == 8
     # ... and re-routed on the cluster_tokens before each window, as it did then
-    assert Router.load(tmp_path / "r").reroute_context == 16
+    assert Router.load(old).reroute_context == 8
     with pytest.raises(ValueError, match="cluster_tokens"):
         Router.fit(docs, [2, 2], prefix_tokens=32, cluster_tokens=16)

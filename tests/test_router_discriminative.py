@@ -37,7 +37,7 @@ def test_discriminative_learns_a_planted_mapping_and_beats_kmeans(tmp_path, setu
     assert disc_acc >= 0.95, disc_acc
     assert disc_acc > kmeans_acc + 0.3, (disc_acc, kmeans_acc)
     # k-means stays available as the fallback.
-    np.testing.assert_array_equal(router.kmeans_costs(test), kmeans_costs)
+    np.testing.assert_array_equal(router.method_costs(test), kmeans_costs)
     # The head survives save/load (arrays, no pickle).
     router.save(tmp_path / "r")
     loaded = Router.load(tmp_path / "r")

@@ -10,7 +10,7 @@ import pytest
 
 from dipaco.run.fingerprint import _matches
 from router import Router, routing_report
-from router.merge import fit_merge, merge_costs, ward_groups
+from router.methods.merge import fit_merge, merge_costs, ward_groups
 from router.synthetic import hierarchical_corpus, topic_corpus
 
 SEEDS = (0, 1, 2)
@@ -111,16 +111,16 @@ def test_merge_router_saves_and_loads_with_its_cluster_paths(tmp_path):
     r = Router.fit(docs, [2, 2], method="merge", fine_clusters=12, top_k=2)
     r.save(tmp_path / "r")
     back = Router.load(tmp_path / "r")
-    assert back.method == "merge" and back.fine_clusters == 12
-    np.testing.assert_array_equal(back.cluster_paths, r.cluster_paths)
+    assert back.method == "merge" and back.routing.config.fine_clusters == 12
+    np.testing.assert_array_equal(back.routing.cluster_paths, r.routing.cluster_paths)
     np.testing.assert_array_equal(back.costs(docs), r.costs(docs))
-    assert back.manifest()["version"] == 3
+    assert back.manifest()["version"] == 4
 
 
 def test_a_merge_router_without_cluster_paths_is_refused(tmp_path):
     docs, _ = topic_corpus(4, seed=0)
     r = Router.fit(docs, [2, 2], method="merge", fine_clusters=12)
-    r.cluster_paths = np.zeros_like(r.cluster_paths)  # every fine cluster on path 0
+    r.routing.cluster_paths = np.zeros_like(r.routing.cluster_paths)  # every fine cluster on path 0
     r.save(tmp_path / "r")
     with pytest.raises(ValueError, match="covering all 4 paths; refit the router"):
         Router.load(tmp_path / "r")

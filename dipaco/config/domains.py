@@ -23,11 +23,11 @@ from dipaco.config import Config, ConfigError
 from dipaco.runtime.device import BACKENDS, DEVICES, PRECISIONS
 from dipaco.plan.codecs import CODECS
 from dipaco.sync.outer import optimizer_names
+from router.methods import METHODS as ROUTER_METHODS, Setting, method_settings
 
 DATA_SOURCES = ("python_sources", "multidomain", "jsonl", "json", "parquet", "text", "hub", "tokens")
 LAUNCHERS = ("local", "spawn", "torchrun", "slurm")
 GROUP_PARALLEL = ("replicate", "fsdp")  # launcher.group_parallel
-ROUTER_METHODS = ("product", "tree", "flat", "grouped", "merge", "random")
 ROUTER_BALANCES = ("hard", "soft")
 RESHARD_ASSIGNS = ("classifier", "loss")  # router.em.RESHARD_ASSIGNS
 FEATURIZERS = ("tfidf", "lm")
@@ -129,11 +129,11 @@ DOMAINS: dict[str, Domain] = {
                                  why="the routing prefix carries no loss"),
     "router.cluster_tokens": Int("router.prefix_tokens", "model.max_seq_len", null=True),
     "router.reroute_context": Int(1, 2**20, null=True), "router.method": OneOf(ROUTER_METHODS),
-    "router.fine_clusters": Int(_paths, 2**16, null=True, why=COSTLY), "router.prompt_classifier": FLAG,
+    "router.prompt_classifier": FLAG,
     "router.featurizer": OneOf(FEATURIZERS), "router.feature_dim": Int(1, 4096, why=COSTLY),
     "router.top_k": Int(1, _paths, why="a document goes to at most every path"),
     "router.capacity_factor": Real(1, 1e6), "router.balance": OneOf(ROUTER_BALANCES),
-    "router.soft_capacity_factor": Real(1, 1e6), "router.niter": Int(1, 10_000, why=COSTLY),
+    "router.soft_capacity_factor": Real(1, 1e6),
     "router.reshard_at_round": Int(1, Rel(lambda c: c.trainer.rounds - 1, "trainer.rounds - 1", ("trainer.rounds",)), null=True,
                                    why="a re-shard happens between rounds"),
     "router.reshard_every": Int(1, 10**6, null=True), "router.reshard_documents": Int(1, 10**7, why=COSTLY),
@@ -198,6 +198,25 @@ DOMAINS: dict[str, Domain] = {
     "logging.wandb_entity": MAYBE_TEXT, "logging.wandb_mode": OneOf(WANDB_MODES),
     "resume": FLAG, "run_dir": PATH, "tag": MAYBE_TEXT,
 }
+
+
+def _method_domain(name: str, s: Setting) -> Domain:
+    """The domain a routing method declares for its setting (``router.methods.base.setting``):
+    its bounds, ``"paths"`` standing for the number of paths; null allowed where null is
+    the default."""
+    lo, hi = (_paths if b == "paths" else b for b in (s.metadata["lo"], s.metadata["hi"]))
+    kind = next((t for t in (bool, int, float, str) if s.type in (t, Optional[t])), None)
+    if kind is bool:
+        return MAYBE_FLAG if s.default is None else FLAG
+    if kind is str:
+        return MAYBE_TEXT if s.default is None else TEXT
+    if kind is None:
+        raise TypeError(f"router.{name}: a routing method's setting must be a bool, int, float or str, not {s.type}")
+    return Domain("int" if kind is int else "real", lo, hi, null=s.default is None, why=s.metadata["why"])
+
+
+# every routing method's settings (niter, fine_clusters, ...) come with their domains
+DOMAINS.update({f"router.{name}": _method_domain(name, s) for name, s in method_settings().items()})
 
 
 def value_of(cfg: Any, key: str) -> Any:

@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 
 from dipaco.config.decoupled import DecoupledConfig
 from modules.config import ModelConfig
+from router.methods import MethodSettings
+from router.settings import RouterSettings
 
 
 @dataclass
@@ -92,35 +94,21 @@ class GridConfig:
 
 
 @dataclass
-class RouterConfig:
-    """How documents are assigned to paths (router/ package)."""
+class RouterConfig(RouterSettings, MethodSettings):
+    """How documents are assigned to paths (router/ package).
 
-    prefix_tokens: int = 32
-    # tokens of each training document the router is fitted on and the shards assigned on
-    # (null: prefix_tokens); prompts are still routed on prefix_tokens, and a re-route
-    # every W tokens looks at up to this many tokens before the window
-    cluster_tokens: Optional[int] = None
-    # a re-route (reroute_every) reads the last reroute_context tokens before its window;
-    # null: everything read so far (docs/evaluation.md)
-    reroute_context: Optional[int] = None
-    # product (k-means per level) | tree (hierarchical k-means) | flat (one k-means of P) |
-    # grouped (flat, clusters laid so that paths sharing a module get near clusters) |
-    # merge (fine k-means merged bottom-up onto the grid's tree) | random (control)
+    The router's own settings (``prefix_tokens``, ``cluster_tokens``, ``reroute_context``,
+    ``top_k``, ``capacity_factor``, ``balance``, ``soft_capacity_factor``,
+    ``prompt_classifier``) are :class:`router.settings.RouterSettings`'s fields, and the
+    routing methods' settings (``niter``, ``fine_clusters``, ...) the fields of their
+    config dataclasses (``router/methods/``, gathered in ``MethodSettings``): each is
+    declared there once, with its comment, and is ``router.<name>`` here.
+    """
+
+    # a routing method: a name of router.methods.REGISTRY (each has a YAML in conf/router/)
     method: str = "product"
-    # merge: fine k-means clusters; null: max(64, 8 x paths)
-    fine_clusters: Optional[int] = None
-    # a classifier learns each training document's shard from its first prefix_tokens
-    # tokens and routes prompts (and shards, and re-routes) from then on (router/router.py)
-    prompt_classifier: bool = False
     featurizer: str = "tfidf"  # tfidf (sklearn) | lm (mean hidden state of the warm-up model)
     feature_dim: int = 64
-    top_k: int = 1
-    capacity_factor: float = 1.25
-    # hard: every shard in [0.5, capacity_factor] x the mean; soft: a path keeps its natural
-    # cluster within [1 / soft_capacity_factor, soft_capacity_factor] x the mean (router/assign.py)
-    balance: str = "hard"
-    soft_capacity_factor: float = 2.0
-    niter: int = 20
     # EM re-shard (docs/evaluation.md): after this round, score documents under every path
     # and re-assign them; None: off
     reshard_at_round: Optional[int] = None

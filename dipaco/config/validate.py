@@ -18,6 +18,7 @@ from dipaco.config.domains import check_domains
 from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
 from dipaco.sync.outer import make_outer_optimizer, outer_options
 from modules import ModuleGrid
+from router.methods import method_class
 
 
 def validate_config(cfg: Config) -> None:
@@ -46,8 +47,8 @@ def validate_config(cfg: Config) -> None:
     require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
             f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
     _validate_reshard(cfg)
-    require(not (r.prompt_classifier and r.method == "random"), "router.prompt_classifier",
-            "learns content-based shards, which the random control does not have", "router.prompt_classifier=false")
+    require(not (r.prompt_classifier and not method_class(r.method).learns_content), "router.prompt_classifier",
+            f"learns content-based shards, which the {r.method} control does not have", "router.prompt_classifier=false")
     _validate_evaluation(cfg)
     # options the chosen launcher never reads are refused rather than silently ignored
     require(la.name != "local" or la.group_size == 1, "launcher.group_size",

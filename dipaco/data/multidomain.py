@@ -4,15 +4,8 @@ Why: routing can only specialise paths when the corpus has domains that differ i
 Every fresh install of dipaco already holds such text on disk: the interpreter's standard
 library and the packages dipaco depends on. No network, no download.
 
-Where the files come from (never a hard-coded path):
-
-* the standard library, ``sysconfig.get_paths()["stdlib"]`` (the top-level packages in
-  ``data.exclude_packages`` left out, as for ``python_sources``), and the interpreter's C
-  headers, ``sysconfig.get_paths()["include"]``;
-* the installed distributions dipaco requires, transitively (``importlib.metadata``:
-  each distribution's ``requires`` and its ``files`` list). Requirements behind an
-  environment marker (extras such as ``dev``, platform-only wheels such as CUDA runtimes)
-  are left out, so the same package versions give the same corpus on every platform.
+Which files, and their domain, is :mod:`dipaco.data.domain_files` (the standard library, the
+interpreter's C headers and the distributions dipaco requires, transitively).
 
 The domains (``label``; labels only evaluate routing, they never route):
 
@@ -56,19 +49,18 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import importlib.metadata as metadata
 import json
 import multiprocessing
 import os
 import re
-import sysconfig
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from tqdm.auto import tqdm
 
 from dipaco.data.errors import DataError
-from dipaco.data.python_sources import list_source_files, pack_pieces, split_source, split_text
+from dipaco.data.domain_files import Candidate, discover, requirement_closure  # noqa: F401 (re-exported)
+from dipaco.data.python_sources import pack_pieces, split_source, split_text
 from dipaco.data.readers import count_skip, read_text_head
 
 __all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
@@ -80,12 +72,6 @@ DOMAINS = ("python", "c_cpp", "prose", "reference_docs", "structured_data")
 # One file gives at most this many characters (a 5 MB JSON table must not fill a domain).
 MAX_FILE_CHARS = 400_000
 
-_C_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".inl")
-_DATA_SUFFIXES = (".json", ".csv", ".yaml", ".yml", ".toml", ".ini", ".cfg")
-_PROSE_SUFFIXES = (".txt", ".md")
-_LICENSE_PREFIXES = ("license", "licence", "copying", "notice", "authors", "copyright")
-_TEST_DIRS = frozenset({"test", "tests", "testing"})
-_TOPICS = "pydoc_data/topics.py"
 # The lines of a RECORD that the installer writes rather than the wheel ships: console
 # scripts ("../../../bin/x": their shebang, hence hash and size, names this interpreter's
 # path), byte code compiled at install time (pip compiles, uv does not), and the
@@ -107,22 +93,6 @@ _GENERATED = re.compile(r"@generated|do not edit|auto-?generated|automatically g
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One file that may give documents: where it is and how to cut it."""
-
-    domain: str
-    origin: str  # "stdlib", "include" or the normalised distribution name
-    rel: str  # path inside its origin, with "/"
-    path: str  # absolute path on this machine
-    kind: str  # "python", "text", "prose", "metadata", "record", "docstrings" or "topics"
-
-    @property
-    def key(self) -> str:
-        """``<domain>/<origin>/<rel>``: the id prefix of its documents, stable across machines."""
-        return f"{self.domain}/{self.origin}/{self.rel}"
-
-
-@dataclass(frozen=True)
 class DomainDocument:
     """One document of the multidomain corpus (before the common checks in corpus.py)."""
 
@@ -130,111 +100,6 @@ class DomainDocument:
     text: str
     label: str
     group: str
-
-
-# --------------------------------------------------------------------------- discovery
-
-
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirement_closure(root: str = "dipaco") -> List[metadata.Distribution]:
-    """The installed distributions ``root`` requires, transitively, sorted by name (``root`` excluded)."""
-    try:
-        metadata.distribution(root)
-    except metadata.PackageNotFoundError:
-        raise DataError(f"data.source=multidomain reads the dependencies of the installed {root} "
-                        f"package, which is not installed. Fix: pip install -e .") from None
-    seen: Dict[str, metadata.Distribution] = {}
-    todo = [root]
-    while todo:
-        name = todo.pop()
-        if _norm(name) in seen:
-            continue
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue  # an optional dependency of a dependency, not installed here
-        seen[_norm(name)] = dist
-        for req in dist.requires or ():
-            if ";" not in req:  # markers: extras and platform-only wheels stay out
-                todo.append(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1))  # type: ignore[union-attr]
-    seen.pop(_norm(root))
-    return [seen[k] for k in sorted(seen)]
-
-
-def _is_license(base: str) -> bool:
-    return base.lower().startswith(_LICENSE_PREFIXES)
-
-
-def _classify_stdlib(rel: str) -> Optional[Tuple[str, str]]:
-    """(domain, kind) of a stdlib file, or None when it gives no documents."""
-    low = rel.lower()
-    if rel == _TOPICS:
-        return "reference_docs", "topics"
-    if low.endswith(".py"):
-        return "python", "python"
-    return _classify_by_suffix(low)
-
-
-def _classify_by_suffix(low: str) -> Optional[Tuple[str, str]]:
-    if low.endswith(_C_SUFFIXES):
-        return "c_cpp", "text"
-    if low.endswith(_DATA_SUFFIXES):
-        return "structured_data", "text"
-    if low.endswith(".rst"):
-        return "reference_docs", "text"
-    if _is_license(low.rsplit("/", 1)[-1]):
-        return "prose", "text"
-    if low.endswith(_PROSE_SUFFIXES):
-        return "prose", "prose"  # kept only when it reads as prose (see _reads_as_prose)
-    return None
-
-
-def _classify_dist(rel: str) -> Optional[Tuple[str, str]]:
-    """(domain, kind) of a file listed by a distribution, or None."""
-    parts = rel.split("/")
-    base = parts[-1]
-    if "__pycache__" in parts:
-        return None
-    if parts[0].endswith(".dist-info"):
-        if base == "METADATA":
-            return "prose", "metadata"
-        if base == "RECORD":
-            return "structured_data", "record"
-        return ("prose", "text") if _is_license(base) else None
-    if base.endswith(".py"):
-        return None if _TEST_DIRS & set(parts[:-1]) else ("reference_docs", "docstrings")
-    return _classify_by_suffix(rel.lower())
-
-
-def discover(exclude_packages: Sequence[str] = (), stdlib: Optional[str] = None,
-             include: Optional[str] = None,
-             distributions: Optional[Sequence[metadata.Distribution]] = None) -> List[Candidate]:
-    """Every candidate file of this install, classified; defaults: this interpreter and dipaco's dependencies."""
-    stdlib = stdlib or sysconfig.get_paths()["stdlib"]
-    include = include or sysconfig.get_paths()["include"]
-    dists = requirement_closure() if distributions is None else distributions
-    out: List[Candidate] = []
-    for rel in list_source_files(exclude_packages, stdlib, suffixes=None):
-        where = _classify_stdlib(rel)
-        if where:
-            out.append(Candidate(where[0], "stdlib", rel, os.path.join(stdlib, *rel.split("/")), where[1]))
-    if os.path.isdir(include):
-        for rel in list_source_files((), include, suffixes=_C_SUFFIXES):
-            out.append(Candidate("c_cpp", "include", rel, os.path.join(include, *rel.split("/")), "text"))
-    for dist in dists:
-        name = dist.metadata["Name"]
-        if not name:
-            continue  # a broken dist-info without METADATA: no stable name for ids
-        origin = _norm(name)
-        for f in dist.files or ():
-            rel = f.as_posix()
-            where = _classify_dist(rel)
-            if where and not rel.startswith(".."):  # "../../bin/x": scripts outside site-packages
-                out.append(Candidate(where[0], origin, rel, str(dist.locate_file(f)), where[1]))
-    return out
 
 
 # --------------------------------------------------------------------------- cutting

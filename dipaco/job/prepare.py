@@ -7,7 +7,7 @@ and is reused on ``resume=true``, so a resumed run routes exactly as the first d
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -37,6 +37,8 @@ from router import (
     routing_report,
     write_shards,
 )
+from router.methods import method_config
+from router.settings import RouterSettings
 
 # The router's featurizer and k-means are fitted on at most this many training documents
 # (evenly spaced over the corpus); every document is then routed, in batches. The fit's
@@ -223,10 +225,10 @@ def _fit_router(cfg: Config, train_ids: TokenDocs, featurizer_fn: Optional[Calla
         featurizer = CallableFeaturizer(featurizer_fn, dim=cfg.model.d_model)
     else:
         featurizer = TokenTfidfFeaturizer(dim=r.feature_dim, seed=cfg.seed)
-    return Router.fit(docs, list(cfg.grid.levels), prefix_tokens=r.prefix_tokens, cluster_tokens=n_tokens,
-                      method=r.method,
-                      top_k=r.top_k, capacity_factor=r.capacity_factor, seed=cfg.seed,
-                      balance=r.balance, soft_capacity_factor=r.soft_capacity_factor,
-                      featurizer=featurizer, niter=r.niter, reroute_context=r.reroute_context,
-                      fine_clusters=r.fine_clusters,
-                      prompt_classifier=r.prompt_classifier)
+    # the router's settings and its method's are router.<name> keys (dipaco/config/schema.py)
+    settings = {f.name: getattr(r, f.name) for f in fields(RouterSettings)}
+    method = method_config(r.method, r)
+    if method.experimental:
+        _log(f"routing: router.method={r.method} is experimental: {method.experimental}")
+    return Router.fit(docs, list(cfg.grid.levels), method=method, seed=cfg.seed,
+                      featurizer=featurizer, **dict(settings, cluster_tokens=n_tokens))

@@ -133,7 +133,7 @@ def reshard(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path, round_idx: int
     info: dict[str, Any] = {
         "round": int(round_idx), "assign": r.reshard_assign, "documents": int(keep.sum()),
         # how often the lowest-loss path is the one k-means would pick (argmin, no balance)
-        "agreement_with_kmeans": float(np.mean(prep.router.kmeans_costs(
+        "agreement_with_kmeans": float(np.mean(prep.router.method_costs(
             [prep.train_ids[int(i)] for i in scored]).argmin(axis=1) == best)) if scored.size else None,
     }
     assignments, fit = reshard_assignments(prep.router, prep.train_ids, scored, losses, mode=r.reshard_assign)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from dataclasses import fields
 from typing import Any, Callable, Optional
 
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file, write_json
@@ -28,6 +29,8 @@ from dipaco.config import Config
 from dipaco.run.resume import allowed_on_resume, flat_config
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.config.schedule import warmup_steps
+from router.methods import method_settings
+from router.settings import RouterSettings
 
 FINGERPRINTS = "fingerprints.json"
 OUTPUTS = "outputs"  # sha256 of each artefact's file as written, by artefact
@@ -49,9 +52,11 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "warmup": ("model", "seed", "trainer.batch_size", "trainer.seq_len", "trainer.lr", "trainer.min_lr_ratio",
                "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1", "trainer.beta2",
                "trainer.grad_clip"),
-    "router": ("grid.levels", "router.prefix_tokens", "router.cluster_tokens", "router.reroute_context",
-               "router.method", "router.featurizer", "router.feature_dim", "router.top_k", "router.capacity_factor", "router.balance",
-               "router.soft_capacity_factor", "router.niter", "router.fine_clusters", "router.prompt_classifier", "seed"),
+    # the router's settings and every routing method's, as declared in router/ (router.settings,
+    # router.methods): a setting a new method brings is part of the router's fingerprint
+    "router": ("grid.levels", "router.method", "router.featurizer", "router.feature_dim",
+               *(f"router.{f.name}" for f in fields(RouterSettings)), *(f"router.{n}" for n in method_settings()),
+               "seed"),
     "shards": ("grid.replicas", "seed"),
     "checkpoints": ("model", "grid", "diloco", "seed", "trainer.batch_size", "trainer.seq_len", "trainer.lr",
                     "trainer.min_lr_ratio", "trainer.warmup_steps", "trainer.weight_decay", "trainer.beta1",

@@ -1,35 +1,64 @@
-"""Routing that matches module sharing: hierarchical k-means, and a grouped layout for flat k-means.
+"""Hierarchical k-means (``method="tree"``, ``router=tree``): paths that share a module get related documents.
 
 In a grid, the paths that share a level-l module are the cells with the same prefix
-``(k_0, ..., k_l)``. Both fits here make those paths receive related documents:
+``(k_0, ..., k_l)``. :func:`fit_tree`: level 0 clusters all features into K_0 nodes; the
+members of each node are clustered into K_1 children, and so on down the levels (a level
+with K = 1 adds no node). Node ``(k_0, ..., k_l)`` has index
+``np.ravel_multi_index((k_0, ..., k_l), grid[: l + 1])``, so the leaves are the path ids.
+:func:`tree_costs` gives the cost of a path as the sum over levels of the squared
+distance to the centroid of the path's node at that level: a document's next-best path
+is then usually a sibling (same level-0 module), which is where balanced assignment
+sends overflow. A level-1 module j is shared by the j-th children of *every* level-0
+node, so the children are ordered to agree across nodes: child j of each node is the
+one whose offset from its parent is nearest the j-th of K_1 reference offsets (k-means
+of every point's offset from its parent), as in residual quantisation.
 
-* :func:`fit_tree` (``method="tree"``): level 0 clusters all features into K_0 nodes; the
-  members of each node are clustered into K_1 children, and so on down the levels (a level
-  with K = 1 adds no node). Node ``(k_0, ..., k_l)`` has index
-  ``np.ravel_multi_index((k_0, ..., k_l), grid[: l + 1])``, so the leaves are the path ids.
-  :func:`tree_costs` gives the cost of a path as the sum over levels of the squared
-  distance to the centroid of the path's node at that level: a document's next-best path
-  is then usually a sibling (same level-0 module), which is where balanced assignment
-  sends overflow. A level-1 module j is shared by the j-th children of *every* level-0
-  node, so the children are ordered to agree across nodes: child j of each node is the
-  one whose offset from its parent is nearest the j-th of K_1 reference offsets (k-means
-  of every point's offset from its parent), as in residual quantisation.
-* :func:`grouped_layout` (``method="grouped"``): one flat k-means of P clusters, then the P
-  centroids are split into K_0 equal groups of nearby centroids (k-means on the centroids,
-  balanced exactly), each group into K_1 equal sub-groups, and so on; cluster ids are laid
-  onto cells in that order. Path-level routing is the flat one; only which clusters share
-  a module changes.
+Measured in docs/results.md §10 and §12 (soft balance, top-1 and top-2): its shards
+follow the domains most closely of the k-means routers, and it trains worse than product
+k-means there.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
-from .assign import balanced_assign
-from .kmeans import fit_kmeans, search, squared_distances
+from ..assign import balanced_assign
+from ..kmeans import fit_kmeans, search, squared_distances
+from .base import Grid, KMeansConfig
 
-__all__ = ["fit_tree", "tree_costs", "grouped_layout"]
+__all__ = ["TreeConfig", "TreeMethod", "fit_tree", "tree_costs"]
+
+
+@dataclass
+class TreeConfig(KMeansConfig):
+    """Hierarchical k-means: its only setting is the k-means iterations (``niter``)."""
+
+    name: ClassVar[str] = "tree"
+
+    def build(self, grid: Grid, *, seed: int, dim: int) -> "TreeMethod":
+        return TreeMethod(self, grid, seed=seed)
+
+
+class TreeMethod:
+    """One array of node centroids per level; a path's cost sums its nodes' squared distances."""
+
+    def __init__(self, config: TreeConfig, grid: Grid, *, seed: int) -> None:
+        self.config, self.grid, self.seed = config, grid, seed
+        self.centroids: list[np.ndarray] = []
+
+    def fit(self, features: np.ndarray, prefixes: Sequence[np.ndarray]) -> None:
+        self.centroids = fit_tree(features, self.grid, niter=self.config.niter, seed=self.seed)
+
+    def costs(self, features: np.ndarray, prefixes: Sequence[np.ndarray]) -> np.ndarray:
+        return tree_costs(features, self.grid, self.centroids)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"centroids_{l}": c for l, c in enumerate(self.centroids)}
+
+    def load_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.centroids = [np.asarray(arrays[f"centroids_{l}"], np.float32) for l in range(len(self.grid))]
 
 # The first split decides which documents every module below it sees, and one k-means run
 # can merge two natural clusters and split another; the root keeps the best of a few
@@ -117,27 +146,3 @@ def tree_costs(x: np.ndarray, grid: Sequence[int], centroids: Sequence[np.ndarra
         if c.shape[1]:
             total += squared_distances(x, c)
     return total
-
-
-def grouped_layout(centroids: np.ndarray, grid: Sequence[int], *, niter: int = 20, seed: int = 0) -> np.ndarray:
-    """Order of the ``P`` flat clusters on the grid cells: ``centroids[order]`` is cell-ordered.
-
-    Cells sharing a level-0 module get a group of mutually near centroids (k-means of the
-    centroids into K_0 groups, then an exactly balanced assignment), recursively per level.
-    """
-    g = [int(k) for k in grid]
-
-    def lay(ids: np.ndarray, level: int) -> list[int]:
-        if level == len(g) - 1 or ids.size == 1:
-            return ids.tolist()
-        k = g[level]
-        if k == 1:
-            return lay(ids, level + 1)
-        pts = centroids[ids]
-        group_centres = fit_kmeans(pts, k, niter=niter, seed=seed + level)
-        # capacity_factor 1.0 with N = k * size: every group gets exactly `size` clusters
-        groups = np.array([h[0] for h in balanced_assign(squared_distances(pts, group_centres),
-                                                            capacity_factor=1.0)])
-        return [c for j in range(k) for c in lay(ids[groups == j], level + 1)]
-
-    return np.asarray(lay(np.arange(centroids.shape[0]), 0), np.int64)

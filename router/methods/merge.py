@@ -1,6 +1,5 @@
-"""Routing by merged clusters: many small k-means clusters, merged bottom-up onto the grid.
-
-``method="merge"``. One k-means of ``M`` *fine* clusters (M well above the number of
+"""Routing by merged clusters (``method="merge"``, ``router=merge``): fine k-means merged onto the grid.
+ One k-means of ``M`` *fine* clusters (M well above the number of
 paths) follows the corpus's natural groups closely, whatever their shape; a k-means of
 only P clusters must cut them into P round pieces of similar spread and often halves a
 big domain while lumping two small ones. The fine clusters are then merged by Ward's
@@ -8,7 +7,7 @@ criterion (size-weighted: merging clusters A and B costs ``n_A n_B / (n_A + n_B)
 |c_A - c_B|^2``, the rise in within-cluster squares) into K_0 groups, the level-0
 modules; each group's fine clusters into K_1 sub-groups, and so on down the levels. A
 path is a leaf of that tree, so paths that share a level-0 module hold neighbouring
-clusters, as in the tree router (:mod:`router.tree`) but with groups that follow the data
+clusters, as in the tree router (:mod:`router.methods.tree`) but with groups that follow the data
 instead of one k-means per node.
 
 A document's cost for a path is its squared distance to the nearest fine centroid of the
@@ -22,14 +21,65 @@ k-means's, with top-2 and with top-1 shards: it is a choice, not the default.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
-from .assign import balanced_assign
-from .kmeans import fit_kmeans, squared_distances
+from ..assign import balanced_assign
+from ..kmeans import fit_kmeans, squared_distances
+from .base import COSTLY, Grid, KMeansConfig, num_paths, setting
 
-__all__ = ["default_fine_clusters", "fit_merge", "merge_costs", "ward_groups"]
+__all__ = ["MergeConfig", "MergeMethod", "default_fine_clusters", "fit_merge", "merge_costs", "ward_groups"]
+
+
+@dataclass
+class MergeConfig(KMeansConfig):
+    """Fine k-means merged by Ward's criterion onto the grid's tree."""
+
+    name: ClassVar[str] = "merge"
+    # fine k-means clusters (at least the paths); null: max(64, 8 x paths)
+    fine_clusters: Optional[int] = setting(None, lo="paths", hi=2**16, why=COSTLY)
+
+    def resolved(self, grid: Grid) -> "MergeConfig":
+        """This config with ``fine_clusters`` filled in for ``grid`` (as a fitted router saves it)."""
+        fine = default_fine_clusters(num_paths(grid)) if self.fine_clusters is None else int(self.fine_clusters)
+        return replace(self, fine_clusters=fine)
+
+    def build(self, grid: Grid, *, seed: int, dim: int) -> "MergeMethod":
+        return MergeMethod(self.resolved(grid), grid, seed=seed)
+
+    def min_documents(self, grid: Grid) -> int:
+        return int(self.resolved(grid).fine_clusters)
+
+
+class MergeMethod:
+    """Fine centroids and the path of each (sorted, every path present); a path's cost is
+    the squared distance to its nearest fine centroid."""
+
+    def __init__(self, config: MergeConfig, grid: Grid, *, seed: int) -> None:
+        self.config, self.grid, self.seed = config, grid, seed
+        self.centroids = np.zeros((0, 0), np.float32)
+        self.cluster_paths = np.zeros(0, np.int64)
+
+    def fit(self, features: np.ndarray, prefixes: Sequence[np.ndarray]) -> None:
+        self.centroids, self.cluster_paths = fit_merge(features, self.grid, int(self.config.fine_clusters),
+                                                       niter=self.config.niter, seed=self.seed)
+
+    def costs(self, features: np.ndarray, prefixes: Sequence[np.ndarray]) -> np.ndarray:
+        return merge_costs(features, self.centroids, self.cluster_paths, num_paths(self.grid))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"centroids_0": self.centroids, "cluster_paths": self.cluster_paths}
+
+    def load_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        cents = np.asarray(arrays["centroids_0"], np.float32)
+        cp = np.asarray(arrays["cluster_paths"], np.int64)
+        p = num_paths(self.grid)
+        if cp.shape != (cents.shape[0],) or (np.diff(cp) < 0).any() or not np.array_equal(np.unique(cp), np.arange(p)):
+            raise ValueError(f"method 'merge' needs cluster_paths: one sorted path id per fine centroid, covering all "
+                             f"{p} paths; refit the router (dipaco-route)")
+        self.centroids, self.cluster_paths = cents, cp
 
 
 def default_fine_clusters(num_paths: int) -> int:
