@@ -111,7 +111,8 @@ class RoundRecorder:
         everyone = gather(record, rs.distributed)
         if self.writer is not None:
             line = _round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr)
-            line["worker_groups"] = rs.topo.num_groups  # changes in an elastic launch
+            if cfg.launcher.elastic:  # other runs' lines stay as they were
+                line["worker_groups"] = rs.topo.num_groups  # changes with the membership
             if r == self.start_round and elastic.current_change() is not None:
                 line["membership"] = elastic.current_change()  # the change this start began with
             self.writer.log_round(line)
