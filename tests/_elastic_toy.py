@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dipaco.runtime import elastic, faults
 from dipaco.runtime.launch import stop_requested
 
+LAST_START_ENV = "DIPACO_TOY_LAST_START"  # the start that ends the run after two rounds (default 2)
 MAX_ROUNDS = 80  # a bound: the run normally ends as soon as the group is back (below)
 ROUND_S = 0.25
 
@@ -37,10 +38,11 @@ def _newest(run) -> int:
 
 
 def toy_rounds(cfg, run, rank: int, world: int) -> ToyResult:
-    """Rounds until a start that began with a rejoin has trained two rounds (or MAX_ROUNDS)."""
+    """Rounds until start ``DIPACO_TOY_LAST_START`` has trained two rounds (or MAX_ROUNDS)."""
     start = _newest(run) if cfg.resume else 0
     elastic.started(run, rank, 1, start, log=lambda m: print(f"[dipaco] {m}", flush=True))
-    rejoined = _start_no() >= 2  # start 0: four groups, 1: three, 2: four again
+    # the departure test: start 0 has four groups, 1 three, 2 four again
+    rejoined = _start_no() >= int(os.environ.get(LAST_START_ENV, "2"))
     for r in range(start, MAX_ROUNDS):
         faults.inject("before_inner", round_idx=r + 1, rank=rank, path=rank)
         t = torch.ones(1)

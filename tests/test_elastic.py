@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from _dist import free_port
-from _elastic_toy import toy_rounds
+from _elastic_toy import LAST_START_ENV, toy_rounds
 from dipaco.config import ConfigError, compose_config
 from dipaco.config.validate import validate_config
 from dipaco.run.run_dir import RunDir
@@ -87,6 +87,27 @@ def test_training_goes_on_without_a_lost_group_and_lands_where_an_uninterrupted_
     assert abs(lost["routed_ppl"] / plain["routed_ppl"] - 1) < 0.03, (lost["routed_ppl"], plain["routed_ppl"])
     assert [json.loads(x)["worker_groups"] for x in (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()
             ] == [4, 3, 3, 3]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(170)
+def test_a_failed_rank_whose_agent_lives_restarts_with_the_same_groups(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture) -> None:
+    """Rank 1 dies (SIGKILL) but its agent lives: its agent restarts it (one of
+    launcher.max_restarts), the others follow, and the same four groups go on from round 1."""
+    cfg = compose_config(["experiment=smoke"] + ELASTIC, str(tmp_path))
+    run = RunDir(tmp_path)
+    monkeypatch.setenv(faults.ENV, "kill:rank=1:round=2:start=0")
+    monkeypatch.setenv(LAST_START_ENV, "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    out = run_agents(cfg, run, _rank_entry, (toy_rounds, cfg_dict, run, ()), free_port(), stop_requested=lambda: False)
+    assert out.finished and not out.failures and out.lost == [], out
+    starts = _lines(run.membership)
+    assert [s["world_size"] for s in starts] == [4, 4]
+    change = starts[1]["change"]
+    assert change["left"] == {} and change["joined"] == [] and change["resumed_from_round"] == 1
+    assert "elastic: the ranks restarted after a failure during round 2; 4 -> 4 worker groups" in capfd.readouterr().out
 
 
 def test_describe_says_who_when_and_what_it_cost() -> None:
