@@ -252,6 +252,13 @@ class LauncherConfig:
     group_parallel: str = "replicate"
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0  # collective timeout: a dead rank fails the run, never hangs it
+    # launcher=spawn only: one torch elastic agent per worker group meeting in a c10d
+    # rendezvous, so a lost group leaves and the others go on from the last round
+    # checkpoint (dipaco/runtime/elastic_spawn.py; torchrun: --nnodes=MIN:MAX, docs/launch.md)
+    elastic: bool = False
+    min_nproc: Optional[int] = None  # elastic: the fewest ranks the run goes on with (null: one worker group)
+    max_restarts: int = 3  # elastic: restarts of each agent's ranks after a failure; rejoins of a lost group
+    rejoin_after_s: Optional[float] = None  # elastic: restart a lost group after this (null: never)
     # launcher=slurm only (conf/launcher/slurm.yaml maps these onto hydra.launcher.*)
     partition: Optional[str] = None  # required: the SLURM partition (sbatch --partition)
     nodes: int = 1

@@ -76,6 +76,7 @@ def validate_config(cfg: Config) -> None:
     for key, problem, fix in device_problems(t, la):
         raise ConfigError(key, problem, fix)
     _validate_group_parallel(cfg)
+    _validate_elastic(cfg)
     _validate_logging(cfg.logging)
     try:
         m.validate()
@@ -222,3 +223,21 @@ def _validate_slurm(la: LauncherConfig) -> None:
 def _validate_logging(log: LoggingConfig) -> None:
     require(not log.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
              "wandb is not installed", "pip install wandb, or set logging.wandb=false")
+
+
+def _validate_elastic(cfg: Config) -> None:
+    """``launcher.elastic`` (dipaco/runtime/elastic_spawn.py): what it needs, what it refuses."""
+    la = cfg.launcher
+    if not la.elastic:
+        for key, value in (("launcher.min_nproc", la.min_nproc), ("launcher.rejoin_after_s", la.rejoin_after_s)):
+            require(value is None, key, "only an elastic launch reads it", "add launcher.elastic=true or drop it")
+        return
+    require(la.name == "spawn", "launcher.elastic", f"launcher={la.name} has no elastic agents of dipaco's",
+            "use launcher=spawn; under torchrun pass --nnodes=MIN:MAX --max-restarts=N (docs/launch.md)")
+    require(cfg.diloco.mode == "sync", "launcher.elastic", "decoupled mode's workers hold leases, not ranks: "
+            "a lost worker is already replaced there", "drop launcher.elastic (docs/decoupled.md)")
+    require(cfg.router.reshard_at_round is None, "launcher.elastic",
+            "an elastic launch cannot stop for the EM re-shard", "drop router.reshard_at_round")
+    require((la.min_nproc or la.group_size) % la.group_size == 0, "launcher.min_nproc",
+            f"{la.min_nproc} ranks are not whole worker groups of launcher.group_size={la.group_size}",
+            f"use a multiple of {la.group_size}")

@@ -29,6 +29,7 @@ from dipaco.runtime.device import set_deterministic
 from dipaco.rounds.evaluate import evaluate_single
 from dipaco.run.fingerprint import preflight_resume
 from dipaco.job.evaluation import evaluate_run
+from dipaco.runtime import elastic
 from dipaco.runtime.launch import StopSignals, init_distributed, launch, require_torchrun_env
 from dipaco.run.path_guard import check_run_root, check_target
 from dipaco.job.plots import write_plots
@@ -186,7 +187,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
     if result.start_round > 0 and cfg.diloco.mode == "sync":
         # totals of the whole run, not of this launch: the resumed-from rounds' traffic,
         # tokens and time come from metrics.jsonl, cut to the checkpoint on resume
-        result, rounds_s = prior_totals(run, result, rounds_s)
+        timed_from = elastic.launch_first_round(run) if cfg.launcher.elastic else None
+        result, rounds_s = prior_totals(run, result, rounds_s, timed_from)
     baseline = _dense_baseline(cfg, run, prep)
     routed = _evaluate(cfg, run, prep, Path(result.checkpoint))
     summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
@@ -365,6 +367,8 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "resumed_from_round": result.resumed_from_round,  # totals count every round anyway
         "totals_missing_rounds": result.totals_missing_rounds,
         "decoupled": result.decoupled,  # goodput, staleness, drops (diloco.mode=decoupled)
+        # elastic launches: who left or joined, in which round, seconds lost (membership.jsonl)
+        "membership_changes": elastic.changes(run),
         "tag": cfg.tag,
         "seed": cfg.seed,
     }

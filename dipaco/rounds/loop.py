@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from dipaco.runtime import faults
+from dipaco.runtime import elastic, faults
 from dipaco.config import Config
 from dipaco.runtime.launch import stop_requested
 from dipaco.runtime.progress import say
@@ -41,6 +41,8 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     """Train the DiPaCo rounds; ``rank=None`` is the local backend (all groups here)."""
     rs = build_rank(cfg, run, rank, world_size)
     start_round = resume(rs)
+    # an elastic launch records this start and says what a membership change cost
+    elastic.started(run, rank, rs.topo.group_size, start_round, log=lambda m: say(m, rank))
     rec = RoundRecorder(rs, start_round)
     R = cfg.trainer.rounds
     for r in range(start_round, R):

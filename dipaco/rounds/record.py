@@ -18,6 +18,8 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
+from dipaco.run.checkpoint import atomic_write_text
+from dipaco.runtime import elastic
 from dipaco.runtime.device import peak_memory_bytes
 from dipaco.rounds.early_stopping import PathEarlyStopping
 from dipaco.rounds.health import SampleValidation, merge_step_records, step_records
@@ -130,6 +132,10 @@ class RoundRecorder:
         if self.writer is not None:
             self.writer.log_steps(merge_step_records([rec.pop("steps") for rec in everyone]))
             line = _round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr)
+            if cfg.launcher.elastic:  # other runs' lines stay as they were
+                line["worker_groups"] = rs.topo.num_groups  # changes with the membership
+            if r == self.start_round and elastic.current_change() is not None:
+                line["membership"] = elastic.current_change()  # the change this start began with
             self.writer.log_round({**line, "step": (r + 1) * cfg.diloco.inner_steps})
             losses = {int(p): v["loss"] for rec in everyone for p, v in rec["paths"].items()}
             say(f"round {r + 1}/{cfg.trainer.rounds}: mean path loss {np.mean(list(losses.values())):.4f}, "

@@ -27,7 +27,7 @@ RUN_LAYOUT = frozenset({
     "config.yaml", "tokenizer.json", "router", "shards", "routing_report.json", "warmup", "val_shards",
     "checkpoints", "metrics.jsonl", "tb", "baseline", "summary.json", "plots", "cache", "fingerprints.json",
     "resumes.jsonl", ".dipaco.lock", ".hydra", "decoupled", "decoupled_metrics.json", "train.log", "route.log",
-    "report.md", "report.json", "report.png", "steps.jsonl", "wandb",
+    "report.md", "report.json", "report.png", "steps.jsonl", "wandb", "membership.jsonl",
 })
 
 
@@ -93,6 +93,11 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def membership(self) -> Path:
+        """One line per start of the ranks of an elastic launch (dipaco/runtime/elastic.py)."""
+        return self.root / "membership.jsonl"
 
     @property
     def tensorboard(self) -> Path:
@@ -191,14 +196,17 @@ def disk_full_guard(run: "RunDir") -> Iterator[None]:
                          f"then continue with: dipaco-train hydra.run.dir={run.root} resume=true") from None
 
 
-def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float) -> tuple[RoundsResult, float]:
+def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float,
+                 timed_from: Optional[int] = None) -> tuple[RoundsResult, float]:
     """``result`` of a resumed launch plus the rounds before it, from ``metrics.jsonl``.
 
     On resume the ranks cut ``metrics.jsonl`` to the checkpoint's round before re-running
     later rounds, so its lines up to ``start_round`` are exactly the rounds this launch
     did not train. Returns the whole run's result (``start_round`` 0, counted from the
     first round) and rounds time (summed over launches). Rounds missing from the file
-    are counted in ``totals_missing_rounds``.
+    are counted in ``totals_missing_rounds``. ``timed_from``: ``rounds_s`` already holds
+    the time of the rounds after it (an elastic launch that restarted its ranks from a
+    later round), so only rounds up to it add their time.
     """
     start = int(result.start_round)
     before = [x for x in run.records() if 0 < int(x.get("round", 0)) <= start]
@@ -212,4 +220,5 @@ def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float) -> tuple[
         sync_s=result.sync_s + sum(x.get("sync_s", 0) for x in before),
         tokens=result.tokens + sum(
             x["tokens"] if "tokens" in x else sum(p["tokens"] for p in x["paths"].values()) for x in before))
-    return out, rounds_s + sum(x.get("compute_s", 0) + x.get("wait_s", 0) + x.get("sync_s", 0) for x in before)
+    timed = [x for x in before if timed_from is None or int(x["round"]) <= timed_from]
+    return out, rounds_s + sum(x.get("compute_s", 0) + x.get("wait_s", 0) + x.get("sync_s", 0) for x in timed)

@@ -11,6 +11,9 @@ keys could). With the variable unset (every real run) every call here returns at
 Syntax: ``;``-separated faults, each ``kind:key=value:key=value``::
 
     DIPACO_FAULT="kill:rank=1:round=2"            # rank 1 SIGKILLs itself in round 2's inner phase
+    DIPACO_FAULT="node_kill:rank=1:round=2:start=0"  # rank 1 SIGKILLs its elastic agent, then itself
+                                                  # (a lost machine), only in the first start
+                                                  # of the ranks (restarts re-run round 2)
     DIPACO_FAULT="nan:path=1:round=2:module=L1.0" # path 1's L1.0 holds NaN after its inner steps
     DIPACO_FAULT="inf:path=0:round=1"             # +inf in every module of path 0, round 1
     DIPACO_FAULT="signal:sig=USR2:round=2"        # every rank gets SIGUSR2 as round 2 starts
@@ -22,7 +25,9 @@ Syntax: ``;``-separated faults, each ``kind:key=value:key=value``::
                                                        # inside a phase, with probability 0.5
 
 ``round`` is 1-based (the round being trained). ``rank`` is the global rank (the local
-backend is rank 0). ``module`` defaults to every module of the path. Sync mode calls
+backend is rank 0). ``start`` is which start of the ranks of an elastic launch this is (0
+the first; :mod:`dipaco.runtime.elastic` sets it), so a fault that a restart would meet
+again fires once. ``module`` defaults to every module of the path. Sync mode calls
 :func:`inject` in the rounds loop; decoupled mode reads :func:`worker_chaos`.
 """
 from __future__ import annotations
@@ -35,10 +40,12 @@ from typing import Any, Optional
 import torch
 
 ENV = "DIPACO_FAULT"
-KINDS = ("kill", "signal", "nan", "inf", "worker_kill", "worker_delay")
+START_ENV = "DIPACO_START"  # which start of an elastic launch's ranks this process is (0 the first)
+NODE_ENV = "DIPACO_NODE"  # the name of this rank's elastic agent (dipaco.runtime.elastic)
+KINDS = ("kill", "node_kill", "signal", "nan", "inf", "worker_kill", "worker_delay")
 # field name -> type; which fields a kind reads is in the module doc
 FIELDS = {"round": int, "rank": int, "path": int, "module": str, "every_s": float, "max": int, "prob": float,
-          "s": float, "seed": int, "sig": str}
+          "s": float, "seed": int, "sig": str, "start": int}
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Fault:
     s: Optional[float] = None
     seed: Optional[int] = None
     sig: Optional[str] = None
+    start: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +116,8 @@ def active() -> list[Fault]:
 def _matches(f: Fault, round_idx: int, rank: Optional[int], path: Optional[int]) -> bool:
     return ((f.round is None or f.round == round_idx)
             and (f.rank is None or f.rank == (rank or 0))
-            and (f.path is None or f.path == path))
+            and (f.path is None or f.path == path)
+            and (f.start is None or f.start == int(os.environ.get(START_ENV, "0"))))
 
 
 def inject(where: str, *, round_idx: int, rank: Optional[int], path: int, grid: Any = None,
@@ -129,6 +138,15 @@ def inject(where: str, *, round_idx: int, rank: Optional[int], path: int, grid: 
         if not _matches(f, round_idx, rank, path):
             continue
         if where == "before_inner" and f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if where == "before_inner" and f.kind == "node_kill":
+            # the agent first: were this rank gone first, the agent would see its death
+            # and restart it (a failed rank, not a lost machine). Other ranks of the same
+            # agent (group_size > 1) are orphaned and fail at their next collective.
+            if NODE_ENV not in os.environ:  # the parent is the launching process (a test's!)
+                raise RuntimeError(f"{ENV}: node_kill needs ranks under an agent of their own "
+                                   "(launcher.elastic=true, or torchrun)")
+            os.kill(os.getppid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if where == "before_inner" and f.kind == "signal" and f not in _SIGNALLED:
             _SIGNALLED.add(f)  # once per process, as SLURM sends it: a second one means "stop now"

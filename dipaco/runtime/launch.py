@@ -13,11 +13,13 @@ time (the monitor interval plus the collective timeout) instead of hanging it.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import uuid
 from typing import Any, Callable, Optional
@@ -28,7 +30,9 @@ from omegaconf import OmegaConf
 
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config, to_config
+from dipaco.runtime import elastic
 from dipaco.runtime.device import rank_device
+from dipaco.runtime.elastic_spawn import RESTART_EXIT, run_agents
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log, share_run_log
@@ -150,7 +154,14 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple
     rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
     try:
         with StopSignals():  # the elastic agent forwards SIGTERM to its workers
-            return fn(cfg, run, rank, world, *args)
+            if cfg.launcher.elastic and elastic.join(run, rank, world).restart:
+                cfg = dataclasses.replace(cfg, resume=True)  # a restart of the launch continues it
+            out = fn(cfg, run, rank, world, *args)
+            if cfg.launcher.elastic and StopSignals.received and not getattr(out, "finished", True):
+                # stopped at a round boundary for a restart (or a stop) of the agents: an exit
+                # code 0 would tell an agent that has not seen the change the run is over
+                sys.exit(RESTART_EXIT)
+            return out
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -178,6 +189,8 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
         raise LaunchError(f"unknown launcher {name!r}")
     if StopSignals.received:  # asked to stop while preparing: ranks would never hear of it
         return _stopped_result(cfg, run)
+    if cfg.launcher.elastic:
+        return _launch_elastic(fn, cfg, cfg_dict, run, args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -215,6 +228,18 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
         StopSignals.received = StopSignals.received or signal.Signals(e.sigval).name
         return _stopped_result(cfg, run)
     return results[0]
+
+
+def _launch_elastic(fn: Callable[..., Any], cfg: Config, cfg_dict: dict, run: RunDir, args: tuple) -> Any:
+    """``launcher.elastic``: one elastic agent per worker group (dipaco/runtime/elastic_spawn.py)."""
+    outcome = run_agents(cfg, run, _rank_entry, (fn, cfg_dict, run, args), free_port(),
+                         stop_requested=lambda: StopSignals.received is not None)
+    if outcome.finished:
+        return outcome.value
+    if outcome.stopped:
+        return _stopped_result(cfg, run)
+    why = "; ".join(outcome.failures) or "every agent ended without a result (" + "; ".join(outcome.ended) + ")"
+    raise LaunchError("a rank failed: " + why)
 
 
 def _stopped_result(cfg: Config, run: RunDir) -> RoundsResult:
