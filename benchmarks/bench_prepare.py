@@ -230,6 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         write_result("prepare", {"rows": rows, "million": big, "overrides": overrides}, mode=args.mode,
                      load_before=load0, out=args.out, argv=argv)
 
+    if args.tmp:
+        Path(args.tmp).mkdir(parents=True, exist_ok=True)  # a fresh scratch folder is fine
     root = Path(tempfile.mkdtemp(prefix="dipaco-prepare-", dir=args.tmp))
     try:
         for mb in sizes:

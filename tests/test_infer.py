@@ -118,7 +118,30 @@ def test_read_jsonl_skips_and_counts_bad_lines(tmp_path, capsys):
     f.write_bytes(b'{"text": "a"}\nnot json\n{"body": "x"}\n{"text": 3}\n\xff\xfe\n\n[1]\n{"text": "b"}\n')
     texts, skipped = read_jsonl(str(f), "text")
     assert texts == ["a", "b"] and skipped == 5
-    assert "skipped 5 malformed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "skipped 5 line(s)" in err
+    assert "malformed_json=2, missing_text_field=1, non_utf8=1, not_a_string=1" in err
+
+
+def test_read_jsonl_follows_the_training_readers_rules(tmp_path, capsys):
+    """The same rules as training's readers: a BOM is no bad line, a deep nest or a lone
+    surrogate costs its line only, and a FIFO is refused in one line without blocking."""
+    import codecs
+    import os
+    import time
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(codecs.BOM_UTF8 + b'{"text": "first"}\n' + b"[" * 100_000 + b"]" * 100_000
+                  + b'\n{"text": "\\ud800"}\n{"text": "last"}\n')
+    texts, skipped = read_jsonl(str(f), "text")
+    assert texts == ["first", "last"] and skipped == 2
+    assert "nested_too_deep=1, non_utf8=1" in capsys.readouterr().err
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    t = time.time()
+    with pytest.raises(SystemExit):
+        read_jsonl(str(fifo), "text")
+    assert time.time() - t < 10 and "is not a regular file" in capsys.readouterr().err
 
 
 def test_read_jsonl_without_usable_document_is_one_line(tmp_path, capsys):

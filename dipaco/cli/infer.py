@@ -18,6 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from dipaco.config import DataConfig
+from dipaco.data.cleaning import Cleaner
+from dipaco.data.readers import iter_json_lines
 from dipaco.run.checkpoint import write_json
 from dipaco.cli.errors import fail, report_user_errors
 from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, export_routed_hf, parse_path
@@ -180,24 +183,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_jsonl(path: str, text_field: str) -> tuple[list[str], int]:
-    """Texts of a jsonl file and the number of lines skipped (bad JSON, not UTF-8, no text)."""
-    texts, skipped = [], 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-                text = obj[text_field]
-                if not isinstance(text, str):
-                    raise TypeError
-            except (ValueError, KeyError, TypeError, IndexError):
-                skipped += 1
-                continue
-            texts.append(text)
+    """Texts of a jsonl file and the number of lines skipped, by the training readers' rules
+    (``dipaco.data``): a regular file only (a FIFO is never opened for reading, so nothing
+    blocks), a byte-order mark is not a bad line, and each bad line (not UTF-8, malformed or
+    too deeply nested JSON, a runaway line, no string text field, lone surrogates, empty
+    text) costs itself only and is counted by reason."""
+    if not os.path.isfile(path):
+        what = "does not exist" if not os.path.lexists(path) else "is not a regular file"
+        fail(f"--file {path} {what} (need a JSON-lines file: one JSON object per line)")
+    records: dict[str, int] = {}
+    # min_doc_chars=0: a prompt of any length is scored; max_doc_chars=0: never cut
+    cleaner = Cleaner(DataConfig(min_doc_chars=0, max_doc_chars=0), text_field, None, None)
+    texts = [t for _, rec in iter_json_lines(path, path, records)
+             if (t := cleaner.text_of(rec, truncated=False)) is not None]
+    records.pop("blank_line", None)  # an empty line is not a document, nor a bad one
+    reasons = {k: records.get(k, 0) + cleaner.skipped.get(k, 0) for k in {*records, *cleaner.skipped}}
+    skipped = sum(reasons.values())
     if skipped:
-        print(f"dipaco: skipped {skipped} malformed line(s) of {path} (bad JSON, not UTF-8, or no "
-              f"string field {text_field!r})", file=sys.stderr)
+        why = ", ".join(f"{k}={v}" for k, v in sorted(reasons.items()))
+        print(f"dipaco: skipped {skipped} line(s) of {path}: {why} (text field {text_field!r})", file=sys.stderr)
     if not texts:
         fail(f"{path} has no usable document (need one JSON object per line with a string "
              f"field {text_field!r}; set --text-field)")
