@@ -96,3 +96,15 @@ def test_the_path_scanner_finds_what_it_should() -> None:
     assert cited_paths(text) == {"docs/design.md", "tests/test_x.py", "benchmarks/README.md"}
     assert not exists("docs/no_such_file.md") and exists("tests/test_router*.py")
     assert [g for g in CONTRACT_RE.findall("contract 1 and 2; Contract 5")] == [("1", "2"), ("5", "")]
+
+
+def test_the_readme_is_written_for_users() -> None:
+    """Two set-up commands a newcomer pastes (CI runs the second), and no project history:
+    issue numbers and commit hashes belong in docs/results.md, not in the README."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv && ")]
+    assert len(setups) == 2, setups
+    assert setups[0].endswith("&& dipaco-train") and setups[1].endswith("&& pytest -q"), setups
+    assert not re.findall(r"\bissues? #?\d+", text, re.IGNORECASE), "issue numbers in the README"
+    hashes = [h for h in re.findall(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w/.-])", text) if not h.isdigit()]
+    assert not hashes, f"commit hashes in the README: {hashes}"

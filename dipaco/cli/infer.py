@@ -183,17 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_jsonl(path: str, text_field: str) -> tuple[list[str], int]:
-    """Texts of a jsonl file and the number of lines skipped, by the training readers' rules
-    (``dipaco.data``): a regular file only (a FIFO is never opened for reading, so nothing
-    blocks), a byte-order mark is not a bad line, and each bad line (not UTF-8, malformed or
-    too deeply nested JSON, a runaway line, no string text field, lone surrogates, empty
-    text) costs itself only and is counted by reason."""
+    """Texts of a jsonl file and the lines skipped, by the training readers' rules: a regular
+    file only (a FIFO never blocks), and each bad line costs itself only, counted by reason."""
     if not os.path.isfile(path):
         what = "does not exist" if not os.path.lexists(path) else "is not a regular file"
         fail(f"--file {path} {what} (need a JSON-lines file: one JSON object per line)")
     records: dict[str, int] = {}
-    # min_doc_chars=0: a prompt of any length is scored; max_doc_chars=0: never cut
-    cleaner = Cleaner(DataConfig(min_doc_chars=0, max_doc_chars=0), text_field, None, None)
+    cleaner = Cleaner(DataConfig(min_doc_chars=0, max_doc_chars=0), text_field, None, None)  # any length, never cut
     texts = [t for _, rec in iter_json_lines(path, path, records)
              if (t := cleaner.text_of(rec, truncated=False)) is not None]
     records.pop("blank_line", None)  # an empty line is not a document, nor a bad one

@@ -6,6 +6,7 @@ The only file that imports matplotlib (Agg backend: no display needed).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -15,6 +16,10 @@ from dipaco.run.run_dir import RunDir
 def _pyplot() -> Any:
     # lazy: matplotlib takes a second to import and only these PNGs need it
     import matplotlib
+
+    # its INFO records ("generated new fontManager" on a fresh machine) reach Hydra's root
+    # logger and so the console and train.log: they say nothing about the run
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
