@@ -295,3 +295,13 @@ def test_repeated_ids_are_numbered_across_the_digest_merges(tmp_path, monkeypatc
     ids = c.dataset["id"]
     assert len(set(ids)) == 30 and ids[:8] == ["k0", "k1", "k2", "k3", "k4", "k5", "k6", "k0~2"]
     assert ids[-1] == "k1~5"
+
+
+@pytest.mark.parametrize("source", ["hub", "tokens"])
+def test_a_mistyped_local_path_is_not_blamed_on_the_network(tmp_path, source) -> None:
+    from dipaco.data.pretokenized import load_token_corpus
+
+    load = load_token_corpus if source == "tokens" else load_corpus
+    with pytest.raises(DataError, match=r"data\.path=.*missing does not exist\. Fix") as e:
+        load(_cfg(source=source, path=str(tmp_path / "missing")), progress=False, work_dir=str(tmp_path))
+    assert "hub is reachable" not in str(e.value) and "\n" not in str(e.value)

@@ -282,6 +282,10 @@ def open_datasets(path: str, hub_config: Optional[str], hub_split: str, streamin
     A ``save_to_disk`` folder loads with ``datasets.load_from_disk`` (no network);
     anything else with ``datasets.load_dataset`` (a hub name, or a local folder of data
     files). Failures are one :class:`DataError`."""
+    if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
+        # a hub name never starts so: a mistyped local path must not read as a network fault
+        raise DataError(f"data.path={path} does not exist. Fix: point data.path at the dataset folder "
+                        f"(or give a hub dataset name)")
     saved = os.path.isdir(path) and is_saved_dataset(path)
     try:
         if saved:
