@@ -187,3 +187,14 @@ def test_in_domain_edge_values_run_to_the_end_or_refuse_in_one_line(tmp_path, ed
         return
     assert summary["rounds"] == 2 and math.isfinite(summary["routed_ppl"]), summary
     assert Path(tmp_path / "run" / "summary.json").is_file()
+
+
+def test_the_fix_never_suggests_a_value_that_is_out_of_range_itself() -> None:
+    """With diloco.inner_steps=1 the default τ (1) is out of range: the fix names 0."""
+    from dipaco.config import Config
+    from dipaco.config.domains import check_domains
+
+    cfg = Config()
+    cfg.diloco.inner_steps, cfg.diloco.streaming = 1, True
+    with pytest.raises(ConfigError, match=r"Fix: e\.g\. diloco\.streaming_delay=0 \(the default, 1, is out of range"):
+        check_domains(cfg)

@@ -325,7 +325,7 @@ def check_domains(cfg: Config, keys: Optional[Iterable[str]] = None) -> None:
             dom = DOMAINS[key]
             bad = problem(dom, value_of(cfg, key), context)
             if bad:
-                raise ConfigError(key, bad, _fix(key, dom))
+                raise ConfigError(key, bad, _fix(key, dom, context))
 
 
 def _reads(dom: Domain) -> list[str]:
@@ -355,10 +355,19 @@ def _dependency_order() -> list[str]:
 _ORDER = _dependency_order()
 
 
-def _fix(key: str, dom: Domain) -> str:
+def _fix(key: str, dom: Domain, cfg: Optional[Config] = None) -> str:
     if dom.kind == "choice":
         return f"use one of {', '.join(map(str, dom.names()))}"
-    return f"e.g. {key}={_show(value_of(_DEFAULTS, key))} (the default)"
+    default = value_of(_DEFAULTS, key)
+    if cfg is not None and dom.kind == "int" and problem(dom, default, cfg):
+        # the default is out of range too under these settings (diloco.streaming_delay=1
+        # with diloco.inner_steps=1): suggest the nearest value that is in range
+        lo, _ = _bound(dom.lo, cfg)
+        hi, _ = _bound(dom.hi, cfg)
+        near = min(max(default, lo if lo is not None else default), hi if hi is not None else default)
+        if not problem(dom, near, cfg):
+            return f"e.g. {key}={_show(near)} (the default, {_show(default)}, is out of range here too)"
+    return f"e.g. {key}={_show(default)} (the default)"
 
 
 _DEFAULTS = Config()
