@@ -1,10 +1,11 @@
-"""``dipaco-infer``: routed inference over a finished run (route | generate | score | export).
+"""``dipaco-infer``: routed inference over a finished run (route | generate | score | export | eval).
 
     dipaco-infer route    RUN_DIR (--text T [T ...] | --file F.jsonl) [--top-k K]
     dipaco-infer generate RUN_DIR --prompt P [--max-new-tokens N] [--temperature T] [--top-k K]
                           [--seed S] [--reroute-every W] [--no-kv-cache] [--json]
     dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--long] [--batch-size B] [--out F]
     dipaco-infer export   RUN_DIR (--path P | --all) --out DIR [--format dipaco|hf]
+    dipaco-infer eval     RUN_DIR --tasks T[,T...] --include-path DIR [--limit N] [--num-fewshot K] [--dense] [--out F]
 
 The rules (checkpoint check, path-at-a-time loading, short prompts, re-routing, long
 contexts) are documented once, in :mod:`dipaco.inference`. This module is the dispatcher:
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from dipaco.run.checkpoint import write_json
-from dipaco.cli import infer_generate
+from dipaco.cli import infer_eval, infer_generate
 from dipaco.cli.errors import fail, report_user_errors
 from dipaco.cli.infer_args import (COMMON_EPILOG, Parser, add_inputs, add_run_args, emit, open_run, positive,
                                    read_jsonl, texts_of)
@@ -195,6 +196,7 @@ VERBS: dict[str, tuple[Callable[[Any], argparse.ArgumentParser], Callable[[argpa
     "generate": (infer_generate.add_parser, infer_generate.run),
     "score": (_add_score, cmd_score),
     "export": (_add_export, cmd_export),
+    "eval": (infer_eval.add_parser, infer_eval.run),
 }
 
 
