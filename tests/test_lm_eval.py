@@ -284,3 +284,16 @@ def test_a_missing_lm_eval_is_one_line_naming_the_extra(finished, tmp_path, caps
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` now fails, as when not installed
     monkeypatch.delitem(sys.modules, "dipaco.inference.lm_eval_adapter")
     _one_line(*_eval(capsys, finished[0], "--tasks", "t", "--include-path", tmp_path)[::2], 'pip install -e ".[eval]"')
+
+
+def test_the_example_tasks_are_local_and_the_model_is_registered(monkeypatch):
+    """examples/lm_eval_tasks/ (the README's command) passes the offline check from the
+    repository root; lm-eval finds the model by the name 'dipaco'."""
+    from lm_eval.api.registry import get_model
+
+    from dipaco.inference.lm_eval_adapter import resolve_tasks
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    _, names = resolve_tasks(["python_mc", "python_ppl", "python_gen"], "examples/lm_eval_tasks")
+    assert names == ["python_mc", "python_ppl", "python_gen"]
+    assert get_model("dipaco") is DipacoLM

@@ -76,7 +76,7 @@ class DipacoLM(TemplateLM):
                 raise LmEvalError("DipacoLM needs run_dir= (a finished dipaco-train run) or run=")
             run = InferenceRun.open(run_dir, device=device)
         self.run = run
-        self.dense = bool(dense)
+        self.dense = str(dense).lower() in ("true", "1", "yes")  # model_args strings: "dense=false"
         self.models = DenseModel(run.dense_model()) if self.dense else RoutedModels(run, int(max_loaded_paths))
         self.batch_size = int(batch_size)
         self.max_loaded_paths = int(max_loaded_paths)
