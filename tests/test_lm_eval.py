@@ -240,9 +240,10 @@ def _eval(capsys, *argv) -> tuple[int, str, str]:
 
 
 @pytest.mark.slow
-def test_eval_end_to_end_routed_and_dense(finished, tmp_path, capsys):
+def test_eval_end_to_end_routed_and_dense(finished, run, tmp_path, capsys):
     """One command: three local tasks (loglikelihood, rolling, generation) scored routed and
-    dense; a table and a JSON report with routed/dense per metric."""
+    dense; a table and a JSON report with routed/dense per metric, whose numbers are the
+    adapter's (bits per byte from its rolling log-likelihoods)."""
     tasks = _tasks(tmp_path / "tasks")
     out = tmp_path / "eval.json"
     code, stdout, err = _eval(capsys, finished[0], "--tasks", "t_mc,t_ppl,t_gen", "--include-path", tasks,
@@ -256,6 +257,11 @@ def test_eval_end_to_end_routed_and_dense(finished, tmp_path, capsys):
         assert r["dense"] is not None and (r["ratio"] is None or r["ratio"] == pytest.approx(r["routed"] / r["dense"]))
     assert 0 < rows[("t_ppl", "bits_per_byte")]["routed"] < 20 and rows[("t_mc", "acc")]["routed"] in (0, 1 / 3, 2 / 3, 1)
     assert set(report["dense"]["requests_per_path"]) == {"0"}
+    for key in ("routed", "dense"):
+        lls = DipacoLM(run=run, dense=key == "dense").loglikelihood_rolling(
+            [Instance("loglikelihood_rolling", {}, (c,), 0) for c in CODE[:3]])
+        bpb = -sum(lls) / sum(len(c.encode()) for c in CODE[:3]) / np.log(2)
+        assert report[key]["results"]["t_ppl"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-6)
     assert report["routed"]["requests_per_path"] and report["run_dir"] == str(finished[0])
     # an earlier report may be replaced; nothing else is ever overwritten
     (tmp_path / "other.json").write_text("{}")
