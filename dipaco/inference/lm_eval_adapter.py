@@ -1,7 +1,7 @@
 """The routed model as an lm-evaluation-harness model (the one module that imports ``lm_eval``).
 
     lm = DipacoLM(run=InferenceRun.open("runs/x"))             # or DipacoLM(run=..., dense=True)
-    lm_eval.simple_evaluate(model=lm, tasks=[...])             # or: lm_eval --model dipaco ...
+    lm_eval.simple_evaluate(model=lm, tasks=[...])             # or model="dipaco", model_args="run_dir=..."
     report = evaluate_tasks(run, ["my_task"], include_path="tasks/", dense=True)
 
 Routing (docs/serving.md, "lm-evaluation-harness"):
@@ -45,7 +45,6 @@ from dipaco.inference.lm_generate import generate_texts
 from dipaco.inference.loglik import DenseModel, RoutedModels, TokenRequest, score_requests
 from dipaco.inference.run import InferenceRun
 
-MISSING_EXTRA = 'lm-eval is not installed: pip install -e ".[eval]"'
 # datasets' builders that read local files (data_files) and need no hub
 _LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 
@@ -59,7 +58,7 @@ class DipacoLM(TemplateLM):
     """A finished run's routed model (or its dense baseline) for lm-evaluation-harness.
 
     Args:
-        run_dir: the run to open (``lm_eval --model dipaco --model_args run_dir=...``), or
+        run_dir: the run to open (``simple_evaluate(model="dipaco", model_args="run_dir=...")``), or
         run: an :class:`InferenceRun` already open.
         dense: score with the run's same-size dense baseline instead of the routed paths.
         batch_size: requests per forward pass (and sequences per generation batch).
