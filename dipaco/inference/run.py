@@ -190,15 +190,19 @@ class InferenceRun:
             reroute_windows=self.router.reroute_windows, reroute_every=reroute_every,
             batch_size=batch_size, whole_documents=whole_documents)
 
+    def dense_model(self) -> PathModel:
+        """The run's same-size dense baseline (``baseline/``) as one model (eval mode)."""
+        if not (self.run.baseline / "modules.safetensors").is_file():
+            raise RunDirError(f"{self.run.root} has no dense baseline ({self.run.baseline}): the run was made "
+                              "with trainer.dense_baseline=false or stopped before it. Fix: drop --dense")
+        return PathModel(load_dense_grid(self.cfg, self.run.baseline), 0).eval()
+
     def score_dense(self, docs: Sequence[Sequence[int]], *, batch_size: Optional[int] = None,
                     seq_len: Optional[int] = None, whole_documents: bool = False) -> dict:
         """Perplexity of the run's same-size dense baseline (``baseline/``) on ``docs``,
         with the rule of :meth:`score`: the routed ÷ dense ratio on any set of documents."""
-        if not (self.run.baseline / "modules.safetensors").is_file():
-            raise RunDirError(f"{self.run.root} has no dense baseline ({self.run.baseline}): the run was made "
-                              "with trainer.dense_baseline=false or stopped before it. Fix: drop --dense")
         seq_len, batch_size = self._eval_settings(seq_len, batch_size, whole_documents)
-        model = PathModel(load_dense_grid(self.cfg, self.run.baseline), 0).eval()
+        model = self.dense_model()
         return evaluate_single([np.asarray(d, dtype=np.int64) for d in docs], model, seq_len=seq_len,
                                prefix_tokens=self.prefix_tokens, batch_size=batch_size,
                                whole_documents=whole_documents)

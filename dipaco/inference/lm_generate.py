@@ -1,0 +1,101 @@
+"""Continuations for lm-eval's ``generate_until`` requests: routed (or dense) generation,
+the text cut at the first stop string.
+
+Each context is routed on its own first ``prefix_tokens`` tokens (as ``dipaco-infer
+generate`` routes a prompt); a context longer than the model's window is read through
+its last ``max_seq_len`` tokens (the package's long-context rule). Generation stops at
+end-of-text or after ``max_gen_toks`` tokens; the decoded text is then cut before the
+first ``until`` string, as lm-eval's models do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from dipaco.inference.generate import generate_routed
+
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for its own models
+_KNOWN = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "seed"}
+
+
+@dataclass
+class GenSettings:
+    """One request's generation settings, from lm-eval's ``gen_kwargs``."""
+
+    until: list[str]
+    max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    seed: int = 0
+
+
+def gen_settings(kwargs: dict, eot_text: str) -> GenSettings:
+    """``gen_kwargs`` → :class:`GenSettings`; ``ValueError`` names a setting this model cannot honour.
+
+    Greedy unless ``do_sample`` is true (then ``temperature``, default 1.0), as lm-eval's
+    Hugging Face model reads them; the end-of-text text is always a stop string.
+    """
+    unknown = sorted(set(kwargs) - _KNOWN)
+    if unknown:
+        raise ValueError(f"generation setting(s) {unknown} are not supported by the dipaco model "
+                         f"(supported: {sorted(_KNOWN)})")
+    until = kwargs.get("until") or []
+    until = [until] if isinstance(until, str) else [str(u) for u in until]
+    if eot_text and eot_text not in until:
+        until.append(eot_text)
+    sample = bool(kwargs.get("do_sample", False))
+    temperature = float(kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+    top_p = kwargs.get("top_p")
+    if top_p is not None and float(top_p) < 1.0 and sample:
+        raise ValueError(f"top_p={top_p} is not supported by the dipaco model (use top_k)")
+    top_k = kwargs.get("top_k")
+    return GenSettings(until=until, max_gen_toks=int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
+                       temperature=temperature, top_k=None if top_k is None else int(top_k),
+                       seed=int(kwargs.get("seed", 0)))
+
+
+def cut_at_stop(text: str, until: Sequence[str]) -> str:
+    """``text`` up to (not including) the earliest stop string in it."""
+    cut = len(text)
+    for stop in until:
+        if stop:
+            i = text.find(stop)
+            if i != -1:
+                cut = min(cut, i)
+    return text[:cut]
+
+
+class _DenseRun:
+    """What :func:`generate_routed` reads of a run, answering every prompt with one model."""
+
+    def __init__(self, run: Any, model: Any) -> None:
+        self.tokenizer, self._model = run.tokenizer, model
+
+    def route(self, prompt: Sequence[int]) -> int:
+        return int(self._model.path_id)
+
+    def get(self, path: int) -> Any:
+        return self._model
+
+
+def generate_texts(lm: Any, requests: Sequence[tuple[str, dict]]) -> list[str]:
+    """The continuation of each ``(context, gen_kwargs)``, cut at its stop strings.
+
+    ``lm`` is a :class:`~dipaco.inference.lm_eval_adapter.DipacoLM` (its run, its models,
+    whether it is the dense baseline, its path counter).
+    """
+    eot_text = lm.run.tokenizer.decode([lm.eot_token_id])
+    out = []
+    for context, kwargs in requests:
+        s = gen_settings(dict(kwargs or {}), eot_text)
+        prompt = lm.run.encode(context) or [lm.eot_token_id]  # an empty context: after end-of-text
+        if lm.dense:
+            shim = _DenseRun(lm.run, lm.models.model)
+            gen = generate_routed(shim, prompt, max_new_tokens=s.max_gen_toks, temperature=s.temperature,  # type: ignore[arg-type]
+                                  top_k=s.top_k, seed=s.seed, loader=shim)  # type: ignore[arg-type]
+        else:
+            gen = generate_routed(lm.run, prompt, max_new_tokens=s.max_gen_toks, temperature=s.temperature,
+                                  top_k=s.top_k, seed=s.seed, loader=lm.models.loader)
+        lm.requests_per_path.update(p for _, p in gen.switches[:1])
+        out.append(cut_at_stop(lm.run.tokenizer.decode(gen.tokens), s.until))
+    return out
