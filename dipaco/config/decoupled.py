@@ -9,7 +9,7 @@ compare at equal steps; phases have H steps, fewer for a slow decoupled worker w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 __all__ = ["DecoupledConfig", "validate_decoupled", "mode_problems"]
@@ -140,10 +140,6 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     return out
 
 
-# read by the outer optimiser in both modes (diloco.outer.name=delayed_nesterov)
-_BOTH_MODES = ("momentum_every", "momentum_scale")
-
-
 def mode_problems(mode: str, lossy_exchange: str, outer_name: str,
                   d: DecoupledConfig) -> list[tuple[str, str, str]]:
     """``diloco.*`` options one mode cannot honour, as ``(key, problem, fix)`` triples.
@@ -157,10 +153,4 @@ def mode_problems(mode: str, lossy_exchange: str, outer_name: str,
             out.append(("diloco.lossy_exchange", "decoupled mode has no collective exchange: each update is "
                         "encoded once, as with all_gather", "use diloco.lossy_exchange=auto (or all_gather)"))
         return out
-    default = DecoupledConfig()
-    delayed = str(outer_name).lower() == "delayed_nesterov"
-    for f in fields(DecoupledConfig):
-        if getattr(d, f.name) != getattr(default, f.name) and not (delayed and f.name in _BOTH_MODES):
-            return [(f"diloco.decoupled.{f.name}", f"only decoupled mode reads it (diloco.mode={mode})",
-                     "set diloco.mode=decoupled, or drop the override")]
-    return []
+    return []  # its options set in sync mode: dipaco/config/applies.py

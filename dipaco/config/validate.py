@@ -14,6 +14,7 @@ import torch
 from dipaco.config import Config, ConfigError, LauncherConfig, LoggingConfig, eval_window, require, tokenizer_size
 from dipaco.config.decoupled import mode_problems
 from dipaco.runtime.device import config_problems as device_problems
+from dipaco.config.applies import check_applies
 from dipaco.config.domains import check_domains
 from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
 from dipaco.sync.outer import make_outer_optimizer, outer_options
@@ -30,6 +31,7 @@ def validate_config(cfg: Config) -> None:
     check_domains(cfg, _DERIVED_FROM)  # named themselves, not through the keys derived from them
     resolve_derived(cfg)
     check_domains(cfg)  # every key in its range (dipaco/config/domains.py); below: what a range cannot say
+    check_applies(cfg)  # every key set only where it is read (dipaco/config/applies.py)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
     require(d.source in ("python_sources", "multidomain") or bool(d.path), "data.path",
@@ -51,14 +53,7 @@ def validate_config(cfg: Config) -> None:
     require(not (r.prompt_classifier and not method_class(r.method).learns_content), "router.prompt_classifier",
             f"learns content-based shards, which the {r.method} control does not have", "router.prompt_classifier=false")
     _validate_evaluation(cfg)
-    # options the chosen launcher never reads are refused rather than silently ignored
-    require(la.name != "local" or la.group_size == 1, "launcher.group_size",
-             "launcher=local runs one process, so there is no worker group to split",
-             "add launcher=spawn (ranks on this host) or drop launcher.group_size")
-    require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
-             "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
-    require(la.name == "slurm" or not la.dry_run, "launcher.dry_run", "only launcher=slurm submits a job to "
-            "preview", "add launcher=slurm, or drop launcher.dry_run (dipaco-plan previews any launcher)")
+    # options the chosen launcher never reads were refused by check_applies
     if la.name == "slurm":
         _validate_slurm(la)
     if la.name in ("spawn", "slurm"):
@@ -89,6 +84,7 @@ def validate_config(cfg: Config) -> None:
                  f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
 
 
+_DEFAULT_ROUNDS = Config().trainer.rounds
 # What resolve_derived reads (router.top_k is derived, not read: a dense grid resets it).
 _DERIVED_FROM = ("trainer.total_steps", "diloco.inner_steps", "data.documents_per_path",
                  "data.max_train_documents", "grid.levels")
@@ -101,7 +97,14 @@ def resolve_derived(cfg: Config) -> Config:
         require(t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
                 f"{t.total_steps} steps are not a whole number of rounds of H={H}",
                 "use a multiple of diloco.inner_steps")
-        t.rounds = t.total_steps // H
+        derived = t.total_steps // H
+        # trainer.rounds beside trainer.total_steps would be dropped: refused unless it is the
+        # schema default or already the derived value (a saved, resolved config). A resume
+        # reads the total from its own saved config (dipaco/run/resume.py), so it is not asked.
+        require(cfg.resume or t.rounds in (_DEFAULT_ROUNDS, derived), "trainer.rounds",
+                f"trainer.rounds={t.rounds} is set beside trainer.total_steps={t.total_steps}, which makes "
+                f"{derived} rounds of H={H}", f"drop trainer.total_steps (or set trainer.rounds={derived})")
+        t.rounds = derived
     d = cfg.data
     if d.documents_per_path is not None:
         require(d.documents_per_path >= 1, "data.documents_per_path",
@@ -140,12 +143,7 @@ def _validate_streaming(cfg: Config) -> None:
     """``diloco.streaming`` (dipaco/plan/stagger.py): the synchronous rounds only, replicated
     worker groups; its options are read only when it is on."""
     dl, key = cfg.diloco, "diloco.streaming"
-    if not dl.streaming:
-        default = type(dl)()
-        for name in ("streaming_delay", "streaming_mix", "streaming_fragments", "streaming_spread"):
-            require(getattr(dl, name) == getattr(default, name), f"diloco.{name}",
-                    "only streaming sync reads it (diloco.streaming=false)",
-                    "set diloco.streaming=true, or drop the override")
+    if not dl.streaming:  # its options set without it: dipaco/config/applies.py
         return
     require(dl.mode == "sync", key, "decoupled mode has no rounds whose sync points could be staggered",
             "use diloco.mode=sync, or diloco.streaming=false")
@@ -228,9 +226,7 @@ def _validate_logging(log: LoggingConfig) -> None:
 def _validate_elastic(cfg: Config) -> None:
     """``launcher.elastic`` (dipaco/runtime/elastic_spawn.py): what it needs, what it refuses."""
     la = cfg.launcher
-    if not la.elastic:
-        for key, value in (("launcher.min_nproc", la.min_nproc), ("launcher.rejoin_after_s", la.rejoin_after_s)):
-            require(value is None, key, "only an elastic launch reads it", "add launcher.elastic=true or drop it")
+    if not la.elastic:  # its options set without it: dipaco/config/applies.py
         return
     require(la.name == "spawn", "launcher.elastic", f"launcher={la.name} has no elastic agents of dipaco's",
             "use launcher=spawn; under torchrun pass --nnodes=MIN:MAX --max-restarts=N (docs/launch.md)")
