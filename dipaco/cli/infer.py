@@ -22,7 +22,7 @@ from dipaco.config import DataConfig
 from dipaco.data.cleaning import Cleaner
 from dipaco.data.readers import iter_json_lines
 from dipaco.run.checkpoint import write_json
-from dipaco.cli.errors import fail, report_user_errors
+from dipaco.cli.errors import entry_point, fail, report_user_errors
 from dipaco.inference import ExportError, InferenceRun, export_path, export_path_hf, export_routed_hf, parse_path
 from dipaco.inference.export import check_export_target
 from dipaco.run.path_guard import check_target
@@ -384,12 +384,11 @@ def _dispatch(args: argparse.Namespace) -> None:
     except BrokenPipeError:  # `dipaco-infer generate ... | head`: the reader left; not an error
         # Point stdout at /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except FileNotFoundError:
-        raise  # a user error already (report_user_errors)
-    except OSError as e:  # an --out that exists or cannot be written, a directory for --file, ...
+    except OSError as e:  # a missing file, an --out that exists or cannot be written, a directory for --file, ...
         fail(f"{e}")
 
 
+@entry_point
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console-script entry point."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
