@@ -6,13 +6,13 @@ becomes infinite says so."""
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import re
 from typing import Any
 
 import pytest
 
+from _compose import compose
 from dipaco.config import Config, ConfigError, compose_config
 from dipaco.config.applies import APPLIES, check_applies, not_applying
 from dipaco.config.domains import DOMAINS, Domain, value_of
@@ -37,14 +37,9 @@ AWAY: dict[str, list[str]] = {
 NEEDS = {"data=hub": ["data.path=someone/some_dataset"], "data=jsonl": ["data.path=/nonexistent/x.jsonl"]}
 
 
-@functools.lru_cache(maxsize=None)
-def _composed(overrides: tuple[str, ...]) -> Config:
-    return compose_config(list(overrides))
-
-
 def composed(overrides: list[str]) -> Config:
-    """compose_config, once per distinct command line (a composition takes seconds here)."""
-    return copy.deepcopy(_composed(tuple(overrides)))
+    """compose_config, fast (tests/_compose.py): the groups once per combination."""
+    return compose(overrides)
 
 
 def set_value(cfg: Any, key: str, value: Any) -> None:
