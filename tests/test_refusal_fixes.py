@@ -61,6 +61,12 @@ CASES: list[tuple[list[str], str]] = [
     (["trainer.rounds=3", "trainer.total_steps=8"], "trainer.rounds"),
     (["data.documents_per_path=10", "data.max_train_documents=7"], "data.documents_per_path"),
     (["diloco.outer.name=lbfgs"], "diloco.outer.name"),
+    (["diloco.mode=decoupled", "diloco.decoupled.workers=2", "diloco.decoupled.learners=3"],
+     "diloco.decoupled.learners"),
+    (["diloco.mode=decoupled", "diloco.decoupled.slow_workers=[0]", "diloco.decoupled.slow_learners=[1]"],
+     "diloco.decoupled.slow_learners"),
+    (["diloco.mode=decoupled", "diloco.decoupled.lease_s=1", "diloco.decoupled.heartbeat_s=1"],
+     "diloco.decoupled.lease_s"),
 ]
 # refusals whose fix cannot be applied by a test: what the user must do outside dipaco
 NOT_APPLICABLE = {
