@@ -32,6 +32,7 @@ AWAY: dict[str, list[str]] = {
     "data.tokenizer_sample_bytes": ["data.tokenizer=/nonexistent/tokenizer.json", "model.vocab_size=512"],
     "data.tokenizer_sample_documents": ["data.tokenizer=/nonexistent/tokenizer.json", "model.vocab_size=512"],
     "trainer.compile_backend": ["trainer.compile=false"],
+    "launcher.nproc": ["launcher=torchrun"],  # launcher=local reads it: the simulated worker groups
 }
 # what a fix of the form "use data=hub" needs besides (data=hub requires a path)
 NEEDS = {"data=hub": ["data.path=someone/some_dataset"], "data=jsonl": ["data.path=/nonexistent/x.jsonl"]}

@@ -75,13 +75,11 @@ _MULTIDOMAIN = Where(lambda c: c.data.source == "multidomain", "with data=multid
 _SLURM = Where(lambda c: c.launcher.name == "slurm", "under launcher=slurm", "add launcher=slurm")
 _RANKS = Where(lambda c: c.launcher.name != "local", "under launcher=spawn, torchrun or slurm (launcher=local "
                "runs one process, with no collectives)", "add launcher=spawn")
-_NPROC = Where(lambda c: c.launcher.name in ("spawn", "slurm") or (c.launcher.name == "local" and
-                                                                  c.diloco.mode == "decoupled"),
-               "under launcher=spawn or slurm (under torchrun the number of ranks comes from torchrun: "
-               "--nproc-per-node=N)", "add launcher=spawn")
-_GROUPS = Where(lambda c: c.launcher.name != "local" or c.diloco.mode == "decoupled",
-                "with more than one process (launcher=local runs one, so there is no worker group to split)",
-                "add launcher=spawn")
+_NPROC = Where(lambda c: c.launcher.name != "torchrun", "under launcher=local (the simulated worker groups), "
+               "spawn or slurm; under torchrun the number of ranks comes from torchrun: --nproc-per-node=N",
+               "add launcher=spawn")
+_GROUPS = Where(lambda c: c.launcher.name != "local", "with more than one process (launcher=local runs one, so "
+                "there is no worker group to split)", "add launcher=spawn")
 _ELASTIC = Where(lambda c: c.launcher.elastic, "in an elastic launch", "add launcher.elastic=true")
 _STREAMING = Where(lambda c: c.diloco.streaming, "by streaming sync (diloco.streaming=true)",
                    "set diloco.streaming=true")
