@@ -69,7 +69,7 @@ def test_documents_per_path_scales_the_training_data_with_the_paths(grid: str, p
 
 
 def test_documents_per_path_and_max_train_documents_are_exclusive() -> None:
-    with pytest.raises(ConfigError, match="documents_per_path.*drop one"):
+    with pytest.raises(ConfigError, match="documents_per_path.*drop data.max_train_documents"):
         validate_config(compose_config(["data.documents_per_path=250", "data.max_train_documents=100"]))
     with pytest.raises(ConfigError, match="max_train_documents.*positive"):
         validate_config(compose_config(["data.max_train_documents=0"]))

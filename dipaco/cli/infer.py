@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from dipaco.run.checkpoint import write_json
 from dipaco.cli import infer_eval, infer_generate
-from dipaco.cli.errors import fail, report_user_errors
+from dipaco.cli.errors import entry_point, fail, report_user_errors
 from dipaco.cli.infer_args import (COMMON_EPILOG, Parser, add_inputs, add_run_args, emit, open_run, positive,
                                    read_jsonl, texts_of)
 from dipaco.inference import ExportError, export_path, export_path_hf, export_routed_hf, parse_path
@@ -218,12 +218,11 @@ def _dispatch(args: argparse.Namespace) -> None:
     except BrokenPipeError:  # `dipaco-infer generate ... | head`: the reader left; not an error
         # Point stdout at /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except FileNotFoundError:
-        raise  # a user error already (report_user_errors)
-    except OSError as e:  # an --out that exists or cannot be written, a directory for --file, ...
+    except OSError as e:  # a missing file, an --out that exists or cannot be written, a directory for --file, ...
         fail(f"{e}")
 
 
+@entry_point
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console-script entry point."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -110,6 +110,7 @@ def format_memory(cfg: Config, rows: list[tuple[str, RankMemory]]) -> str:
     return "\n".join(lines)
 
 
+@report_user_errors
 def main(argv: Optional[list[str]] = None) -> None:
     """Print the plan for ``argv`` (Hydra-style overrides)."""
     @report_user_errors

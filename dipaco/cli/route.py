@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dipaco.run.checkpoint import atomic_write_text
-from dipaco.cli.errors import report_user_errors
+from dipaco.cli.errors import entry_point, report_user_errors
 from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import config_from_hydra, hydra_record, protect_run_dir, register_launcher, run_protected
 from dipaco.config import register_configs
@@ -39,7 +39,7 @@ def _app(cfg: DictConfig) -> None:
                           "directory: choose another hydra.run.dir")
     check_run_root(run.root)
     check_fresh(run)  # a new directory, or one holding only what dipaco writes
-    check_target(conf.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",))
+    check_target(conf.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",), folder=True)
     check_unlocked(run.root)
     with RunLock(run.root), disk_full_guard(run):
         for rel, text in hydra_record(cfg).items():
@@ -51,6 +51,7 @@ def _app(cfg: DictConfig) -> None:
     print(json.dumps({**{k: prep.report.get(k) for k in keys}, "timings": prep.timings}))
 
 
+@entry_point
 def main() -> None:
     """Console-script entry point."""
     if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config

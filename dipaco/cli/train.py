@@ -11,7 +11,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from dipaco.cli.errors import report_user_errors
+from dipaco.cli.errors import entry_point, report_user_errors
 from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import (command_line_overrides, config_from_hydra, hydra_record, protect_run_dir,
                                   register_launcher, run_protected)
@@ -30,6 +30,7 @@ def _app(cfg: DictConfig) -> float:
     return float(summary.get("routed_ppl", float("nan")))
 
 
+@entry_point
 def main() -> None:
     """Console-script entry point."""
     if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config

@@ -9,7 +9,8 @@ compare at equal steps; phases have H steps, fewer for a slow decoupled worker w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+import re
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 __all__ = ["DecoupledConfig", "validate_decoupled", "mode_problems"]
@@ -106,18 +107,18 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     k = "diloco.decoupled."
 
     def need(ok: bool, key: str, problem: str, fix: str) -> None:
-        if not ok:
-            out.append((k + key, problem, fix))
+        if not ok:  # the fix spelt as an override: a bare `quorum=0.5` names no key of the config
+            out.append((k + key, problem, re.sub(r"(?<![\w.])(\w+)=", lambda m: f"{k}{m.group(1)}=", fix)))
 
     need(d.workers is None or d.workers >= 1, "workers", "must be >= 1 or null", "e.g. workers=4")
     need(d.learners is None or d.learners >= 1, "learners", "must be >= 1 or null (deprecated: use workers)",
-         "e.g. workers=4")
+         "e.g. workers=4 (and drop learners)")
     need(d.learners is None or d.workers is None or d.learners == d.workers, "learners",
          f"is the deprecated name of workers and disagrees with it ({d.learners} vs {d.workers})",
          "drop diloco.decoupled.learners")
     need(not (d.slow_learners and d.slow_workers), "slow_learners",
          "is the deprecated name of slow_workers; both are set", "drop diloco.decoupled.slow_learners")
-    need(d.sync_procs >= 1, "sync_procs", "must be >= 1", "sync_procs=1")
+    need(d.sync_procs >= 1, "sync_procs", "must be >= 1", "e.g. sync_procs=1")
     need(0 < d.quorum <= 1, "quorum", f"must lie in (0, 1], got {d.quorum}", "e.g. quorum=0.5")
     need(0 < d.grace_min_s <= d.grace_max_s, "grace_min_s", "need 0 < grace_min_s <= grace_max_s",
          "e.g. grace_min_s=0.1 grace_max_s=30")
@@ -125,8 +126,8 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     need(d.max_staleness >= 0, "max_staleness", "must be >= 0", "e.g. max_staleness=4")
     need(d.staleness_power >= 0 and math.isfinite(d.staleness_power), "staleness_power", "must be >= 0",
          "e.g. staleness_power=0.5")
-    need(d.momentum_every >= 1, "momentum_every", "must be >= 1", "1 (plain Nesterov) or e.g. 4")
-    need(d.momentum_scale >= 0, "momentum_scale", "must be >= 0", "e.g. 0")
+    need(d.momentum_every >= 1, "momentum_every", "must be >= 1", "momentum_every=4 (or 1: plain Nesterov)")
+    need(d.momentum_scale >= 0, "momentum_scale", "must be >= 0", "e.g. momentum_scale=0")
     need(d.lease_s > 2 * d.heartbeat_s > 0, "lease_s",
          f"the lease ({d.lease_s}s) must outlast two heartbeats ({d.heartbeat_s}s)",
          "e.g. lease_s=10 heartbeat_s=1")
@@ -138,10 +139,6 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
     need(d.timeout_s > 0, "timeout_s", "must be > 0", "e.g. timeout_s=3600")
     need(d.slow_factor >= 1, "slow_factor", "must be >= 1", "e.g. slow_factor=3")
     return out
-
-
-# read by the outer optimiser in both modes (diloco.outer.name=delayed_nesterov)
-_BOTH_MODES = ("momentum_every", "momentum_scale")
 
 
 def mode_problems(mode: str, lossy_exchange: str, outer_name: str,
@@ -157,10 +154,4 @@ def mode_problems(mode: str, lossy_exchange: str, outer_name: str,
             out.append(("diloco.lossy_exchange", "decoupled mode has no collective exchange: each update is "
                         "encoded once, as with all_gather", "use diloco.lossy_exchange=auto (or all_gather)"))
         return out
-    default = DecoupledConfig()
-    delayed = str(outer_name).lower() == "delayed_nesterov"
-    for f in fields(DecoupledConfig):
-        if getattr(d, f.name) != getattr(default, f.name) and not (delayed and f.name in _BOTH_MODES):
-            return [(f"diloco.decoupled.{f.name}", f"only decoupled mode reads it (diloco.mode={mode})",
-                     "set diloco.mode=decoupled, or drop the override")]
-    return []
+    return []  # its options set in sync mode: dipaco/config/applies.py

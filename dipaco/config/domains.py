@@ -192,7 +192,8 @@ DOMAINS: dict[str, Domain] = {
     "trainer.deterministic": FLAG, "trainer.plots": FLAG, "trainer.progress": FLAG,
     "launcher.name": OneOf(LAUNCHERS), "launcher.nproc": Int(1, MAX_PATHS), "launcher.group_size": Int(1, MAX_PATHS),
     "launcher.group_parallel": OneOf(GROUP_PARALLEL), "launcher.backend": OneOf(BACKENDS),
-    "launcher.timeout_s": Real(0, 10**7, lo_open=True), "launcher.partition": MAYBE_TEXT,
+    "launcher.timeout_s": Real(10, 10**7, why="ranks wait at a collective while rank 0 prepares the data; "
+                                             "a shorter limit fails healthy runs"), "launcher.partition": MAYBE_TEXT,
     "launcher.nodes": Int(1, MAX_PATHS), "launcher.gpus_per_node": Int(1, 64, null=True),
     "launcher.cpus_per_task": Int(1, 4096, null=True), "launcher.mem_gb": Int(1, 10**6, null=True),
     "launcher.timeout_min": Int(1, 10**7), "launcher.account": MAYBE_TEXT, "launcher.qos": MAYBE_TEXT,

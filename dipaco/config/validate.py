@@ -14,6 +14,7 @@ import torch
 from dipaco.config import Config, ConfigError, LauncherConfig, LoggingConfig, eval_window, require, tokenizer_size
 from dipaco.config.decoupled import mode_problems
 from dipaco.runtime.device import config_problems as device_problems
+from dipaco.config.applies import check_applies
 from dipaco.config.domains import check_domains
 from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
 from dipaco.sync.outer import make_outer_optimizer, outer_options
@@ -30,6 +31,7 @@ def validate_config(cfg: Config) -> None:
     check_domains(cfg, _DERIVED_FROM)  # named themselves, not through the keys derived from them
     resolve_derived(cfg)
     check_domains(cfg)  # every key in its range (dipaco/config/domains.py); below: what a range cannot say
+    check_applies(cfg)  # every key set only where it is read (dipaco/config/applies.py)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
     require(d.source in ("python_sources", "multidomain") or bool(d.path), "data.path",
@@ -44,35 +46,32 @@ def validate_config(cfg: Config) -> None:
     _validate_outer_step(cfg)
     _validate_streaming(cfg)
     require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
-             "LM features need the dense warm-up model", "set trainer.warmup_fraction>0 or router.featurizer=tfidf")
+             "LM features need the dense warm-up model", "set router.featurizer=tfidf, or trainer.warmup_fraction=0.25")
     require(r.balance != "soft" or r.soft_capacity_factor >= r.capacity_factor, "router.soft_capacity_factor",
-            f"must be >= router.capacity_factor ({r.capacity_factor})", "e.g. 2.0")
+            f"must be >= router.capacity_factor ({r.capacity_factor})",
+            f"set router.soft_capacity_factor={max(2.0, r.capacity_factor)}")
     _validate_reshard(cfg)
     require(not (r.prompt_classifier and not method_class(r.method).learns_content), "router.prompt_classifier",
             f"learns content-based shards, which the {r.method} control does not have", "router.prompt_classifier=false")
     _validate_evaluation(cfg)
-    # options the chosen launcher never reads are refused rather than silently ignored
-    require(la.name != "local" or la.group_size == 1, "launcher.group_size",
-             "launcher=local runs one process, so there is no worker group to split",
-             "add launcher=spawn (ranks on this host) or drop launcher.group_size")
-    require(la.name != "torchrun" or la.nproc == 1, "launcher.nproc",
-             "under launcher=torchrun the number of ranks comes from torchrun", "use torchrun --nproc-per-node=N")
-    require(la.name == "slurm" or not la.dry_run, "launcher.dry_run", "only launcher=slurm submits a job to "
-            "preview", "add launcher=slurm, or drop launcher.dry_run (dipaco-plan previews any launcher)")
+    # options the chosen launcher never reads were refused by check_applies
     if la.name == "slurm":
         _validate_slurm(la)
     if la.name in ("spawn", "slurm"):
-        world = la.nproc * (la.nodes if la.name == "slurm" else 1)
+        nodes = la.nodes if la.name == "slurm" else 1
+        world = la.nproc * nodes
         require(world % la.group_size == 0, "launcher.nproc",
                  f"world size {world} is not a multiple of launcher.group_size={la.group_size}",
                  f"use launcher.nproc={la.group_size * max(1, la.nproc // la.group_size)}")
         trained = num_paths * g.replicas
         require(world // la.group_size <= trained, "launcher.nproc",
                  f"{world // la.group_size} worker groups for {trained} paths would leave ranks idle",
-                 f"use at most {trained * la.group_size} ranks in all (launcher.nproc x launcher.nodes)")
+                 f"use launcher.nproc={la.group_size * max(1, trained // nodes)} (at most {trained * la.group_size} "
+                 "ranks in all, launcher.nproc x launcher.nodes), or fewer launcher.nodes")
     require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
-             "use a batch size that is a multiple of the group size")
+             f"use trainer.batch_size={la.group_size * max(1, -(-t.batch_size // la.group_size))} (a multiple of "
+             "the group size)")
     for key, problem, fix in device_problems(t, la):
         raise ConfigError(key, problem, fix)
     _validate_group_parallel(cfg)
@@ -89,6 +88,7 @@ def validate_config(cfg: Config) -> None:
                  f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
 
 
+_DEFAULT_ROUNDS = Config().trainer.rounds
 # What resolve_derived reads (router.top_k is derived, not read: a dense grid resets it).
 _DERIVED_FROM = ("trainer.total_steps", "diloco.inner_steps", "data.documents_per_path",
                  "data.max_train_documents", "grid.levels")
@@ -100,8 +100,15 @@ def resolve_derived(cfg: Config) -> Config:
     if t.total_steps is not None and H >= 1:  # H < 1: check_domains names diloco.inner_steps
         require(t.total_steps % H == 0 and t.total_steps >= H, "trainer.total_steps",
                 f"{t.total_steps} steps are not a whole number of rounds of H={H}",
-                "use a multiple of diloco.inner_steps")
-        t.rounds = t.total_steps // H
+                f"use trainer.total_steps={max(H, t.total_steps // H * H)} (a multiple of diloco.inner_steps)")
+        derived = t.total_steps // H
+        # trainer.rounds beside trainer.total_steps would be dropped: refused unless it is the
+        # schema default or already the derived value (a saved, resolved config). A resume
+        # reads the total from its own saved config (dipaco/run/resume.py), so it is not asked.
+        require(cfg.resume or t.rounds in (_DEFAULT_ROUNDS, derived), "trainer.rounds",
+                f"trainer.rounds={t.rounds} is set beside trainer.total_steps={t.total_steps}, which makes "
+                f"{derived} rounds of H={H}", f"drop trainer.total_steps (or set trainer.rounds={derived})")
+        t.rounds = derived
     d = cfg.data
     if d.documents_per_path is not None:
         require(d.documents_per_path >= 1, "data.documents_per_path",
@@ -109,7 +116,8 @@ def resolve_derived(cfg: Config) -> Config:
         want = int(d.documents_per_path) * math.prod(cfg.grid.levels)
         # (idempotent: a config resolved before, e.g. the saved one of a resumed run, passes)
         require(d.max_train_documents in (None, want), "data.documents_per_path",
-                f"set together with data.max_train_documents={d.max_train_documents}", "drop one of the two")
+                f"set together with data.max_train_documents={d.max_train_documents}",
+                "drop data.max_train_documents (or data.documents_per_path)")
         d.max_train_documents = want
     if math.prod(cfg.grid.levels) == 1 and cfg.router.top_k > 1:
         # One routed path takes every document whatever top_k says: the default top_k=2
@@ -140,12 +148,7 @@ def _validate_streaming(cfg: Config) -> None:
     """``diloco.streaming`` (dipaco/plan/stagger.py): the synchronous rounds only, replicated
     worker groups; its options are read only when it is on."""
     dl, key = cfg.diloco, "diloco.streaming"
-    if not dl.streaming:
-        default = type(dl)()
-        for name in ("streaming_delay", "streaming_mix", "streaming_fragments", "streaming_spread"):
-            require(getattr(dl, name) == getattr(default, name), f"diloco.{name}",
-                    "only streaming sync reads it (diloco.streaming=false)",
-                    "set diloco.streaming=true, or drop the override")
+    if not dl.streaming:  # its options set without it: dipaco/config/applies.py
         return
     require(dl.mode == "sync", key, "decoupled mode has no rounds whose sync points could be staggered",
             "use diloco.mode=sync, or diloco.streaming=false")
@@ -159,12 +162,12 @@ def _validate_evaluation(cfg: Config) -> None:
     # rotary tables stop at max_seq_len: a window cannot be longer than the model's positions
     require(window <= m.max_seq_len, "trainer.eval_seq_len",
              f"{window} is longer than model.max_seq_len ({m.max_seq_len})",
-             f"use trainer.eval_seq_len<={m.max_seq_len} or raise model.max_seq_len (and trainer.seq_len)")
+             f"use trainer.eval_seq_len={m.max_seq_len}, or raise model.max_seq_len")
     require(window > r.prefix_tokens, "trainer.eval_seq_len",
              f"a window of {window} tokens does not reach past the routing prefix ({r.prefix_tokens})",
-             f"use trainer.eval_seq_len>{r.prefix_tokens}")
+             f"use trainer.eval_seq_len={min(m.max_seq_len, 2 * r.prefix_tokens + 1)} (> {r.prefix_tokens})")
     require(t.eval_split == "validation" or cfg.data.test_fraction > 0, "trainer.eval_split",
-             "data.test_fraction=0 leaves the test split empty", "set data.test_fraction>0, e.g. 0.05")
+             "data.test_fraction=0 leaves the test split empty", "set data.test_fraction=0.05")
     require(not t.path_early_stopping or cfg.diloco.mode == "sync", "trainer.path_early_stopping",
              "path early stopping runs in the synchronous rounds only", "use diloco.mode=sync")
     require(not t.path_early_stopping or r.reshard_at_round is None, "trainer.path_early_stopping",
@@ -177,7 +180,7 @@ def _validate_reshard(cfg: Config) -> None:
     r = cfg.router
     require(r.reshard_every is None or r.reshard_at_round is not None, "router.reshard_every",
             "repeats the re-shard that router.reshard_at_round starts, which is off",
-            "set router.reshard_at_round=K (the first phase) or drop router.reshard_every")
+            "set router.reshard_at_round=1 (the first phase), or drop router.reshard_every")
     require(r.reshard_at_round is None or cfg.diloco.mode == "sync", "router.reshard_at_round",
             "re-sharding runs between the synchronous rounds only", "use diloco.mode=sync or drop the re-shard")
 
@@ -228,9 +231,7 @@ def _validate_logging(log: LoggingConfig) -> None:
 def _validate_elastic(cfg: Config) -> None:
     """``launcher.elastic`` (dipaco/runtime/elastic_spawn.py): what it needs, what it refuses."""
     la = cfg.launcher
-    if not la.elastic:
-        for key, value in (("launcher.min_nproc", la.min_nproc), ("launcher.rejoin_after_s", la.rejoin_after_s)):
-            require(value is None, key, "only an elastic launch reads it", "add launcher.elastic=true or drop it")
+    if not la.elastic:  # its options set without it: dipaco/config/applies.py
         return
     require(la.name == "spawn", "launcher.elastic", f"launcher={la.name} has no elastic agents of dipaco's",
             "use launcher=spawn; under torchrun pass --nnodes=MIN:MAX --max-restarts=N (docs/launch.md)")
@@ -240,4 +241,4 @@ def _validate_elastic(cfg: Config) -> None:
             "an elastic launch cannot stop for the EM re-shard", "drop router.reshard_at_round")
     require((la.min_nproc or la.group_size) % la.group_size == 0, "launcher.min_nproc",
             f"{la.min_nproc} ranks are not whole worker groups of launcher.group_size={la.group_size}",
-            f"use a multiple of {la.group_size}")
+            f"use launcher.min_nproc={la.group_size} (a multiple of {la.group_size})")

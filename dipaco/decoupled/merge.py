@@ -47,7 +47,7 @@ import torch
 
 from dipaco.decoupled.alternatives import Alternatives
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.sync.module_core import ModuleCore, contribution
+from dipaco.sync.module_core import RESIDUAL, ModuleCore, contribution
 
 __all__ = ["Update", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]
 
@@ -101,6 +101,8 @@ class StepRecord:
     norm: float  # ‖g‖
     trigger: str  # "quorum" | "grace" | "flush"
     momentum_applied: bool
+    # late alternatives only: the previous step was taken again with them (see _amend)
+    amended: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -142,6 +144,9 @@ class ModuleSynchronizer:
         self.alpha_ema: Optional[float] = None  # tokens per update
         self.last_step_at = now
         self.created_at = now
+        # the last step, to take it again when late alternatives of its groups land (_amend):
+        # the core's state before it, its outer gradient, its groups; None for plain SGD
+        self._last: Optional[tuple[dict[str, torch.Tensor], torch.Tensor, set[tuple[int, int]]]] = None
 
     @property
     def theta(self) -> torch.Tensor:
@@ -273,7 +278,7 @@ class ModuleSynchronizer:
                 g += contribs[i] if d == 1.0 else contribs[i] * d
             elif i == groups[key][0]:
                 g += prior[key].correction([contribs[j] for j in groups[key]])
-        update = self.core.step(g, max(denom, 1e-12), len(self.sharing_paths), rescale=self.sharing_rescale)
+        update, amended = self._outer_step(g, max(denom, 1e-12), set(groups), all(prior[k] is not None for k in groups))
         self.version += 1
         for key, members in groups.items():
             self.alternatives.record(*key, [contribs[j] for j in members], [disc[j] for j in members])
@@ -282,7 +287,34 @@ class ModuleSynchronizer:
             self.alternatives.note_applied(u.path_id, u.phase, self.version)
         self.last_step_at = now
         return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
-                          [u.path_id for u in keep], stal, w, update.norm, trigger, update.momentum_applied)
+                          [u.path_id for u in keep], stal, w, update.norm, trigger, update.momentum_applied,
+                          amended)
+
+    def _outer_step(self, g: torch.Tensor, denom: float, keys: set[tuple[int, int]], late: bool) -> tuple[Any, bool]:
+        """The outer step of ``g / denom``; ``(update, amended)``.
+
+        Late alternatives (``late``: every group was applied before) of the groups of the
+        last step land as a correction. With plain SGD a correction step is where the
+        updates together would have gone; an optimiser with state (momentum, delayed
+        Nesterov, Adam) would take a second step and land elsewhere, by arrival order.
+        So the last step is taken again from the state before it, with its outer gradient
+        plus the correction's: the result of one step with all of them, whatever the
+        order. (After a restart, or when another step came between, the correction is a
+        step of its own, as before; docs/decoupled.md gives the bound.)"""
+        count = len(self.sharing_paths)
+        stateful = _has_state(self.core.outer_optimizer)
+        last, self._last = self._last, None
+        amend = late and last is not None and keys <= last[2]
+        avg = g[: self.core.numel] / denom
+        if amend:
+            before, last_avg, last_keys = last  # type: ignore[misc]
+            residuals = {k: v for k, v in self.core.state_dict().items() if k.startswith(RESIDUAL)}
+            self.core.load_state_dict({**before, **residuals})
+            avg, keys = last_avg + avg, last_keys
+        if stateful:
+            state = {k: v for k, v in self.core.state_dict().items() if not k.startswith(RESIDUAL)}
+            self._last = (state, avg.clone(), set(keys))
+        return self.core.step(avg, 1.0, count, rescale=self.sharing_rescale), amend
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -314,4 +346,12 @@ class ModuleSynchronizer:
         self.fill_ema = state.get("fill_ema")
         self.alpha_ema = state.get("alpha_ema")
         self.pending, self.first_pending_at = [], None
+        self._last = None  # the state before the last step is not saved: a late alternative then steps alone
         self.alternatives.rebuild(self.phases, self.applied)
+
+
+def _has_state(opt: torch.optim.Optimizer) -> bool:
+    """Whether an optimiser's step depends on more than the gradient (momentum, Adam's
+    moments): plain SGD (momentum 0) needs no snapshot to be order-independent."""
+    group = opt.param_groups[0]
+    return float(group.get("momentum", 0.0) or 0.0) > 0 or "betas" in group

@@ -31,6 +31,8 @@ from dipaco.run.run_dir import RunDir, RunDirError
 OWNER_KEY = "owner.json"
 PLAN_KEY = "plan.json"
 _KEY = "diloco.decoupled.store_url"
+# fsspec protocols whose files live in the memory of one process
+_ONE_PROCESS = ("memory",)
 
 
 def _local_path(url: str) -> Optional[Path]:
@@ -75,11 +77,11 @@ def _inspect(url: str, run: RunDir, resume: bool) -> tuple[Optional[Path], bool]
     local = _local_path(url)
     if local is not None:
         check_target(url[len("file://"):] if url.startswith("file://") else url, _KEY, own_run=run.root,
-                     owned=("decoupled",), fix="point it at a new directory, or leave it null (RUN/decoupled)")
+                     owned=("decoupled",), folder=True, fix="point it at a new directory, or leave it null (RUN/decoupled)")
         owner, has_plan, nonempty = _read_local(local)
         here = local == run.root / "decoupled" or run.root in local.parents
     else:
-        store = open_store(url)
+        store = _open_remote(url)
         owner, has_plan = store.get_json(OWNER_KEY), store.get_json(PLAN_KEY) is not None
         nonempty, here = owner is not None or has_plan or bool(store.list("")), False
     _refuse_foreign(url, owner, has_plan, nonempty, here, {"run_dir": str(run.root)})
@@ -87,6 +89,22 @@ def _inspect(url: str, run: RunDir, resume: bool) -> tuple[Optional[Path], bool]
         raise RunDirError(f"{_KEY}={url} holds this run's store from an earlier attempt; a fresh run starts "
                           "from an empty store: empty it, or point store_url at a new location")
     return local, nonempty
+
+
+def _open_remote(url: str) -> Store:
+    """An fsspec store every process of the run can reach, or one :class:`RunDirError`: a
+    store kept in one process's memory (``memory://``: each worker and synchroniser
+    process would see its own, empty one, and restart forever) or one whose backend is
+    missing (``s3://`` without ``s3fs``) is refused before work."""
+    protocol = url.split("://", 1)[0].lower()
+    if protocol in _ONE_PROCESS:
+        raise RunDirError(f"{_KEY}={url}: a {protocol}:// store lives inside one process, but decoupled workers "
+                          "and synchronisers are separate processes that must share it; point it at a shared "
+                          "directory (a path), or leave it null (RUN/decoupled)")
+    try:
+        return open_store(url)
+    except (ImportError, ValueError, OSError) as e:  # a backend not installed, an unknown protocol, unreachable
+        raise RunDirError(" ".join(str(e).split())) from None
 
 
 def _refuse_foreign(url: str, owner: Optional[Any], has_plan: bool, nonempty: bool, here: bool,

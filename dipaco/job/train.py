@@ -42,6 +42,7 @@ from dipaco.rounds import run_rank
 from dipaco.run.run_dir import RunDir, disk_full_guard, prior_totals
 from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.config.schedule import describe_segments, extension_note
+from dipaco.runtime.hardware import cap_threads
 from dipaco.runtime.slurm import slurm_rendezvous, task_threads
 from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
 from dipaco.runtime.tracking import MetricsWriter, writer_for
@@ -102,8 +103,9 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
     if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
         os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
         threads = task_threads(os.environ, cfg.trainer.threads)
-        if threads:  # the task's CPUs (launcher.cpus_per_task), not every core of the node
-            torch.set_num_threads(threads)
+        if threads:  # the task's CPUs (launcher.cpus_per_task), not every core of the node; capped at its share
+            torch.set_num_threads(cap_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                              _log if os.environ.get("LOCAL_RANK", "0") == "0" else None))
     if cfg.launcher.name in ("torchrun", "slurm"):
         require_torchrun_env()
         if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
@@ -123,8 +125,9 @@ def _check_write_targets(cfg: Config, run: RunDir) -> None:
     """Every place the run will write, by the rule of :mod:`dipaco.run.path_guard`, before it
     writes anything: the token cache, the checkpoints folder, the decoupled store."""
     fix = "leave it null (the run's own folder) or choose a path outside every run directory"
-    check_target(cfg.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",), fix=fix)
-    check_target(run.checkpoints, "checkpoints/", own_run=run.root, owned=("checkpoints",),
+    check_target(cfg.data.cache_dir or run.cache, "data.cache_dir", own_run=run.root, owned=("cache",), fix=fix,
+                 folder=True)
+    check_target(run.checkpoints, "checkpoints/", own_run=run.root, owned=("checkpoints",), folder=True,
                  fix="make checkpoints/ a folder of this run (or a link to storage outside every run)")
     if cfg.diloco.mode == "decoupled":
         check_store(cfg.diloco.decoupled.store_url or str(run.root / "decoupled"), run, cfg.resume)

@@ -6,7 +6,9 @@ checkpoint staging folder, a new run directory) passes :func:`check_target` firs
 (docs/design.md contract 8):
 
 * symlinks are resolved first, so a link cannot smuggle a write elsewhere;
-* a special file (FIFO, socket, device) is never a target;
+* a special file (FIFO, socket, device) is never a target; nor a path under a file, a
+  file where a folder is wanted (``folder=True``), or a place in a read-only folder
+  (:func:`writable_problem`: refused before work, not an ``OSError`` mid-run);
 * a path inside a run directory is refused unless it lies in one of the locations that
   command owns in *its own* run (``cache/`` for the token cache, ``decoupled/`` for the
   store, ``checkpoints/`` for staging); so a run file, another run's folder or a
@@ -64,9 +66,29 @@ def _kind(p: Path) -> Optional[str]:
     return "a special file (a FIFO, socket or device)"
 
 
+def writable_problem(target: Path, folder: bool = False) -> Optional[str]:
+    """Why ``target`` (resolved) cannot be written, as a folder with ``folder``; ``None``
+    when it can: an existing file where a folder is wanted, a file among its parents, or a
+    read-only place (the nearest existing folder, or ``target`` itself)."""
+    if target.exists():
+        if folder and not target.is_dir():
+            return "a file, not a folder"
+        if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+            return "read-only"
+        return None
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"under {parent}, which is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"in the read-only folder {parent}"
+    return None
+
+
 def check_target(path: str | os.PathLike, what: str, *, own_run: Optional[Path] = None,
                  owned: Sequence[str] = (), replaces: bool = False, marker: Optional[str] = None,
-                 fix: str = "choose a path outside every run directory") -> Path:
+                 fix: str = "choose a path outside every run directory", folder: bool = False) -> Path:
     """The resolved ``path`` if the command ``what`` may write it; else :class:`RunDirError`.
 
     Args:
@@ -77,9 +99,10 @@ def check_target(path: str | os.PathLike, what: str, *, own_run: Optional[Path] 
         marker: the file that marks a directory as made by this command (required inside
             an existing non-empty directory that ``replaces`` would remove).
         fix: the way out, for the message.
+        folder: the command makes ``path`` a folder (a file there is refused).
     """
     target = resolved(path)
-    special = _kind(target)
+    special = _kind(target) or writable_problem(target, folder)
     if special:
         raise RunDirError(f"{what} {path} is {special}; {fix}")
     mine = resolved(own_run) if own_run is not None else None
@@ -108,6 +131,9 @@ def check_run_root(path: str | os.PathLike) -> Path:
     if target.exists() and not target.is_dir():
         raise RunDirError(f"run directory {path} is {_kind(target) or 'a file'}, not a directory: "
                           "choose another hydra.run.dir")
+    unusable = writable_problem(target, folder=True)
+    if unusable:
+        raise RunDirError(f"run directory {path} is {unusable}: choose another hydra.run.dir")
     outer = enclosing_run(target.parent)
     if outer is not None:
         raise RunDirError(f"run directory {path} lies in the run directory {outer}: a run never writes into "
@@ -115,4 +141,4 @@ def check_run_root(path: str | os.PathLike) -> Path:
     return target
 
 
-__all__ = ["check_run_root", "check_target", "enclosing_run", "is_run_directory", "resolved"]
+__all__ = ["check_run_root", "check_target", "enclosing_run", "is_run_directory", "resolved", "writable_problem"]

@@ -8,17 +8,19 @@
   formula, forward and backward, attention included).
 * :func:`memory_snapshot`: this process's memory, read on the host without waiting for
   the device (the CUDA caching allocator keeps its statistics on the host).
+* :func:`cap_threads`: ``trainer.threads`` capped at the cores a rank can have (a value in
+  its domain that cannot work on this host is capped with a line, not obeyed).
 """
 from __future__ import annotations
 
 import os
 import resource
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["PEAK_FLOPS", "flops_per_token", "memory_snapshot", "peak_flops"]
+__all__ = ["PEAK_FLOPS", "cap_threads", "flops_per_token", "host_cores", "memory_snapshot", "peak_flops"]
 
 # dense peak FLOP/s by device-name fragment: (bf16/fp16, TF32)
 PEAK_FLOPS: dict[str, tuple[float, float]] = {
@@ -72,3 +74,28 @@ def memory_snapshot(device: torch.device) -> dict[str, int]:
         out["max_active_bytes"] = int(torch.cuda.max_memory_allocated(device))
         out["max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
     return out
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or SLURM's share)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def cap_threads(requested: int, ranks_on_host: int = 1, say: Optional[Callable[[str], None]] = None,
+                cores: Optional[int] = None) -> int:
+    """``trainer.threads`` as a rank can use it: at most its share of the host's cores.
+
+    More threads than cores make every inner step wait on the others (4096 threads on 2
+    cores made a round 50x slower), so a larger value is capped and ``say`` is told once.
+    """
+    cores = host_cores() if cores is None else cores
+    share = max(1, cores // max(1, ranks_on_host))
+    if requested <= share:
+        return int(requested)
+    if say is not None:
+        say(f"trainer.threads={requested} is more than the {share} core(s) each of the {ranks_on_host} rank(s) "
+            f"on this host can have ({cores} in all): using {share} threads per rank")
+    return share

@@ -32,6 +32,7 @@ from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config, to_config
 from dipaco.runtime import elastic
 from dipaco.runtime.device import rank_device
+from dipaco.runtime.hardware import cap_threads
 from dipaco.runtime.elastic_spawn import RESTART_EXIT, run_agents
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
@@ -138,8 +139,9 @@ def init_distributed(backend: str, timeout_s: float, device: str = "auto") -> tu
 
 def _set_threads(cfg: Config, local_world: int) -> None:
     """Share the host's cores among its ranks (two 1-thread ranks ≈ one 2-thread process)."""
-    if cfg.trainer.threads:
-        torch.set_num_threads(int(cfg.trainer.threads))
+    if cfg.trainer.threads:  # capped at the rank's share of the cores, with a line
+        torch.set_num_threads(cap_threads(int(cfg.trainer.threads), local_world,
+                                          log.warning if os.environ.get("RANK", "0") == "0" else None))
     elif local_world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 

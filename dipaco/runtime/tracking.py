@@ -165,6 +165,22 @@ def _health_line(step: int, s: dict[str, float]) -> str:
             f"memory {'-' if mem is None else f'{mem:.3f}'} GiB, skipped {int(s.get('skipped_steps', 0))}")
 
 
+def nonfinite_line(record: dict[str, Any]) -> Optional[str]:
+    """The line that says a round's loss became infinite (or NaN): its paths with skipped
+    inner steps (a non-finite loss or gradient: the step is not applied) or a non-finite
+    mean loss. ``None`` when every path's loss stayed finite."""
+    bad = []
+    for p, v in sorted((record.get("paths") or {}).items(), key=lambda kv: int(kv[0])):
+        skipped, loss = int(v.get("skipped_steps") or 0), v.get("loss")
+        if skipped or (loss is not None and not _finite(loss)):
+            bad.append(f"path {p} ({skipped} step(s) skipped, loss {loss})")
+    if not bad:
+        return None
+    return (f"round {record.get('round')}: the loss became non-finite (inf or NaN) on {', '.join(bad)}; "
+            "those steps were not applied. If it goes on, lower trainer.lr or diloco.outer.lr, or keep "
+            "trainer.grad_clip > 0")
+
+
 class MetricsWriter:
     """Persists the records and the final summary of one run (the job's process, or a
     spawned rank 0 without W&B).
@@ -255,6 +271,9 @@ class MetricsWriter:
         """Append ``record`` to metrics.jsonl and plot its scalars at its round's last step."""
         self._append(self.run.metrics, [record])
         self._scalars(round_scalars(record), self.round_step(record))
+        line = nonfinite_line(record)
+        if line:
+            log.warning(line)
 
     def log_summary(self, summary: dict[str, Any], step: int) -> None:
         """The run's final numbers as ``summary/<key>`` scalars at ``step`` (the last round's)."""
