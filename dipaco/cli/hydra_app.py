@@ -138,7 +138,8 @@ def print_dry_run(conf: Config, config: DictConfig) -> None:
     """``launcher.dry_run=true``: the job script and each task's environment, on stdout."""
     la = conf.launcher
     print(dry_run_text(OmegaConf.to_container(config.hydra.launcher, resolve=True), nodes=la.nodes,
-                       nproc=la.nproc, threads=conf.trainer.threads or la.cpus_per_task,
+                       nproc=la.nproc, threads=conf.trainer.threads, cpus_per_task=la.cpus_per_task,
+                       gpus_per_node=la.gpus_per_node, device=conf.trainer.device,
                        master_port=la.master_port, max_requeues=la.max_requeues,
                        overrides=[o for o in config.hydra.overrides.task if not o.startswith("launcher.dry_run")]))
 

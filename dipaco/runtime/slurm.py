@@ -82,39 +82,38 @@ def sbatch_script(launcher: Mapping[str, Any], command: str = "<submitit task>")
     return submitit_slurm._make_sbatch_string(command=command, folder=folder, **params)
 
 
-def task_threads(env: Mapping[str, str], threads: Optional[int]) -> Optional[int]:
-    """Torch threads of one srun task: ``trainer.threads`` if set, else the CPUs SLURM gave
-    the task (``SLURM_CPUS_PER_TASK``, from ``launcher.cpus_per_task``); ``None``: leave
-    torch's default (every core of the node, which ranks sharing a node would oversubscribe)."""
-    if threads:
-        return int(threads)
-    cpus = env.get("SLURM_CPUS_PER_TASK", "")
-    return int(cpus) if cpus.isdigit() and int(cpus) > 0 else None
-
-
 def submitit_command(folder: str) -> str:
     """The command each srun task runs: submitit's runner, which unpickles the Hydra job."""
     return f"{sys.executable} -u -m submitit.core._submit {shlex.quote(folder)}"
 
 
 def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads: Optional[int],
-                 master_port: int, max_requeues: int, overrides: Sequence[str]) -> str:
+                 master_port: int, max_requeues: int, overrides: Sequence[str], device: str = "auto",
+                 cpus_per_task: Optional[int] = None, gpus_per_node: Optional[int] = None) -> str:
     """What ``dipaco-train launcher=slurm launcher.dry_run=true`` prints: the sbatch script
-    submitit would submit and the torch.distributed environment each task derives."""
+    submitit would submit and the torch.distributed environment, device and threads each
+    task derives (by :func:`dipaco.runtime.placement.place_rank`, as the task will)."""
+    from dipaco.runtime.placement import place_rank
+
     folder = str(Path(str(launcher.get("submitit_folder", ".submitit/%j"))).absolute())
     script = sbatch_script({**launcher, "submitit_folder": folder}, command=submitit_command(folder))
     world = nodes * nproc
     shown = list(range(world)) if world <= 16 else [*range(nproc), world - 1]
-    rows = ["# task  node  RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR        MASTER_PORT  threads"]
+    rows = ["# task  node  RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR        MASTER_PORT  "
+            "device   threads"]
     for t in shown:
         if shown[-1] == t and len(shown) < world:
             rows.append(f"# ... ({world} tasks in all)")
-        env = slurm_rendezvous({"SLURM_PROCID": str(t), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(t % nproc),
-                                "SLURM_JOB_NODELIST": "(first node)", "SLURM_NTASKS_PER_NODE": str(nproc)},
-                               master_port)
+        task = {"SLURM_PROCID": str(t), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(t % nproc),
+                "SLURM_JOB_NODELIST": "(first node)", "SLURM_NTASKS_PER_NODE": str(nproc)}
+        if cpus_per_task:
+            task["SLURM_CPUS_PER_TASK"] = str(cpus_per_task)
+        env = slurm_rendezvous(task, master_port)
+        where = place_rank("slurm", task, device=device, threads=threads, device_count=int(gpus_per_node or 0),
+                           cpu_count=int(cpus_per_task or 1) * nproc)
         rows.append(f"# {t:>4}  {t // nproc:>4}  {env['RANK']:>4}  {env['LOCAL_RANK']:>10}  {env['WORLD_SIZE']:>10}  "
                     f"{env['LOCAL_WORLD_SIZE']:>16}  {env['MASTER_ADDR']:<17}  {env['MASTER_PORT']:>11}  "
-                    f"{threads if threads else 'torch default':>7}")
+                    f"{str(where.device):<7}  {where.threads:>7}")
     signal_s = launcher.get("signal_delay_s", 120)
     return "\n".join([
         "# dry run (launcher.dry_run=true): nothing is submitted. The sbatch script submitit would submit:",
