@@ -30,7 +30,7 @@ from dipaco.job.train import train
 from dipaco.config.validate import validate_config
 
 SMOKE = ["experiment=smoke", "trainer.rounds=4", "trainer.dense_baseline=false", "trainer.threads=1"]
-SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.gpus_per_node=null",
+SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.group_size=1", "launcher.gpus_per_node=null",
          "launcher.cpus_per_task=1", "launcher.backend=gloo"]
 
 

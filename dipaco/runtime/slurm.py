@@ -115,10 +115,14 @@ def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads
                     f"{env['LOCAL_WORLD_SIZE']:>16}  {env['MASTER_ADDR']:<17}  {env['MASTER_PORT']:>11}  "
                     f"{str(where.device):<7}  {where.threads:>7}")
     signal_s = launcher.get("signal_delay_s", 120)
+    given = [o.split("=", 1)[1].strip("'\"") for o in overrides if o.startswith("run_dir=")]
+    where = (f"# the run directory (hydra.run.dir): {given[-1]}" if given else
+             "# the run directory: a folder of the sweep directory above (set hydra.run.dir=DIR to choose it)")
     return "\n".join([
         "# dry run (launcher.dry_run=true): nothing is submitted. The sbatch script submitit would submit:",
         script.rstrip(),
         "",
+        where,
         f"# each of the {world} srun tasks runs the dipaco-train job (pickled by submitit) with these overrides:",
         "#   " + (" ".join(shlex.quote(o) for o in overrides) or "(none)"),
         "# and turns its SLURM variables into torch.distributed's (dipaco/runtime/slurm.py):",
@@ -127,3 +131,27 @@ def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads
         f"# the job requeues itself (at most launcher.max_requeues={max_requeues} times); a requeued job runs with "
         "resume=true.",
     ])
+
+
+def submission_warnings(nproc: int, gpus_per_node: Optional[int], timeout_min: int,
+                        launcher: Mapping[str, Any]) -> list[str]:
+    """Settings sbatch accepts but that waste the job: idle GPUs, a SIGUSR2 lead time
+    (``hydra.launcher.signal_delay_s``) not shorter than the time limit."""
+    out = []
+    if gpus_per_node and nproc < gpus_per_node:
+        out.append(f"warning: launcher.nproc={nproc} ranks per node but launcher.gpus_per_node={gpus_per_node}: "
+                   f"{gpus_per_node - nproc} GPU(s) of each node are held and idle (set launcher.gpus_per_node="
+                   f"{nproc}, or launcher.nproc={gpus_per_node})")
+    lead = int(launcher.get("signal_delay_s", 120) or 0)
+    if lead >= 60 * int(timeout_min):
+        out.append(f"warning: SIGUSR2 comes hydra.launcher.signal_delay_s={lead} s before the time limit, but the "
+                   f"limit is launcher.timeout_min={timeout_min} ({60 * int(timeout_min)} s): the job is told to "
+                   "stop and requeue as soon as it starts (raise launcher.timeout_min or lower the delay)")
+    return out
+
+
+def submitted_text(job_id: str, stderr_log: str, stdout_log: str, tasks: int, nodes: int) -> str:
+    """What the login node says once sbatch accepted the job: its id, its logs, how to follow it."""
+    return (f"submitted SLURM job {job_id} ({tasks} task(s) on {nodes} node(s)); rank 0's log: {stdout_log} and "
+            f"{stderr_log} (task t: _t_ in the name); follow it with `tail -f {stderr_log}` or "
+            f"`squeue -j {job_id}`; this process waits for the job and reports how it ended")
