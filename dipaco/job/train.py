@@ -39,7 +39,7 @@ from dipaco.run.results import RoundsResult
 from dipaco.job.reshard import reshard_rounds, run_rounds_with_reshards
 from dipaco.run.resume import check_fresh, finished_summary, has_saved_config, resume_config
 from dipaco.rounds import run_rank
-from dipaco.run.run_dir import RunDir, disk_full_guard, prior_totals
+from dipaco.run.run_dir import RunDir, bytes_totals, disk_full_guard, prior_totals
 from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.config.schedule import describe_segments, extension_note
 from dipaco.runtime.slurm import slurm_rendezvous
@@ -301,6 +301,9 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
     plan = build_comm_plan(cfg, result.world_size)
     rounds_done = result.rounds - result.start_round
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
+    bytes_sent = result.bytes_sent
+    if cfg.diloco.mode == "sync" and run.metrics.is_file():  # every total: the sum of each round's record
+        bytes_sent, ddp_bytes = bytes_totals(run, result.rounds, plan.ddp_bytes_per_round)
     routed_ppl = routed["once"]["ppl"]
     dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
     routed_long = routed.get("once_long", {}).get("ppl")
@@ -327,9 +330,9 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "routed_ppl_last_weights": routed.get("last_weights", {}).get("ppl"),
         "best_rounds": routed.get("best_rounds"),
         "alpha": cfg.diloco.alpha,
-        "bytes_sent": result.bytes_sent,
+        "bytes_sent": bytes_sent,
         "ddp_bytes_equivalent": ddp_bytes,
-        "bytes_ratio_vs_ddp": result.bytes_sent / ddp_bytes if ddp_bytes else None,
+        "bytes_ratio_vs_ddp": bytes_sent / ddp_bytes if ddp_bytes else None,
         "tokens_per_s": result.tokens / max(rounds_s, 1e-9),
         "train_tokens": result.tokens,
         "compute_s": result.compute_s,
