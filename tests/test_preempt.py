@@ -24,13 +24,13 @@ from dipaco.runtime.preempt import DEADLINE_MARGIN_S, RequeueDeadline, requeued_
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.run.lock import LOCK_NAME, RunLock, check_unlocked
-from dipaco.runtime.slurm import task_threads
+from dipaco.runtime.placement import place_rank
 from dipaco.cli.slurm_launcher import describe_failure, report_failures
 from dipaco.job.train import train
 from dipaco.config.validate import validate_config
 
 SMOKE = ["experiment=smoke", "trainer.rounds=4", "trainer.dense_baseline=false", "trainer.threads=1"]
-SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.gpus_per_node=null",
+SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.group_size=1", "launcher.gpus_per_node=null",
          "launcher.cpus_per_task=1", "launcher.backend=gloo"]
 
 
@@ -180,9 +180,10 @@ def test_a_requeued_job_resumes_and_a_first_one_does_not() -> None:
 
 
 def test_task_threads_follow_cpus_per_task_unless_trainer_threads() -> None:
-    assert task_threads({"SLURM_CPUS_PER_TASK": "6"}, None) == 6
-    assert task_threads({"SLURM_CPUS_PER_TASK": "6"}, 2) == 2
-    assert task_threads({}, None) is None
+    task = {"SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4"}
+    assert place_rank("slurm", {**task, "SLURM_CPUS_PER_TASK": "6"}, cpu_count=64).threads == 6
+    assert place_rank("slurm", {**task, "SLURM_CPUS_PER_TASK": "6"}, threads=2, cpu_count=64).threads == 2
+    assert place_rank("slurm", task, cpu_count=64).threads == 16  # no cpus_per_task: the node's cores shared
 
 
 def _task_logs(folder: Path, job: str, errors: dict[int, str], mtimes: dict[int, float]) -> None:

@@ -56,7 +56,7 @@ CASES: list[tuple[list[str], str]] = [
       "launcher.min_nproc=3"], "launcher.min_nproc"),
     (["launcher=spawn", "launcher.nproc=3", "launcher.group_size=2"], "launcher.nproc"),
     (["launcher=spawn", "launcher.nproc=8"], "launcher.nproc"),
-    (["launcher=slurm", "launcher.partition=gpu", "launcher.nodes=2", "launcher.nproc=4"], "launcher.nproc"),
+    (["launcher=slurm", "launcher.partition=gpu", "launcher.nodes=2", "launcher.nproc=8"], "launcher.nproc"),
     (["trainer.total_steps=10"], "trainer.total_steps"),
     (["trainer.rounds=3", "trainer.total_steps=8"], "trainer.rounds"),
     (["data.documents_per_path=10", "data.max_train_documents=7"], "data.documents_per_path"),

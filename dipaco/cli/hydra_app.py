@@ -15,8 +15,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
 from dipaco.config import Config, compose_config, resolve_tokenizer_vocab, to_config
+from dipaco.config.paths import pin_argument, pin_paths
 from dipaco.run.path_guard import check_run_root
-from dipaco.runtime.slurm import dry_run_text
+from dipaco.runtime.progress import say
+from dipaco.runtime.slurm import dry_run_text, submission_warnings
 from dipaco.config.validate import validate_config
 
 # Written by Hydra into the output directory before any dipaco code runs: switched off
@@ -42,7 +44,7 @@ def config_from_hydra(cfg: DictConfig) -> Config:
     conf = to_config(cfg)
     if conf.run_dir is None:
         conf.run_dir = hydra.runtime.output_dir
-    return resolve_tokenizer_vocab(conf, hydra.overrides.task)
+    return resolve_tokenizer_vocab(pin_paths(conf), hydra.overrides.task)
 
 
 def command_line_overrides() -> list[str]:
@@ -94,6 +96,7 @@ def protect_run_dir(argv: list[str]) -> list[str]:
         argv = [a for a in argv if a != "--debug"]
     if "-m" in argv or "--multirun" in argv or any(a.startswith("-") for a in argv):
         return argv  # a sweep, --help, --cfg, ...: Hydra's own behaviour
+    argv = pin_run_dir(argv)
     run_dir = _run_dir_argument(argv)
     try:
         if run_dir is not None and "${" not in run_dir:
@@ -105,6 +108,20 @@ def protect_run_dir(argv: list[str]) -> list[str]:
     _EXISTING.update(d for d in (base, *base.parents) if d.exists())
     given = {a.split("=", 1)[0] for a in argv}
     return argv + [q for q in _QUIET_HYDRA if q.split("=", 1)[0] not in given]
+
+
+def pin_run_dir(argv: list[str]) -> list[str]:
+    """``hydra.run.dir`` pinned (:func:`dipaco.config.paths.pin_argument`: ``~`` expanded,
+    absolute), so the folder the guard checks is the folder Hydra makes; under
+    ``launcher=slurm``, whose Hydra launcher writes under ``hydra.sweep.dir`` instead, the
+    same folder is also the job's ``run_dir``: the run lands where ``hydra.run.dir`` says."""
+    run_dir = _run_dir_argument(argv)
+    if run_dir is None or "${" in run_dir:
+        return argv
+    out = [pin_argument("hydra.run.dir", run_dir) if a.split("=", 1)[0] == "hydra.run.dir" else a for a in argv]
+    if "launcher=slurm" in argv and not any(a.split("=", 1)[0] == "run_dir" for a in argv):
+        out.append(pin_argument("run_dir", run_dir))
+    return out
 
 
 def check_overrides(argv: list[str]) -> None:
@@ -138,7 +155,8 @@ def print_dry_run(conf: Config, config: DictConfig) -> None:
     """``launcher.dry_run=true``: the job script and each task's environment, on stdout."""
     la = conf.launcher
     print(dry_run_text(OmegaConf.to_container(config.hydra.launcher, resolve=True), nodes=la.nodes,
-                       nproc=la.nproc, threads=conf.trainer.threads or la.cpus_per_task,
+                       nproc=la.nproc, threads=conf.trainer.threads, cpus_per_task=la.cpus_per_task,
+                       gpus_per_node=la.gpus_per_node, device=conf.trainer.device,
                        master_port=la.master_port, max_requeues=la.max_requeues,
                        overrides=[o for o in config.hydra.overrides.task if not o.startswith("launcher.dry_run")]))
 
@@ -160,6 +178,11 @@ class ValidateBeforeLaunch(Callback):
             validate_config(conf)
         except user_errors() as e:
             fail(str(e))
+        if conf.launcher.name == "slurm":
+            la = conf.launcher
+            for line in submission_warnings(la.nproc, la.gpus_per_node, la.timeout_min,
+                                            OmegaConf.to_container(config.hydra.launcher, resolve=True)):
+                say(line)
         if conf.launcher.name == "slurm" and conf.launcher.dry_run:
             print_dry_run(conf, config)
             raise SystemExit(0)  # before the sweeper writes anything

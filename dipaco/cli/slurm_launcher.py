@@ -14,14 +14,17 @@ that fails makes the others fail later, at a collective); else the task submitit
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from submitit.core.utils import FailedJobError, FailedSubmissionError, JobPaths, UncompletedJobError
 
 from dipaco.cli.errors import fail
+from dipaco.runtime.progress import say
+from dipaco.runtime.slurm import submitted_text
 
 # the last line of a task's log that says what went wrong: dipaco's one line, or the
 # final line of a Python traceback
@@ -33,12 +36,45 @@ def report_failures(launch: Callable[[], Any], folder: str) -> Any:
     """``launch()`` (the submitit launcher's), with a refused submission or a failed job
     turned into one line; ``folder`` is the launcher's ``submitit_folder``."""
     try:
-        return launch()
+        with announce_submissions():
+            return launch()
     except (subprocess.CalledProcessError, FailedSubmissionError) as e:
         fail(f"sbatch refused the job: {_last_line(str(getattr(e, 'output', '') or e))} "
              "(change the launcher.* or hydra.launcher.* key it names)", code=2)
     except (UncompletedJobError, FailedJobError) as e:
         fail(describe_failure(str(e), folder), code=1)
+
+
+@contextlib.contextmanager
+def announce_submissions() -> Iterator[None]:
+    """While the submitit launcher runs: each job sbatch accepted is announced on the login
+    node (:func:`dipaco.runtime.slurm.submitted_text`) before the launcher waits for it.
+
+    Hydra's submitit launcher submits and then blocks on the results in one method; the
+    hook is submitit's ``map_array``, wrapped for the duration (this module is the one
+    place dipaco touches submitit's login-node side)."""
+    import submitit
+
+    own = submitit.AutoExecutor.__dict__.get("map_array")  # None: inherited
+    original = submitit.AutoExecutor.map_array
+
+    def map_array(self: Any, *args: Any, **kwargs: Any) -> Any:
+        jobs = original(self, *args, **kwargs)
+        params = getattr(getattr(self, "_executor", None), "parameters", {}) or {}
+        nodes = int(params.get("nodes", 1) or 1)
+        tasks = nodes * int(params.get("ntasks_per_node", 1) or 1)
+        for job in jobs:
+            say(submitted_text(str(job.job_id), str(job.paths.stderr), str(job.paths.stdout), tasks, nodes))
+        return jobs
+
+    submitit.AutoExecutor.map_array = map_array  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del submitit.AutoExecutor.map_array
+        else:
+            submitit.AutoExecutor.map_array = own  # type: ignore[method-assign]
 
 
 def describe_failure(message: str, folder: str) -> str:

@@ -13,6 +13,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from dipaco.config.errors import ConfigError, composition_error, require
+from dipaco.config.paths import pin_paths
 from dipaco.config.schema import (Config, DataConfig, DiLoCoConfig, GridConfig, LauncherConfig, RouterConfig,
                                   TrainerConfig)
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
@@ -104,7 +105,8 @@ def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str]
             cfg = to_config(compose("config", overrides=list(overrides or [])))
         except HydraException as e:  # a value of the wrong type, a malformed override
             raise composition_error(e) from None
-    resolve_tokenizer_vocab(cfg, list(overrides or []))
     if run_dir is not None:
         cfg.run_dir = str(run_dir)
+    pin_paths(cfg)  # a path means one thing, whatever directory reads the config later
+    resolve_tokenizer_vocab(cfg, list(overrides or []))
     return cfg

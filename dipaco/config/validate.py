@@ -66,8 +66,7 @@ def validate_config(cfg: Config) -> None:
         trained = num_paths * g.replicas
         require(world // la.group_size <= trained, "launcher.nproc",
                  f"{world // la.group_size} worker groups for {trained} paths would leave ranks idle",
-                 f"use launcher.nproc={la.group_size * max(1, trained // nodes)} (at most {trained * la.group_size} "
-                 "ranks in all, launcher.nproc x launcher.nodes), or fewer launcher.nodes")
+                 _idle_ranks_fix(world, trained, la, t.batch_size, nodes))
     require(t.batch_size % la.group_size == 0, "trainer.batch_size",
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              f"use trainer.batch_size={la.group_size * max(1, -(-t.batch_size // la.group_size))} (a multiple of "
@@ -213,6 +212,17 @@ def _validate_group_parallel(cfg: Config) -> None:
         require(not bad, "launcher.group_size", f"fsdp needs every parameter's first dimension to divide by "
                 f"{la.group_size}; {mid} has {', '.join(bad)}", "pick a group size that divides model.d_model, "
                 "model.vocab_size and the MLP width")
+
+
+def _idle_ranks_fix(world: int, paths: int, la: LauncherConfig, batch_size: int, nodes: int) -> str:
+    """The fix for more worker groups than paths: fewer ranks, or bigger groups when that fits
+    (each a concrete override, so applying the fix is accepted)."""
+    fewer = (f"use launcher.nproc={la.group_size * max(1, paths // nodes)} (at most {paths * la.group_size} ranks "
+             "in all, launcher.nproc x launcher.nodes), or fewer launcher.nodes")
+    g = world // paths if world % paths == 0 else None
+    if g and g > la.group_size and batch_size % g == 0 and la.group_parallel == "replicate":
+        return f"set launcher.group_size={g} ({paths} worker groups of {g} ranks), or {fewer}"
+    return fewer
 
 
 def _validate_slurm(la: LauncherConfig) -> None:

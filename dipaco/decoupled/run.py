@@ -44,6 +44,7 @@ from dipaco.decoupled.store import Store
 from dipaco.decoupled.worker import RESIDUALS, path_state_key, worker_main
 from dipaco.run.fingerprint import checkpoint_stamp
 from dipaco.rounds.dense import load_dense_state
+from dipaco.runtime.launch import StopSignals
 from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import warmup_steps
@@ -195,9 +196,14 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     chaos_armed = not chaos.kill_every_s or chaos.max_kills <= 0
     deadline = t0 + dcfg.timeout_s
     started = False
+    stopped = None
     try:
         while True:
             now = time.time()
+            if StopSignals.received:  # the one stop contract: end now, keep the last complete phase
+                stopped = StopSignals.received
+                sup_event({"e": "stop", "signal": stopped})
+                break
             if now > deadline:
                 raise DecoupledError(f"decoupled phase exceeded diloco.decoupled.timeout_s={dcfg.timeout_s}s")
             if not started and len(store.list("control")) >= n_workers:
@@ -258,8 +264,11 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     metrics.update({"kills": kills, "restarts": restarts, "supervisor_s": train_s})
     (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _append_round_metrics(cfg, run, store)
-    ckpt = write_checkpoint(cfg, run, store, plan)
     done_rounds = min(_rounds_done(store, p, H) for p in range(P))
+    # stopped: the store keeps every finished phase (a resume continues from it); the
+    # checkpoint is that of the last phase every path finished, not the run's last round
+    ckpt = write_checkpoint(cfg, run, store, plan, done_rounds if stopped else None) \
+        if not stopped or done_rounds > 0 else None
     say(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
          f"versions {metrics['module_versions']}, dropped {metrics['dropped'] or 'none'}, "
          f"ledger {'ok' if metrics['ledger_ok'] else 'VIOLATED'}")
@@ -279,7 +288,7 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
         bytes_sent=int(metrics["bytes_pushed"]),
         compute_s=compute_s,
         sync_s=max(0.0, train_s - compute_s),
-        checkpoint=str(ckpt),
+        checkpoint=str(ckpt) if ckpt is not None else None,
         decoupled={k: v for k, v in metrics.items() if k != "ledger"},
     )
 
@@ -335,7 +344,7 @@ def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
         writer.log_steps(steps)
 
 
-def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
+def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict, round_idx: Optional[int] = None) -> Path:
     """The final versions as an ordinary checkpoint ``round_<R>``, in sync mode's layout.
 
     ``outer/<module>`` holds the module's core state (θ_global, outer optimiser state) and
@@ -344,7 +353,7 @@ def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict) -> Path:
     ``state.json`` records (a sync resume with another grouping drops them).
     """
     grid = build_grid(cfg)
-    R = int(plan["rounds"])
+    R = int(plan["rounds"]) if round_idx is None else int(round_idx)  # round_idx: a stopped run's
     ckpts = CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last, stamp=checkpoint_stamp(run))
     part = ckpts.begin(R)
     residuals: dict[str, dict[str, torch.Tensor]] = {m: {} for m in plan["module_ids"]}

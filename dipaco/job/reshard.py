@@ -28,7 +28,7 @@ from dipaco.data import progress_bars
 from dipaco.rounds.evaluate import per_document_losses
 from dipaco.run.fingerprint import Fingerprints
 from dipaco.job.evaluation import load_grid_from_checkpoint
-from dipaco.runtime.launch import launch
+from dipaco.runtime.launch import StopSignals, launch
 from dipaco.job.prepare import Prepared, shards_fingerprint
 from dipaco.run.results import RoundsResult
 from dipaco.rounds import run_rank
@@ -89,10 +89,14 @@ def run_rounds_with_reshards(cfg: Config, run: RunDir, prep: Prepared) -> Rounds
             resume = True
             if got.completed_rounds < r:  # stopped early (trainer.stop_after_rounds, a signal)
                 return result
+        if StopSignals.received:  # a stop that came in the round before the re-shard: stop here
+            return result if result is not None else _stopped_at(cfg, reached, ckpts.final_dir(reached))
         reshard(cfg, run, prep, ckpts.final_dir(r), r)
         resume = True
         if user_stop is not None and user_stop <= r:
             return result if result is not None else _stopped_at(cfg, r, ckpts.final_dir(r))
+    if StopSignals.received and result is not None:  # it came during the last re-shard
+        return result
     last = copy.deepcopy(cfg)
     last.resume = resume
     got = launch(run_rank, last, run)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
@@ -31,6 +30,7 @@ from dipaco.run.fingerprint import preflight_resume
 from dipaco.job.evaluation import evaluate_run
 from dipaco.runtime import elastic
 from dipaco.runtime.launch import StopSignals, init_distributed, launch, require_torchrun_env
+from dipaco.runtime.placement import apply_placement, placement_of
 from dipaco.run.path_guard import check_run_root, check_target
 from dipaco.job.plots import write_plots
 from dipaco.runtime.preempt import RequeueDeadline, requeued_resume, stopped
@@ -39,11 +39,10 @@ from dipaco.run.results import RoundsResult
 from dipaco.job.reshard import reshard_rounds, run_rounds_with_reshards
 from dipaco.run.resume import check_fresh, finished_summary, has_saved_config, resume_config
 from dipaco.rounds import run_rank
-from dipaco.run.run_dir import RunDir, disk_full_guard, prior_totals
+from dipaco.run.run_dir import RunDir, bytes_totals, disk_full_guard, prior_totals
 from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.config.schedule import describe_segments, extension_note
-from dipaco.runtime.hardware import cap_threads
-from dipaco.runtime.slurm import slurm_rendezvous, task_threads
+from dipaco.runtime.slurm import slurm_rendezvous
 from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
 from dipaco.runtime.tracking import MetricsWriter, writer_for
 from dipaco.config.validate import validate_config
@@ -102,10 +101,8 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
     set_deterministic(cfg.trainer.deterministic)  # before any CUDA work (the warm-up, the features)
     if cfg.launcher.name == "slurm":  # each srun task's SLURM env becomes the torchrun env
         os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
-        threads = task_threads(os.environ, cfg.trainer.threads)
-        if threads:  # the task's CPUs (launcher.cpus_per_task), not every core of the node; capped at its share
-            torch.set_num_threads(cap_threads(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                              _log if os.environ.get("LOCAL_RANK", "0") == "0" else None))
+        # the task's GPU and CPUs (launcher.cpus_per_task), not GPU 0 and every core of the node
+        apply_placement(placement_of(cfg))
     if cfg.launcher.name in ("torchrun", "slurm"):
         require_torchrun_env()
         if int(os.environ["RANK"]) != 0:  # rank 0 holds the lock and writes the shared files
@@ -218,7 +215,7 @@ def _train_under_torchrun(cfg: Config, run: RunDir, changes: dict[str, list]) ->
     if cfg.router.reshard_at_round is not None:
         raise ConfigError("router.reshard_at_round", "re-sharding is not supported under torchrun yet",
                           "use launcher=spawn on one host, or drop the re-shard")
-    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
+    rank, world = init_distributed(placement_of(cfg), cfg.launcher.timeout_s)
     deadline = None
     if cfg.launcher.name == "slurm" and rank == 0:  # a round that cannot end in time is abandoned
         deadline = RequeueDeadline(cfg, os.environ, log=_log)
@@ -305,6 +302,9 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
     plan = build_comm_plan(cfg, result.world_size)
     rounds_done = result.rounds - result.start_round
     ddp_bytes = plan.ddp_bytes_per_round * rounds_done
+    bytes_sent = result.bytes_sent
+    if cfg.diloco.mode == "sync" and run.metrics.is_file():  # every total: the sum of each round's record
+        bytes_sent, ddp_bytes = bytes_totals(run, result.rounds, plan.ddp_bytes_per_round)
     routed_ppl = routed["once"]["ppl"]
     dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
     routed_long = routed.get("once_long", {}).get("ppl")
@@ -331,9 +331,9 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "routed_ppl_last_weights": routed.get("last_weights", {}).get("ppl"),
         "best_rounds": routed.get("best_rounds"),
         "alpha": cfg.diloco.alpha,
-        "bytes_sent": result.bytes_sent,
+        "bytes_sent": bytes_sent,
         "ddp_bytes_equivalent": ddp_bytes,
-        "bytes_ratio_vs_ddp": result.bytes_sent / ddp_bytes if ddp_bytes else None,
+        "bytes_ratio_vs_ddp": bytes_sent / ddp_bytes if ddp_bytes else None,
         "tokens_per_s": result.tokens / max(rounds_s, 1e-9),
         "train_tokens": result.tokens,
         "compute_s": result.compute_s,

@@ -12,7 +12,7 @@ import torch
 
 from dipaco.plan.comm_plan import CommPlan, module_bytes_per_rank, plan_round
 from dipaco.config import Config, codec_kwargs
-from dipaco.runtime.device import choose_device, local_rank_env
+from dipaco.runtime.placement import placement_of
 from dipaco.plan.codecs import make_codec
 from dipaco.plan.stagger import Points, format_stagger, streaming_points
 from dipaco.plan.topology import Topology
@@ -20,8 +20,9 @@ from modules import ModuleGrid
 
 
 def run_device(cfg: Config) -> torch.device:
-    """This process's device for ``cfg`` (``trainer.device``; GPU ``LOCAL_RANK % count``)."""
-    return choose_device(cfg.trainer.device, local_rank_env()[0])
+    """This process's device for ``cfg`` (``trainer.device``; GPU ``host rank % count``,
+    :mod:`dipaco.runtime.placement`)."""
+    return placement_of(cfg).device
 
 
 def build_grid(cfg: Config, device: Optional[torch.device] = None) -> ModuleGrid:

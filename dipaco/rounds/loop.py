@@ -48,9 +48,14 @@ def run_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -> 
     for r in range(start_round, R):
         play = run_streaming_round if rs.stream is not None else run_round
         rec.round_done(r, play(rs, r, on_step=rec.on_step))
+        due = (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R
+        if due:
+            rec.checkpoint(r + 1)
+        # asked after the round's checkpoint, so a signal that came while it was written
+        # stops here, not one round later (one collective per round: every rank agrees)
         stop = cfg.trainer.stop_after_rounds is not None and r + 1 >= cfg.trainer.stop_after_rounds
         stop = stop_requested(rs.distributed) or stop  # SIGTERM/SIGINT: every rank stops after this round
-        if (r + 1) % cfg.trainer.checkpoint_every == 0 or r + 1 == R or stop:
+        if stop and not due:
             rec.checkpoint(r + 1)
         if stop:
             say(f"stopping after round {r + 1} (checkpoint written)", rank)

@@ -22,7 +22,8 @@ from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
 from dipaco.rounds.dense import load_dense_state
 from dipaco.run.fingerprint import checkpoint_stamp
-from dipaco.runtime.device import rank_device, reset_peak_memory, set_deterministic
+from dipaco.runtime.device import reset_peak_memory, set_deterministic
+from dipaco.runtime.placement import placement_of
 from dipaco.rounds.learner import PathLearner
 from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
@@ -74,8 +75,8 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
     """Device, grid, topology, process groups, FSDP, sync and learners of one rank."""
     distributed = rank is not None
     set_deterministic(cfg.trainer.deterministic)  # spawned ranks are fresh interpreters
-    # this rank's device (GPU LOCAL_RANK % count; the local backend: every path on one)
-    placement = rank_device(cfg.trainer.device, cfg.launcher.backend)
+    # this rank's device (GPU host rank % count; the local backend: every path on one)
+    placement = placement_of(cfg).rank_device
     device = placement.device
     if not distributed:
         say(placement.describe())

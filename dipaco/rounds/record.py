@@ -18,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
+from dipaco.plan.build import build_comm_plan
 from dipaco.run.checkpoint import atomic_write_text
 from dipaco.runtime import elastic
 from dipaco.runtime.device import peak_memory_bytes
@@ -94,6 +95,8 @@ class RoundRecorder:
             if cfg.logging.val_documents else None
         self.totals = _Totals()
         self.last_checkpoint: Optional[Path] = None
+        # DDP's bytes for one round of this launch's topology: each round records its own
+        self.ddp_bytes = build_comm_plan(cfg, rs.world_size).ddp_bytes_per_round
 
     def on_step(self) -> None:
         """After each inner step (the progress bar)."""
@@ -131,7 +134,7 @@ class RoundRecorder:
         everyone = gather(record, rs.distributed)
         if self.writer is not None:
             self.writer.log_steps(merge_step_records([rec.pop("steps") for rec in everyone]))
-            line = _round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr)
+            line = _round_record(r + 1, everyone, outer_lr=cfg.diloco.outer.lr, ddp_bytes=self.ddp_bytes)
             if cfg.launcher.elastic:  # other runs' lines stay as they were
                 line["worker_groups"] = rs.topo.num_groups  # changes with the membership
             if r == self.start_round and elastic.current_change() is not None:
@@ -185,7 +188,7 @@ def _module_stats(round_stats: RoundStats) -> dict[str, dict]:
     return out
 
 
-def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[str, Any]:
+def _round_record(round_idx: int, records: list[dict], outer_lr: float, ddp_bytes: int) -> dict[str, Any]:
     """All ranks' records of one round merged: per-path loss and lr, per-module sync stats,
     bytes, time split (slowest rank)."""
     paths: dict[str, dict] = {}
@@ -199,7 +202,8 @@ def _round_record(round_idx: int, records: list[dict], outer_lr: float) -> dict[
                         # every rank's tokens (the ranks of a worker group split its batches)
                         tokens=sum(r["tokens"] for r in records),
                         compute_s=max(r["compute_s"] for r in records),
-                        wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records))
+                        wait_s=max(r["wait_s"] for r in records), sync_s=max(r["sync_s"] for r in records),
+                        ddp_bytes=ddp_bytes)
     streaming = {"inflight_peak_bytes": max(r["inflight_peak_bytes"] for r in records),
                  "blocked_s": max(r["blocked_s"] for r in records)}
     return {**line, "outer_lr": outer_lr, **streaming}

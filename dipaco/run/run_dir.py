@@ -222,3 +222,16 @@ def prior_totals(run: "RunDir", result: RoundsResult, rounds_s: float,
             x["tokens"] if "tokens" in x else sum(p["tokens"] for p in x["paths"].values()) for x in before))
     timed = [x for x in before if timed_from is None or int(x["round"]) <= timed_from]
     return out, rounds_s + sum(x.get("compute_s", 0) + x.get("wait_s", 0) + x.get("sync_s", 0) for x in timed)
+
+
+def bytes_totals(run: "RunDir", rounds: int, ddp_per_round: int) -> tuple[int, int]:
+    """``(bytes sent, DDP-equivalent bytes)`` of rounds 1..``rounds``, each the sum of every
+    round's own record in ``metrics.jsonl``: a run resumed under another launcher, or whose
+    worker groups changed (elastic), counts each round on the topology that trained it.
+    A record written before rounds recorded their DDP bytes counts ``ddp_per_round``."""
+    sent = ddp = 0
+    for x in run.records():
+        if 0 < int(x.get("round", 0)) <= rounds:
+            sent += int(x.get("bytes_sent", 0))
+            ddp += int(x.get("ddp_bytes_equivalent", ddp_per_round))
+    return sent, ddp

@@ -49,9 +49,10 @@ from typing import Any, Callable, Optional
 from dipaco.config import Config
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.faults import NODE_ENV
+from dipaco.runtime.placement import agent_env
 from dipaco.runtime.progress import say
 
-__all__ = ["ElasticOutcome", "run_agents", "RESTART_EXIT"]
+__all__ = ["ElasticOutcome", "agent_config", "agent_rank_env", "run_agents", "RESTART_EXIT"]
 
 # torch's agents share one TCPStore server across rendezvous rounds by default; its keys
 # outlive a restart, so the ranks of the next round read the dead round's gloo addresses
@@ -98,6 +99,9 @@ def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, 
 
     os.setpgrp()  # a Ctrl-C in the terminal reaches the launcher only, which stops the agents
     os.environ[NODE_ENV] = f"spawn-{slot}"  # the ranks inherit it: the name in membership.jsonl
+    # torch numbers ranks within this agent only: the ranks learn their place on the host
+    # (their GPU, their share of the cores) from where this agent's block starts
+    os.environ.update(agent_rank_env(slot, lc))
     os.environ[NO_SHARED_STORE_ENV] = "1"  # see HAZARDS
     for name in _QUIET:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -138,6 +142,23 @@ def _newest_round(run: RunDir) -> int:
     return max((int(n) for n in names), default=0)
 
 
+def agent_config(la: Any, port: int) -> dict:
+    """The torch ``LaunchConfig`` keywords of every agent: one per worker group, ``G`` ranks each."""
+    G, slots = la.group_size, la.nproc // la.group_size
+    return dict(min_nodes=(la.min_nproc or G) // G, max_nodes=slots, nproc_per_node=G,
+                run_id=f"dipaco-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
+                rdzv_configs={"is_host": False, "join_timeout": int(max(JOIN_TIMEOUT_S, la.timeout_s)),
+                              "last_call_timeout": LAST_CALL_S, "keep_alive_interval": KEEP_ALIVE_S,
+                              "keep_alive_max_attempt": KEEP_ALIVE_TRIES},
+                max_restarts=la.max_restarts, monitor_interval=MONITOR_S, start_method="spawn")
+
+
+def agent_rank_env(slot: int, lc: dict) -> dict[str, str]:
+    """What the agent of ``slot`` adds to its ranks' env: where its block of the host starts
+    (torch numbers ranks within one agent only; :mod:`dipaco.runtime.placement`)."""
+    return agent_env(slot, lc["nproc_per_node"], lc["max_nodes"] * lc["nproc_per_node"])
+
+
 def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tuple, port: int,
                stop_requested: Callable[[], bool]) -> ElasticOutcome:
     """Run ``entry(*fn_args)`` on ``launcher.nproc`` ranks, one elastic agent per worker group."""
@@ -149,11 +170,7 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
     # hosted here (see HAZARDS); the agents connect as clients (is_host=False)
     store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=la.timeout_s))
-    lc = dict(min_nodes=min_slots, max_nodes=slots, nproc_per_node=G, run_id=f"dipaco-{uuid.uuid4().hex[:8]}",
-              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}",
-              rdzv_configs={"is_host": False, "join_timeout": int(max(JOIN_TIMEOUT_S, la.timeout_s)), "last_call_timeout": LAST_CALL_S,
-                            "keep_alive_interval": KEEP_ALIVE_S, "keep_alive_max_attempt": KEEP_ALIVE_TRIES},
-              max_restarts=la.max_restarts, monitor_interval=MONITOR_S, start_method="spawn")
+    lc = agent_config(la, port)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     agents: dict[int, Any] = {}

@@ -31,8 +31,7 @@ from omegaconf import OmegaConf
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config, to_config
 from dipaco.runtime import elastic
-from dipaco.runtime.device import rank_device
-from dipaco.runtime.hardware import cap_threads
+from dipaco.runtime.placement import Placement, apply_placement, placement_of
 from dipaco.runtime.elastic_spawn import RESTART_EXIT, run_agents
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
@@ -120,30 +119,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(backend: str, timeout_s: float, device: str = "auto") -> tuple[int, int]:
+def init_distributed(placement: Placement, timeout_s: float) -> tuple[int, int]:
     """Join the process group described by the env (RANK, WORLD_SIZE, MASTER_*).
 
-    The rank's GPU and the backend come from :func:`dipaco.runtime.device.rank_device` (GPU
-    ``LOCAL_RANK % device_count``; nccl only with one GPU per rank); the CUDA device is
-    set before the group exists, so nccl and the sync's staging use the right one.
+    ``placement`` is this rank's (:func:`dipaco.runtime.placement.placement_of`: GPU
+    ``host rank % device_count``, threads by ranks per host; nccl only with one GPU per
+    rank); it is applied before the group exists, so nccl and the sync's staging use the
+    right GPU.
     """
-    placement = rank_device(device, backend)
     if not dist.is_initialized():
-        if placement.device.type == "cuda":
-            torch.cuda.set_device(placement.device)
-        dist.init_process_group(backend=placement.backend, timeout=_dt.timedelta(seconds=timeout_s))
+        apply_placement(placement)
+        dist.init_process_group(backend=placement.rank_device.backend, timeout=_dt.timedelta(seconds=timeout_s))
     if dist.get_rank() == 0:
         log.info(f"{dist.get_world_size()} rank(s); rank 0: {placement.describe()}")
     return dist.get_rank(), dist.get_world_size()
-
-
-def _set_threads(cfg: Config, local_world: int) -> None:
-    """Share the host's cores among its ranks (two 1-thread ranks ≈ one 2-thread process)."""
-    if cfg.trainer.threads:  # capped at the rank's share of the cores, with a line
-        torch.set_num_threads(cap_threads(int(cfg.trainer.threads), local_world,
-                                          log.warning if os.environ.get("RANK", "0") == "0" else None))
-    elif local_world > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
 def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
@@ -151,9 +140,7 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple
     cfg = to_config(cfg_dict)
     if os.environ.get("RANK") == "0":  # a spawned rank 0: its messages join the job's train.log
         share_run_log(run.log_file)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    _set_threads(cfg, local_world)
-    rank, world = init_distributed(cfg.launcher.backend, cfg.launcher.timeout_s, cfg.trainer.device)
+    rank, world = init_distributed(placement_of(cfg), cfg.launcher.timeout_s)
     try:
         with StopSignals():  # the elastic agent forwards SIGTERM to its workers
             if cfg.launcher.elastic and elastic.join(run, rank, world).restart:
@@ -178,7 +165,7 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
     """
     name = cfg.launcher.name
     if name == "local":
-        _set_threads(cfg, 1)
+        apply_placement(placement_of(cfg))
         return fn(cfg, run, None, 1, *args)
     cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if name in ("torchrun", "slurm"):  # slurm: dipaco.runtime.slurm exported the torchrun env

@@ -82,44 +82,47 @@ def sbatch_script(launcher: Mapping[str, Any], command: str = "<submitit task>")
     return submitit_slurm._make_sbatch_string(command=command, folder=folder, **params)
 
 
-def task_threads(env: Mapping[str, str], threads: Optional[int]) -> Optional[int]:
-    """Torch threads of one srun task: ``trainer.threads`` if set, else the CPUs SLURM gave
-    the task (``SLURM_CPUS_PER_TASK``, from ``launcher.cpus_per_task``); ``None``: leave
-    torch's default (every core of the node, which ranks sharing a node would oversubscribe)."""
-    if threads:
-        return int(threads)
-    cpus = env.get("SLURM_CPUS_PER_TASK", "")
-    return int(cpus) if cpus.isdigit() and int(cpus) > 0 else None
-
-
 def submitit_command(folder: str) -> str:
     """The command each srun task runs: submitit's runner, which unpickles the Hydra job."""
     return f"{sys.executable} -u -m submitit.core._submit {shlex.quote(folder)}"
 
 
 def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads: Optional[int],
-                 master_port: int, max_requeues: int, overrides: Sequence[str]) -> str:
+                 master_port: int, max_requeues: int, overrides: Sequence[str], device: str = "auto",
+                 cpus_per_task: Optional[int] = None, gpus_per_node: Optional[int] = None) -> str:
     """What ``dipaco-train launcher=slurm launcher.dry_run=true`` prints: the sbatch script
-    submitit would submit and the torch.distributed environment each task derives."""
+    submitit would submit and the torch.distributed environment, device and threads each
+    task derives (by :func:`dipaco.runtime.placement.place_rank`, as the task will)."""
+    from dipaco.runtime.placement import place_rank
+
     folder = str(Path(str(launcher.get("submitit_folder", ".submitit/%j"))).absolute())
     script = sbatch_script({**launcher, "submitit_folder": folder}, command=submitit_command(folder))
     world = nodes * nproc
     shown = list(range(world)) if world <= 16 else [*range(nproc), world - 1]
-    rows = ["# task  node  RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR        MASTER_PORT  threads"]
+    rows = ["# task  node  RANK  LOCAL_RANK  WORLD_SIZE  LOCAL_WORLD_SIZE  MASTER_ADDR        MASTER_PORT  "
+            "device   threads"]
     for t in shown:
         if shown[-1] == t and len(shown) < world:
             rows.append(f"# ... ({world} tasks in all)")
-        env = slurm_rendezvous({"SLURM_PROCID": str(t), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(t % nproc),
-                                "SLURM_JOB_NODELIST": "(first node)", "SLURM_NTASKS_PER_NODE": str(nproc)},
-                               master_port)
+        task = {"SLURM_PROCID": str(t), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(t % nproc),
+                "SLURM_JOB_NODELIST": "(first node)", "SLURM_NTASKS_PER_NODE": str(nproc)}
+        if cpus_per_task:
+            task["SLURM_CPUS_PER_TASK"] = str(cpus_per_task)
+        env = slurm_rendezvous(task, master_port)
+        where = place_rank("slurm", task, device=device, threads=threads, device_count=int(gpus_per_node or 0),
+                           cpu_count=int(cpus_per_task or 1) * nproc)
         rows.append(f"# {t:>4}  {t // nproc:>4}  {env['RANK']:>4}  {env['LOCAL_RANK']:>10}  {env['WORLD_SIZE']:>10}  "
                     f"{env['LOCAL_WORLD_SIZE']:>16}  {env['MASTER_ADDR']:<17}  {env['MASTER_PORT']:>11}  "
-                    f"{threads if threads else 'torch default':>7}")
+                    f"{str(where.device):<7}  {where.threads:>7}")
     signal_s = launcher.get("signal_delay_s", 120)
+    given = [o.split("=", 1)[1].strip("'\"") for o in overrides if o.startswith("run_dir=")]
+    where = (f"# the run directory (hydra.run.dir): {given[-1]}" if given else
+             "# the run directory: a folder of the sweep directory above (set hydra.run.dir=DIR to choose it)")
     return "\n".join([
         "# dry run (launcher.dry_run=true): nothing is submitted. The sbatch script submitit would submit:",
         script.rstrip(),
         "",
+        where,
         f"# each of the {world} srun tasks runs the dipaco-train job (pickled by submitit) with these overrides:",
         "#   " + (" ".join(shlex.quote(o) for o in overrides) or "(none)"),
         "# and turns its SLURM variables into torch.distributed's (dipaco/runtime/slurm.py):",
@@ -128,3 +131,27 @@ def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads
         f"# the job requeues itself (at most launcher.max_requeues={max_requeues} times); a requeued job runs with "
         "resume=true.",
     ])
+
+
+def submission_warnings(nproc: int, gpus_per_node: Optional[int], timeout_min: int,
+                        launcher: Mapping[str, Any]) -> list[str]:
+    """Settings sbatch accepts but that waste the job: idle GPUs, a SIGUSR2 lead time
+    (``hydra.launcher.signal_delay_s``) not shorter than the time limit."""
+    out = []
+    if gpus_per_node and nproc < gpus_per_node:
+        out.append(f"warning: launcher.nproc={nproc} ranks per node but launcher.gpus_per_node={gpus_per_node}: "
+                   f"{gpus_per_node - nproc} GPU(s) of each node are held and idle (set launcher.gpus_per_node="
+                   f"{nproc}, or launcher.nproc={gpus_per_node})")
+    lead = int(launcher.get("signal_delay_s", 120) or 0)
+    if lead >= 60 * int(timeout_min):
+        out.append(f"warning: SIGUSR2 comes hydra.launcher.signal_delay_s={lead} s before the time limit, but the "
+                   f"limit is launcher.timeout_min={timeout_min} ({60 * int(timeout_min)} s): the job is told to "
+                   "stop and requeue as soon as it starts (raise launcher.timeout_min or lower the delay)")
+    return out
+
+
+def submitted_text(job_id: str, stderr_log: str, stdout_log: str, tasks: int, nodes: int) -> str:
+    """What the login node says once sbatch accepted the job: its id, its logs, how to follow it."""
+    return (f"submitted SLURM job {job_id} ({tasks} task(s) on {nodes} node(s)); rank 0's log: {stdout_log} and "
+            f"{stderr_log} (task t: _t_ in the name); follow it with `tail -f {stderr_log}` or "
+            f"`squeue -j {job_id}`; this process waits for the job and reports how it ended")

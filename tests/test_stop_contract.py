@@ -1,0 +1,91 @@
+"""One stop contract in every mode and phase: whatever is running when SIGTERM comes, the
+run writes the last complete round's checkpoint and stops (RunStopped: exit code 1 in the
+CLI) within one round, never one round late and never by running to the end.
+
+A table over modes (synchronous, streaming, decoupled) and phases (the inner steps, the
+write of a periodic checkpoint, the round just before a re-shard). The signal is real
+(``os.kill`` of this process, caught by :class:`dipaco.runtime.launch.StopSignals`); the
+phase is reached by wrapping the function that runs it. The ranks of ``spawn`` and
+elastic launches take the same decision in the same loop (:func:`dipaco.rounds.loop.run_rank`,
+one all-reduce per round), covered by tests/test_preempt.py and tests/test_elastic.py.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dipaco.config import compose_config
+from dipaco.job.train import train
+from dipaco.run.checkpoint import CheckpointManager
+from dipaco.run.run_dir import RunStopped
+
+BASE = ["experiment=smoke", "data.max_documents=200", "trainer.rounds=4", "trainer.dense_baseline=false",
+        "trainer.plots=false", "trainer.eval_max_documents=8", "trainer.threads=1"]
+MODES = {"sync": [], "streaming": ["diloco.streaming=true"],
+         "decoupled": ["diloco.mode=decoupled", "launcher.nproc=2"]}
+
+
+def _term() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _during(monkeypatch: pytest.MonkeyPatch, target: object, name: str, round_idx: int) -> None:
+    """SIGTERM while ``target.name`` runs for round ``round_idx`` (its first argument)."""
+    original = getattr(target, name)
+
+    def wrapped(self, r, *args, **kwargs):
+        if r == round_idx:
+            _term()
+        return original(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(target, name, wrapped)
+
+
+def _rounds(run: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("round_*")
+                  if CheckpointManager.verify(p) is not None)
+
+
+CASES = [("sync", "inner steps"), ("sync", "checkpoint write"), ("sync", "before re-shard"),
+         ("streaming", "inner steps"), ("streaming", "checkpoint write"), ("decoupled", "inner steps")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("mode", "phase"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
+def test_a_stop_checkpoints_the_last_complete_round_and_exits_within_one(
+        mode: str, phase: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM in round 2 (sync, streaming) or after the first phase (decoupled): RunStopped
+    naming the last complete checkpoint, which is round 2 (1 for decoupled) at the latest."""
+    from dipaco.rounds.record import RoundRecorder
+
+    extra = list(MODES[mode])
+    if phase == "checkpoint write":
+        extra.append("trainer.checkpoint_every=2")
+        _during(monkeypatch, RoundRecorder, "checkpoint", 2)  # while round 2's checkpoint is written
+    elif phase == "before re-shard":
+        extra.append("router.reshard_at_round=2")
+        _during(monkeypatch, RoundRecorder, "round_done", 1)  # the round before the re-shard's round
+    elif mode == "decoupled":
+        def watch() -> None:  # the first phase of some path is done: stop
+            while not list((tmp_path / "run").glob("decoupled/paths/*")):
+                time.sleep(0.05)
+            _term()
+
+        threading.Thread(target=watch, daemon=True).start()
+    else:
+        _during(monkeypatch, RoundRecorder, "round_done", 1)  # while round 2 trains (stop_requested follows)
+    with pytest.raises(RunStopped) as stop:
+        train(compose_config(BASE + extra, str(tmp_path / "run")))
+    done = _rounds(tmp_path / "run")
+    if mode != "decoupled":
+        assert done and max(done) == 2, done  # round 2's checkpoint, and not round 3's
+    assert max(done, default=0) < 4  # not run to the end
+    where = f"round_{max(done):06d}" if done else "before the first checkpoint"
+    assert where in str(stop.value) and "resume=true" in str(stop.value)
+    assert not (tmp_path / "run" / "summary.json").exists()
