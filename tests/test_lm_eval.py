@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +180,9 @@ def test_gen_settings_and_stop_strings():
     assert gen_settings({"do_sample": True, "temperature": 0.5}, "").temperature == 0.5
     with pytest.raises(ValueError, match="num_beams"):
         gen_settings({"num_beams": 4}, "")
+    with pytest.raises(ValueError, match="top_p"):
+        gen_settings({"do_sample": True, "top_p": 1.5}, "")
+    assert gen_settings({"do_sample": True, "top_p": 0.9, "top_k": 5}, "").top_p == 0.9
     assert cut_at_stop("a + b\nreturn<eot>", ["\n", "<eot>"]) == "a + b"
     assert cut_at_stop("abc", ["x"]) == "abc" and cut_at_stop("xy", ["y", "x"]) == ""
 
@@ -186,12 +190,14 @@ def test_gen_settings_and_stop_strings():
 def test_generate_until_is_routed_greedy_generation_cut_at_until(run):
     """generate_until continues each context with the path of its prefix, greedily, and cuts
     the text before the first stop string; the dense model generates with the baseline."""
-    lm = DipacoLM(run=run)
+    lm = DipacoLM(run=run, batch_size=2)
+    kwargs = {"until": ["\n"], "max_gen_toks": 8}
+    texts = lm.generate_until([Instance("generate_until", {}, (c, kwargs), 0) for c in CODE[:3]])  # batched by path
+    for ctx, text in zip(CODE, texts):
+        gen = run.generate(run.encode(ctx), max_new_tokens=8, temperature=0.0)  # one prompt alone
+        assert text == run.tokenizer.decode(gen.tokens).split("\n")[0]
+    assert lm.requests_per_path == Counter(run.route(run.encode(c)) for c in CODE[:3])
     ctx = CODE[2]
-    (text,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": ["\n"], "max_gen_toks": 12}), 0)])
-    gen = run.generate(run.encode(ctx), max_new_tokens=12, temperature=0.0)
-    assert text == run.tokenizer.decode(gen.tokens).split("\n")[0]
-    assert set(lm.requests_per_path) == {run.route(run.encode(ctx))}
     dense = DipacoLM(run=run, dense=True)
     (dtext,) = dense.generate_until([Instance("generate_until", {}, (ctx, {"until": [], "max_gen_toks": 6}), 0)])
     assert isinstance(dtext, str) and set(dense.requests_per_path) == {0}
