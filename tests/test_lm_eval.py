@@ -88,14 +88,24 @@ def test_choices_share_the_context_path_and_each_path_loads_once(run):
     questions = [run.encode(c) for c in CODE * 2]
     choices = [run.encode(x) for x in (" yes", " no", " maybe")]
     reqs = [TokenRequest(q, q + c, len(c)) for q in questions for c in choices]
-    loads = []
+    loads, forwards = [], Counter()
     get = models.loader.get
-    models.get = lambda p: (loads.append(p), get(p))[1]
+
+    def counted(p: int):
+        loads.append(p)
+        model = get(p)
+        model.register_forward_hook(lambda *_: forwards.update([p]))
+        return model
+
+    models.get = counted
     scores = score_requests(reqs, models, batch_size=2)
     by_question = [{s.path for s in scores[i:i + 3]} for i in range(0, len(scores), 3)]
     assert all(len(p) == 1 for p in by_question)
     assert [p.pop() for p in by_question] == [run.route(q) for q in questions]
     assert sorted(loads) == sorted(set(loads)) and models.loader.loads == len(set(loads))
+    # one path's requests fill batches together: ceil(n / batch_size) forwards per path
+    per_path = Counter(s.path for s in scores)
+    assert forwards == Counter({p: -(-n // 2) for p, n in per_path.items()})
     # input order: the same request scored alone gives the same number
     (alone,) = score_requests([reqs[4]], RoutedModels(run))
     assert scores[4].logprob == pytest.approx(alone.logprob, abs=1e-5)
