@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -87,14 +88,24 @@ def test_choices_share_the_context_path_and_each_path_loads_once(run):
     questions = [run.encode(c) for c in CODE * 2]
     choices = [run.encode(x) for x in (" yes", " no", " maybe")]
     reqs = [TokenRequest(q, q + c, len(c)) for q in questions for c in choices]
-    loads = []
+    loads, forwards = [], Counter()
     get = models.loader.get
-    models.get = lambda p: (loads.append(p), get(p))[1]
+
+    def counted(p: int):
+        loads.append(p)
+        model = get(p)
+        model.register_forward_hook(lambda *_: forwards.update([p]))
+        return model
+
+    models.get = counted
     scores = score_requests(reqs, models, batch_size=2)
     by_question = [{s.path for s in scores[i:i + 3]} for i in range(0, len(scores), 3)]
     assert all(len(p) == 1 for p in by_question)
     assert [p.pop() for p in by_question] == [run.route(q) for q in questions]
     assert sorted(loads) == sorted(set(loads)) and models.loader.loads == len(set(loads))
+    # one path's requests fill batches together: ceil(n / batch_size) forwards per path
+    per_path = Counter(s.path for s in scores)
+    assert forwards == Counter({p: -(-n // 2) for p, n in per_path.items()})
     # input order: the same request scored alone gives the same number
     (alone,) = score_requests([reqs[4]], RoutedModels(run))
     assert scores[4].logprob == pytest.approx(alone.logprob, abs=1e-5)
@@ -179,6 +190,9 @@ def test_gen_settings_and_stop_strings():
     assert gen_settings({"do_sample": True, "temperature": 0.5}, "").temperature == 0.5
     with pytest.raises(ValueError, match="num_beams"):
         gen_settings({"num_beams": 4}, "")
+    with pytest.raises(ValueError, match="top_p"):
+        gen_settings({"do_sample": True, "top_p": 1.5}, "")
+    assert gen_settings({"do_sample": True, "top_p": 0.9, "top_k": 5}, "").top_p == 0.9
     assert cut_at_stop("a + b\nreturn<eot>", ["\n", "<eot>"]) == "a + b"
     assert cut_at_stop("abc", ["x"]) == "abc" and cut_at_stop("xy", ["y", "x"]) == ""
 
@@ -186,12 +200,14 @@ def test_gen_settings_and_stop_strings():
 def test_generate_until_is_routed_greedy_generation_cut_at_until(run):
     """generate_until continues each context with the path of its prefix, greedily, and cuts
     the text before the first stop string; the dense model generates with the baseline."""
-    lm = DipacoLM(run=run)
+    lm = DipacoLM(run=run, batch_size=2)
+    kwargs = {"until": ["\n"], "max_gen_toks": 8}
+    texts = lm.generate_until([Instance("generate_until", {}, (c, kwargs), 0) for c in CODE[:3]])  # batched by path
+    for ctx, text in zip(CODE, texts):
+        gen = run.generate(run.encode(ctx), max_new_tokens=8, temperature=0.0)  # one prompt alone
+        assert text == run.tokenizer.decode(gen.tokens).split("\n")[0]
+    assert lm.requests_per_path == Counter(run.route(run.encode(c)) for c in CODE[:3])
     ctx = CODE[2]
-    (text,) = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": ["\n"], "max_gen_toks": 12}), 0)])
-    gen = run.generate(run.encode(ctx), max_new_tokens=12, temperature=0.0)
-    assert text == run.tokenizer.decode(gen.tokens).split("\n")[0]
-    assert set(lm.requests_per_path) == {run.route(run.encode(ctx))}
     dense = DipacoLM(run=run, dense=True)
     (dtext,) = dense.generate_until([Instance("generate_until", {}, (ctx, {"until": [], "max_gen_toks": 6}), 0)])
     assert isinstance(dtext, str) and set(dense.requests_per_path) == {0}

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from dipaco.inference.engine import Request, RoutedEngine
 from dipaco.inference.generate import generate_routed
+from dipaco.inference.sampling import check_sampling
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for its own models
 _KNOWN = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "seed"}
@@ -26,6 +28,7 @@ class GenSettings:
     max_gen_toks: int = DEFAULT_MAX_GEN_TOKS
     temperature: float = 0.0
     top_k: Optional[int] = None
+    top_p: Optional[float] = None
     seed: int = 0
 
 
@@ -45,13 +48,14 @@ def gen_settings(kwargs: dict, eot_text: str) -> GenSettings:
         until.append(eot_text)
     sample = bool(kwargs.get("do_sample", False))
     temperature = float(kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
-    top_p = kwargs.get("top_p")
-    if top_p is not None and float(top_p) < 1.0 and sample:
-        raise ValueError(f"top_p={top_p} is not supported by the dipaco model (use top_k)")
-    top_k = kwargs.get("top_k")
-    return GenSettings(until=until, max_gen_toks=int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
-                       temperature=temperature, top_k=None if top_k is None else int(top_k),
-                       seed=int(kwargs.get("seed", 0)))
+    top_k, top_p = kwargs.get("top_k"), kwargs.get("top_p")
+    s = GenSettings(until=until, max_gen_toks=int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
+                    temperature=temperature, top_k=None if top_k is None or not sample else int(top_k),
+                    top_p=None if top_p is None or not sample else float(top_p), seed=int(kwargs.get("seed", 0)))
+    check_sampling(s.temperature, s.top_k, s.top_p)
+    if s.max_gen_toks < 0:
+        raise ValueError(f"max_gen_toks must be >= 0, got {s.max_gen_toks}")
+    return s
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:
@@ -82,20 +86,27 @@ def generate_texts(lm: Any, requests: Sequence[tuple[str, dict]]) -> list[str]:
     """The continuation of each ``(context, gen_kwargs)``, cut at its stop strings.
 
     ``lm`` is a :class:`~dipaco.inference.lm_eval_adapter.DipacoLM` (its run, its models,
-    whether it is the dense baseline, its path counter).
+    whether it is the dense baseline, its path counter). Routed requests go through one
+    :class:`RoutedEngine` (batched by path, ``lm.batch_size`` rows a step, sharing the
+    scorer's path loader so memory stays ``max_loaded_paths`` paths); the dense baseline
+    decodes one request at a time (the engine routes, and the baseline has no router).
     """
-    eot_text = lm.run.tokenizer.decode([lm.eot_token_id])
+    eot = lm.eot_token_id
+    eot_text = lm.run.tokenizer.decode([eot])
+    settings = [gen_settings(dict(kwargs or {}), eot_text) for _, kwargs in requests]
+    prompts = [lm.run.encode(context) or [eot] for context, _ in requests]  # an empty context: after end-of-text
+    if lm.dense:
+        shim = _DenseRun(lm.run, lm.models.model)
+        gens = [generate_routed(shim, p, max_new_tokens=s.max_gen_toks, temperature=s.temperature,  # type: ignore[arg-type]
+                                top_k=s.top_k, top_p=s.top_p, seed=s.seed, loader=shim)  # type: ignore[arg-type]
+                for p, s in zip(prompts, settings)]
+    else:
+        engine = RoutedEngine(lm.run, max_batch_size=lm.batch_size, max_loaded_paths=lm.max_loaded_paths)
+        engine.loader = lm.models.loader  # one LRU of paths for scoring and generation
+        gens = engine.generate([Request(p, max_new_tokens=s.max_gen_toks, temperature=s.temperature, top_k=s.top_k,
+                                        top_p=s.top_p, seed=s.seed) for p, s in zip(prompts, settings)])
     out = []
-    for context, kwargs in requests:
-        s = gen_settings(dict(kwargs or {}), eot_text)
-        prompt = lm.run.encode(context) or [lm.eot_token_id]  # an empty context: after end-of-text
-        if lm.dense:
-            shim = _DenseRun(lm.run, lm.models.model)
-            gen = generate_routed(shim, prompt, max_new_tokens=s.max_gen_toks, temperature=s.temperature,  # type: ignore[arg-type]
-                                  top_k=s.top_k, seed=s.seed, loader=shim)  # type: ignore[arg-type]
-        else:
-            gen = generate_routed(lm.run, prompt, max_new_tokens=s.max_gen_toks, temperature=s.temperature,
-                                  top_k=s.top_k, seed=s.seed, loader=lm.models.loader)
-        lm.requests_per_path.update(p for _, p in gen.switches[:1])
+    for gen, s in zip(gens, settings):
+        lm.requests_per_path.update(gen.window_paths[:1])
         out.append(cut_at_stop(lm.run.tokenizer.decode(gen.tokens), s.until))
     return out
