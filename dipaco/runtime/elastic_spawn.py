@@ -50,7 +50,7 @@ from dipaco.config import Config
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.faults import NODE_ENV
 from dipaco.runtime.placement import agent_env
-from dipaco.runtime.progress import say
+from dipaco.runtime.progress import log, say
 
 __all__ = ["ElasticOutcome", "agent_config", "agent_rank_env", "run_agents", "RESTART_EXIT"]
 
@@ -172,6 +172,7 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
                      timeout=datetime.timedelta(seconds=la.timeout_s))
     lc = agent_config(la, port)
     ctx = mp.get_context("spawn")
+    _quiet_resource_tracker()  # before the first semaphore (the queue's) starts the tracker
     out = ctx.Queue()
     agents: dict[int, Any] = {}
     rejoins = {s: 0 for s in range(slots)}
@@ -201,8 +202,10 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
                 if p.exitcode < 0 and not result.stopped and not done:
                     name = signal.Signals(-p.exitcode).name
                     result.lost.append(f"spawn-{slot}")
-                    say(f"elastic: agent spawn-{slot} (worker group {slot}) was lost ({name}); the other "
-                        "groups go on from the last round checkpoint" + _rejoin_note(la, rejoins[slot]))
+                    # train.log only: the one line on the console is rank 0's of the next start,
+                    # naming the group that left and what it cost (dipaco.runtime.elastic.describe)
+                    log.debug(f"elastic: agent spawn-{slot} (worker group {slot}) was lost ({name}); the other "
+                              "groups go on from the last round checkpoint" + _rejoin_note(la, rejoins[slot]))
                     if la.rejoin_after_s is not None and rejoins[slot] < la.max_restarts:
                         pending[slot] = (time.monotonic() + la.rejoin_after_s, _newest_round(run))
             _drain(out, result)
@@ -236,6 +239,21 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
         del store
     _drain(out, result)
     return result
+
+
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (shared by the agents and their ranks) with
+    its leaked-semaphore warning off. A lost agent is killed with SIGKILL by design, so the
+    semaphores of its queues are never released by it; the tracker releases them when the
+    launch ends, and its warning about them was the last line of every run that lost a group."""
+    from multiprocessing import resource_tracker
+
+    before = list(sys.warnoptions)
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")  # read by the tracker's command line
+    try:
+        resource_tracker.ensure_running()  # a no-op when it runs already
+    finally:
+        sys.warnoptions[:] = before
 
 
 def _rejoin_note(la: Any, used: int) -> str:

@@ -33,6 +33,7 @@ from dipaco.config import Config, to_config
 from dipaco.runtime import elastic
 from dipaco.runtime.placement import Placement, apply_placement, placement_of
 from dipaco.runtime.elastic_spawn import RESTART_EXIT, run_agents
+from dipaco.runtime.faults import NODE_ENV
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log, share_run_log
@@ -90,10 +91,13 @@ def _on_stop_signal(signum: int, _frame: Any) -> None:
         signal.signal(signum, signal.SIG_DFL)
         raise KeyboardInterrupt
     StopSignals.received = signal.Signals(signum).name
-    # print, not the logger: a signal handler that takes the logging lock the interrupted
-    # code holds would deadlock
-    print(f"[dipaco] {StopSignals.received}: stopping after this round (checkpoint written); "
-          "send it again to stop at once", flush=True)
+    if os.environ.get(NODE_ENV) is None:
+        # print, not the logger: a signal handler that takes the logging lock the interrupted
+        # code holds would deadlock. An elastic rank says nothing: its agent stops it for a
+        # membership change (rank 0 of the next start names the group that left, in one line)
+        # or passes on a stop the launching process has already acknowledged
+        print(f"[dipaco] {StopSignals.received}: stopping after the round in flight, whose checkpoint is "
+              "then written; send it again to stop at once", flush=True)
     if StopSignals.on_signal is not None:
         StopSignals.on_signal(StopSignals.received)
 
