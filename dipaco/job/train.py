@@ -28,6 +28,7 @@ from dipaco.rounds.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_
 from dipaco.runtime.device import set_deterministic
 from dipaco.rounds.evaluate import evaluate_single
 from dipaco.run.fingerprint import preflight_resume
+from dipaco.run.provenance import PROVENANCE, record as record_provenance
 from dipaco.job.evaluation import evaluate_run
 from dipaco.runtime import elastic
 from dipaco.runtime.launch import StopSignals, init_distributed, launch, require_torchrun_env
@@ -139,13 +140,15 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
         _log("resume changes " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
         with open(run.root / "resumes.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
+    resumed = cfg.resume and run.config.is_file()
     if changes or not run.config.is_file() or not cfg.resume:
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if not cfg.resume:
-        run.metrics.unlink(missing_ok=True)  # a fresh run's rounds start a fresh log
-        run.steps.unlink(missing_ok=True)
+        for stale in (run.metrics, run.steps, run.root / PROVENANCE):  # a fresh run starts fresh logs
+            stale.unlink(missing_ok=True)
         # events of an earlier attempt in this directory would mix into the new curves
         shutil.rmtree(run.tensorboard, ignore_errors=True)
+    record_provenance(run.root, "resume" if resumed else "start")  # what made the run, per launch
     if cfg.launcher.name == "local" and cfg.launcher.nproc > 1:
         _log(f"launcher=local runs one process; launcher.nproc={cfg.launcher.nproc} only sets the simulated "
              "worker groups (launcher=spawn starts that many ranks)")
