@@ -45,6 +45,8 @@ from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.config.schedule import describe_segments, extension_note
 from dipaco.runtime.slurm import slurm_rendezvous, task_threads
 from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
+from dipaco.job.summary_table import summary_table
+from dipaco.runtime.record_tail import RecordTail
 from dipaco.runtime.tracking import MetricsWriter, writer_for
 from dipaco.config.validate import validate_config
 from modules import PathModel
@@ -166,14 +168,14 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
     # the job's one writer (one W&B run): the rounds, decoupled mode and the summary use it
     with MetricsWriter(run, cfg, shared=True) as writer:
         t0 = time.perf_counter()
-        if cfg.diloco.mode == "decoupled":
-            # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
-            result = run_decoupled(cfg, run)
-        else:
-            result = _run_rounds(cfg, run, prep)
+        # a spawned rank 0 writes metrics.jsonl without W&B: the job streams it there meanwhile
+        with RecordTail(writer) if cfg.launcher.name == "spawn" else contextlib.nullcontext():
+            if cfg.diloco.mode == "decoupled":
+                # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
+                result = run_decoupled(cfg, run)
+            else:
+                result = _run_rounds(cfg, run, prep)
         rounds_s = time.perf_counter() - t0
-        if cfg.launcher.name == "spawn":  # the spawned rank 0 wrote metrics.jsonl without W&B
-            writer.mirror_to_wandb(after_round=result.start_round)
         return _finish(cfg, run, prep, result, rounds_s, wall0)
 
 
@@ -200,7 +202,7 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
         writer.log_summary(summary, step=cfg.trainer.rounds * cfg.diloco.inner_steps)
     if cfg.trainer.plots:
         write_plots(run)
-    _print_table(summary)
+    say_plain(summary_table(summary))
     _log(f"run directory: {run.root}")
     return summary
 
@@ -376,25 +378,3 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "seed": cfg.seed,
     }
     return summary
-
-
-
-def _print_table(s: dict[str, Any]) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    rows = [("routed perplexity", s["routed_ppl"]), ("dense same-size perplexity", s["dense_ppl"]),
-            ("ratio vs dense", s["ratio_vs_dense"])]
-    if s.get("rerouted_ppl") is not None:
-        rows.append(("routed, re-routed perplexity", s["rerouted_ppl"]))
-    if s.get("routed_ppl_long") is not None:
-        rows += [("routed perplexity, long", s["routed_ppl_long"]), ("ratio vs dense, long", s["ratio_vs_dense_long"])]
-    if s.get("routed_ppl_last_weights") is not None:
-        rows.append(("routed perplexity, last weights", s["routed_ppl_last_weights"]))
-    rows += [("paths", s["num_paths"]), ("rounds x H", f"{s['rounds']} x {s['inner_steps']}"),
-             ("bytes sent", f"{s['bytes_sent']:,}"), ("DDP equivalent bytes", f"{int(s['ddp_bytes_equivalent']):,}"),
-             ("training tokens/s", s["tokens_per_s"]), ("wall time (s)", s["wall_s"])]
-    width = max(len(k) for k, _ in rows)
-    say_plain("\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows))
