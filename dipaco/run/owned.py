@@ -51,14 +51,17 @@ class OwnershipError(RunDirError):
     """A write that would replace, delete or pass through something dipaco did not write."""
 
 
-def _stamp(p: Path) -> dict:
+def _stamp(p: Path, by: Optional[str] = None) -> dict:
     st = p.lstat()
-    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    out: dict = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+    if by is not None:
+        out["by"] = by
+    return out
 
 
 def read_record(folder: Union[str, os.PathLike]) -> dict[str, Optional[dict]]:
-    """The files of ``folder`` that dipaco wrote (relative name → size and modification
-    time); empty when the folder has no record."""
+    """The files of ``folder`` that dipaco wrote (relative name → size, modification time
+    and the command that wrote it, ``by``); empty when the folder has no record."""
     path = Path(folder) / RECORD
     if path.is_symlink() or not path.is_file():
         return {}
@@ -79,11 +82,14 @@ def _write_record(folder: Path, files: dict[str, Optional[dict]], what: str) -> 
     os.replace(follow_umask(tmp), folder / RECORD)
 
 
-def _as_written(p: Path, stamp: Optional[dict]) -> bool:
-    """Whether ``p`` is still the file dipaco recorded."""
-    if p.is_symlink() or not p.is_file():
+def _as_written(p: Path, entry: Optional[dict]) -> bool:
+    """Whether ``p`` is still the file dipaco recorded (or, while a write is being moved
+    in, the file it replaces: ``was``)."""
+    if p.is_symlink() or not p.is_file() or not isinstance(entry, dict):
         return False
-    return _stamp(p) == stamp
+    now = _stamp(p)
+    return any(isinstance(e, dict) and now == {"bytes": e.get("bytes"), "mtime_ns": e.get("mtime_ns")}
+               for e in (entry, entry.get("was")))
 
 
 def _check_inside(folder: Path, rel: str, what: str) -> Path:
@@ -166,6 +172,9 @@ def check_owned(folder: Union[str, os.PathLike], names: Iterable[str], what: str
         if not _as_written(p, record[rel]):
             raise OwnershipError(f"{what}: {p} was changed since dipaco wrote it, so it is yours now; "
                                  "move it or choose another folder")
+        by = record[rel].get("by", what)
+        if by != what:  # another command's output (score --out beside an export): not this one's
+            raise OwnershipError(f"{what}: {p} was written by {by}, not by {what}; move it or choose another folder")
         if not replace:
             raise OwnershipError(f"{what}: {p} holds an earlier dipaco output; {again}")
     return folder
@@ -221,13 +230,18 @@ class OwnedWrite:
         names = _staged_files(self.staging)
         check_owned(self.folder, names, self.what, replace=self.replace, again=self.again)
         old = read_record(self.folder)
-        record = {k: v for k, v in old.items()}
+        # recorded before the moves (a rename keeps size and mtime), with the file each
+        # replaces as "was": a write killed halfway leaves a folder the next write accepts
+        record = dict(old)
+        for rel in names:
+            record[rel] = {**_stamp(self.staging / rel, self.what), "was": old.get(rel)}
+        _write_record(self.folder, record, self.what)
         for rel in sorted(names, key=lambda n: (n == "manifest.json", n)):
             dst = _check_inside(self.folder, rel, self.what)
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.replace(self.staging / rel, dst)
-            record[rel] = _stamp(dst)
-        stale = [rel for rel in old if rel not in names]
+            record[rel].pop("was", None)
+        stale = [rel for rel, e in old.items() if rel not in names and (e or {}).get("by", self.what) == self.what]
         if self.replace:
             for rel in stale:
                 p = self.folder / rel
@@ -275,7 +289,7 @@ def write_owned_file(path: Union[str, os.PathLike], data: Union[str, bytes], wha
         Path(tmp).unlink(missing_ok=True)
         raise
     record = read_record(folder)
-    record[name] = _stamp(folder / name)
+    record[name] = _stamp(folder / name, what)
     _write_record(folder, record, what)
     return folder / name
 
@@ -288,7 +302,7 @@ def record_written(folder: Union[str, os.PathLike], names: Iterable[str], what: 
     for n in names:
         p = _check_inside(folder, n, what)
         if p.is_file():
-            record[n] = _stamp(p)
+            record[n] = _stamp(p, what)
     _write_record(folder, record, what)
 
 

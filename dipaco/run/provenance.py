@@ -140,10 +140,14 @@ def one_line(rec: dict[str, Any]) -> str:
     git = rec.get("git") or {}
     commit = f" git {git.get('commit', '')[:12]}{' (dirty)' if git.get('dirty') else ''}" if git else ""
     devices = ", ".join(rec.get("devices") or []) or "?"
-    return (f"{rec.get('event', '?')} {rec.get('time', '?')}: dipaco {rec.get('dipaco')}{commit}, "
-            f"Python {rec.get('python')}, torch {rec.get('torch')} (CUDA {rec.get('cuda')}), "
-            f"faiss {rec.get('faiss')}, numpy {rec.get('numpy')}, tokenizers {rec.get('tokenizers')}; "
-            f"host {rec.get('host')}; {devices}")
+
+    def v(key: str) -> str:
+        return str(rec.get(key) or "not installed")
+
+    cuda = f"CUDA {rec['cuda']}" if rec.get("cuda") else "no CUDA"
+    return (f"{rec.get('event', '?')} {rec.get('time', '?')}: dipaco {v('dipaco')}{commit}, "
+            f"Python {v('python')}, torch {v('torch')} ({cuda}), faiss {v('faiss')}, numpy {v('numpy')}, "
+            f"tokenizers {v('tokenizers')}; host {rec.get('host', '?')}; {devices}")
 
 
 __all__ = ["PROVENANCE", "collect", "git_commit", "one_line", "read", "record"]
