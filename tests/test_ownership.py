@@ -9,6 +9,7 @@ pin the helper's API, which other writers adopt.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Callable
@@ -83,6 +84,54 @@ def test_owned_write_keeps_other_files_removes_its_stale_ones_and_fails_cleanly(
     assert not new.exists()
 
 
+def test_a_command_never_deletes_or_replaces_another_commands_file(tmp_path):
+    """`score --out EXPORT/score.json`, then `export --force` into EXPORT writing fewer files; and a write of a name
+    another command wrote — the score report stays; the write is refused (`was written by score --out`)."""
+    out = tmp_path / "exp"
+    with OwnedWrite(out, "export --out", replace=True) as s:
+        (s / "a").write_text("a1")
+        (s / "b").write_text("b1")
+    write_owned_file(out / "score.json", "{}", "score --out")
+    with OwnedWrite(out, "export --out", replace=True) as s:
+        (s / "a").write_text("a2")
+    assert (out / "score.json").read_text() == "{}" and not (out / "b").exists()
+    with pytest.raises(OwnershipError, match="was written by score --out"):
+        with OwnedWrite(out, "export --out", replace=True) as s:
+            (s / "score.json").write_text("mine now")
+    assert (out / "score.json").read_text() == "{}"
+
+
+def test_a_write_killed_while_moving_in_leaves_a_folder_the_next_write_accepts(tmp_path, monkeypatch):
+    """An export killed after moving one of its files into an earlier export, beside the user's notes
+    — the next `--force` write succeeds, the user's notes intact, no staging left."""
+    import dipaco.run.owned as owned
+
+    out = tmp_path / "exp"
+    with OwnedWrite(out, "export --out", replace=True) as s:
+        for name in ("a", "b", "c"):
+            (s / name).write_text(f"{name}1")
+    (out / "notes.txt").write_text("mine")
+    real, calls = os.replace, []
+
+    def dies_on_the_third(src, dst):  # the record, file a, then file b
+        calls.append(dst)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        real(src, dst)
+
+    monkeypatch.setattr(owned.os, "replace", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        with OwnedWrite(out, "export --out", replace=True) as s:
+            for name in ("a", "b", "c"):
+                (s / name).write_text(f"{name}2")
+    monkeypatch.setattr(owned.os, "replace", real)
+    with OwnedWrite(out, "export --out", replace=True) as s:
+        for name in ("a", "b", "c"):
+            (s / name).write_text(f"{name}3")
+    assert [(out / n).read_text() for n in ("a", "b", "c", "notes.txt")] == ["a3", "b3", "c3", "mine"]
+    assert not [p for p in out.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
 def test_a_folder_inside_another_write_is_refused(tmp_path):
     """`check_owned(EXPORT/sub, ...)` where EXPORT's record lists files under sub/
     — `lies inside EXPORT, which another dipaco command wrote`."""
@@ -108,7 +157,9 @@ def _report(run_dir: Path, out: Path, capsys, monkeypatch) -> tuple[int, str]:
 
 
 def _score(run_dir: Path, out: Path, capsys, monkeypatch) -> tuple[int, str]:
-    return run_cli(infer_cli.main, ["score", run_dir, "--validation", "--out", out / "score.json"], capsys,
+    docs = out.parent / "docs.jsonl"  # one small document: the write is what is tested, not the scoring
+    docs.write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 8}) + "\n")
+    return run_cli(infer_cli.main, ["score", run_dir, "--file", docs, "--out", out / "score.json"], capsys,
                    monkeypatch)
 
 
@@ -220,3 +271,16 @@ def test_a_sweep_never_rewrites_a_users_or_another_sweeps_multirun_yaml(tmp_path
         check_sweep_dir(other, ["seed=2,3", *SMOKE])
     assert snapshot(other) == before
     assert check_sweep_dir(other, ["seed=0,1", *SMOKE]) == other.resolve()  # the same sweep again
+
+
+def test_a_folder_that_cannot_be_written_is_one_line(tmp_path):
+    """`OwnedWrite` / `write_owned_file` into a folder under a file (or a read-only one)
+    — `cannot write into ...` (one line, no traceback), nothing written."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    with pytest.raises(OwnershipError, match="cannot write into"):
+        write_owned_file(blocker / "sub" / "score.json", "{}", "score --out")
+    with pytest.raises(OwnershipError, match="cannot write into"):
+        with OwnedWrite(blocker / "exp", "export --out", replace=True):
+            pass
+    assert blocker.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

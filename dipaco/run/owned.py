@@ -32,13 +32,14 @@ and for a command that writes a set of files (an export)::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 from dipaco.run.run_dir import RunDirError
 
@@ -180,6 +181,17 @@ def check_owned(folder: Union[str, os.PathLike], names: Iterable[str], what: str
     return folder
 
 
+@contextlib.contextmanager
+def _writable(folder: Path, what: str) -> Iterator[None]:
+    """A folder that cannot be made or written (read-only, not a folder on the way) is one
+    line, before anything is written."""
+    try:
+        yield
+    except OSError as e:
+        raise OwnershipError(f"{what}: cannot write into {folder}: {e.strerror or e}; choose a writable folder") \
+            from None
+
+
 def _staged_files(staging: Path) -> list[str]:
     return sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")
                   if p.is_file() and not p.is_symlink())
@@ -207,11 +219,12 @@ class OwnedWrite:
     def __enter__(self) -> Path:
         check_owned(self.folder, (), self.what, replace=self.replace)
         self._created = not self.folder.exists()
-        self.folder.mkdir(parents=True, exist_ok=True)
-        sweep_stale_staging(self.folder)
         from dipaco.run.file_mode import follow_umask
 
-        self.staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=self.folder))
+        with _writable(self.folder, self.what):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            sweep_stale_staging(self.folder)
+            self.staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=self.folder))
         follow_umask(self.staging)
         return self.staging
 
@@ -276,9 +289,10 @@ def write_owned_file(path: Union[str, os.PathLike], data: Union[str, bytes], wha
     folder = path.parent.resolve()
     name = path.name
     check_owned(folder, [name], what, replace=replace, again=again)
-    folder.mkdir(parents=True, exist_ok=True)
-    sweep_stale_staging(folder)
-    fd, tmp = tempfile.mkstemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=folder)
+    with _writable(folder, what):
+        folder.mkdir(parents=True, exist_ok=True)
+        sweep_stale_staging(folder)
+        fd, tmp = tempfile.mkstemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
