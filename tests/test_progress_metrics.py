@@ -2,6 +2,8 @@
 for: data-loading time per step and memory as a share of the device (docs/metrics.md)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tqdm import tqdm
@@ -48,3 +50,20 @@ def test_step_scalars_name_data_loading_and_memory_shares():
     assert s["memory/max_rss(%)"] == pytest.approx(100 * 4 / 128)
     snap = memory_snapshot(torch.device("cpu"))
     assert snap["host_total_bytes"] > snap["max_rss_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_warmup_and_dense_baseline_curves_share_the_paths_board(finished):
+    """The warm-up's and the dense baseline's losses are on the paths' TensorBoard board: the
+    baseline at the paths' inner steps, the warm-up just before step 0."""
+    from test_health_metrics import _scalars
+
+    run_dir = finished[0]
+    s = _scalars(run_dir / "tb")
+    paths = [step for step, _ in s["loss_metrics/global_avg_loss"]]
+    dense = [step for step, _ in s["loss_metrics/dense_baseline"]]
+    assert dense and max(dense) == max(paths)
+    warm = json.loads((run_dir / "warmup" / "info.json").read_text())["steps"] if (run_dir / "warmup").is_dir() else 0
+    if warm:
+        steps = [step for step, _ in s["loss_metrics/warmup"]]
+        assert steps[-1] == 0 and min(steps) > -warm

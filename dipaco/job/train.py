@@ -167,6 +167,7 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
 
     # the job's one writer (one W&B run): the rounds, decoupled mode and the summary use it
     with MetricsWriter(run, cfg, shared=True) as writer:
+        writer.log_curve("warmup", prep.warmup_intervals, offset=-prep.warmup_steps)  # ends at step 0
         t0 = time.perf_counter()
         # a spawned rank 0 writes metrics.jsonl without W&B: the job streams it there meanwhile
         with RecordTail(writer) if cfg.launcher.name == "spawn" else contextlib.nullcontext():
@@ -282,7 +283,9 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
         init = load_dense_state(run.warmup) if prep.warmup_steps else None
         grid, stats = train_dense(cfg, prep.train_ids, prep.tokenizer.eos_id, steps=steps,
                                   stream_id=BASELINE_STREAM_ID, step_offset=prep.warmup_steps,
-                                  init=init, progress_desc="dense baseline")
+                                  init=init, progress_desc="dense baseline", log_every=cfg.logging.every_steps)
+        with writer_for(run, cfg) as writer:  # beside the paths' curves, at the same inner steps
+            writer.log_curve("dense_baseline", stats.intervals)
         info = {"steps": steps + prep.warmup_steps, "train_loss": stats.loss, "tokens": stats.tokens,
                 "seconds": stats.seconds, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
         save_dense(run.baseline, grid, info)

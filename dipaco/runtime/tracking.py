@@ -291,6 +291,23 @@ class MetricsWriter:
             self._scalars(scalars, step)
             log.debug(_health_line(step, scalars))
 
+    def log_curve(self, name: str, intervals: list[dict[str, Any]], offset: int = 0) -> None:
+        """A dense model's per-step intervals (the warm-up's, the dense baseline's) on the
+        paths' board: ``loss_metrics/<name>``, ``grad_norm/<name>``, ``throughput(tps)/<name>``
+        at step ``interval step + offset`` (the warm-up ends at step 0, where the paths start).
+        TensorBoard only: W&B takes one rising step per run, which the paths' steps use."""
+        tb = self._tensorboard() if intervals else None
+        if tb is None:
+            return
+        for iv in intervals:
+            step = int(iv["step"]) + offset
+            secs = iv.get("seconds") or 0.0
+            for tag, value in ((f"loss_metrics/{name}", iv.get("loss")), (f"grad_norm/{name}", iv.get("grad_norm")),
+                               (f"throughput(tps)/{name}", iv["tokens"] / secs if secs > 0 else None)):
+                if _finite(value):
+                    tb.add_scalar(tag, float(value), global_step=step)
+        tb.flush()
+
     def round_step(self, record: dict[str, Any]) -> int:
         """The step a round record is plotted at: its ``step``, or ``round·H``."""
         return int(record.get("step") or int(record["round"]) * self.inner_steps)
