@@ -51,9 +51,13 @@ def check_export_target(out: Path, overwrite: bool, names: Sequence[str] = ()) -
     sweep_stale_staging(out)  # what an interrupted export left: ours, and nobody else's
     if not any(out.iterdir()):
         return
+    if not mine and (out / EXPORT_MARKER).is_file():
+        raise FileExistsError(f"--out {out} holds an export by an older dipaco (no {RECORD}: which of its files "
+                              "are dipaco's is not recorded), so --force cannot tell them from yours: remove it or "
+                              "choose a new --out")
     if not mine:
-        raise FileExistsError(f"--out {out} is not empty and is not a dipaco export (no {EXPORT_MARKER} and "
-                              f"no {RECORD}); --force replaces only an earlier export: choose a new --out")
+        raise FileExistsError(f"--out {out} is not empty and is not a dipaco export (no {EXPORT_MARKER}); "
+                              "--force replaces only an earlier export: choose a new --out")
     if not overwrite:
         raise FileExistsError(f"{out} is not empty: it holds an earlier export (pass --force to replace it)")
     check_owned(out, names, "export --out", replace=True)
