@@ -100,11 +100,14 @@ def test_the_path_scanner_finds_what_it_should() -> None:
 
 def test_the_readme_is_written_for_users() -> None:
     """Two set-up commands a newcomer pastes (CI runs the second), and no project history:
-    issue numbers and commit hashes belong in docs/results.md, not in the README."""
+    issue numbers in no doc (README, docs/, benchmarks/README.md), commit hashes not in the README."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
     setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv && ")]
     assert len(setups) == 2, setups
     assert setups[0].endswith("&& dipaco-train") and setups[1].endswith("&& pytest -q"), setups
     assert not re.findall(r"\bissues? #?\d+", text, re.IGNORECASE), "issue numbers in the README"
+    for doc in sorted((REPO / "docs").glob("*.md")) + [REPO / "benchmarks" / "README.md"]:  # nor in the docs
+        cited = re.findall(r"\bissues? #?\d+", doc.read_text(encoding="utf-8"), re.IGNORECASE)
+        assert not cited, f"issue numbers in {doc.relative_to(REPO)}: {cited}"
     hashes = [h for h in re.findall(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w/.-])", text) if not h.isdigit()]
     assert not hashes, f"commit hashes in the README: {hashes}"

@@ -342,7 +342,7 @@ def test_export_then_load_gives_the_same_logits(trained_run, tmp_path, capsys):
     assert code == 0, err
     assert json.loads(stdout)["path_id"] == path_id
     assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json", "manifest.json",
-                                           ".dipaco-export"}
+                                           "provenance.json", ".dipaco-export", ".dipaco-owned.json"}
     model, tok = load_exported_path(out)
     assert model.path_id == path_id and tok.encode(PROMPT) == run.encode(PROMPT)
     assert set(model.grid.built_modules()) == set(run.new_grid().module_ids_of_path(path_id))

@@ -21,13 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from dipaco.run.checkpoint import write_json
 from dipaco.cli import infer_eval, infer_generate
 from dipaco.cli.errors import entry_point, fail, report_user_errors
 from dipaco.cli.infer_args import (COMMON_EPILOG, Parser, add_inputs, add_run_args, emit, open_run, positive,
                                    read_jsonl, texts_of)
 from dipaco.inference import ExportError, export_path, export_path_hf, export_routed_hf, parse_path
-from dipaco.inference.export import check_export_target
+from dipaco.inference.export import DIPACO_EXPORT_FILES, check_export_target
+from dipaco.inference.export_hf import HF_EXPORT_FILES
+from dipaco.run.owned import check_owned, write_owned_file
 from dipaco.run.path_guard import check_target
 from dipaco.job.prepare import validation_ids
 from dipaco.run.run_dir import RunDirError
@@ -117,19 +118,15 @@ def cmd_route(args: argparse.Namespace) -> None:
 
 
 def _score_out(path: str) -> Path:
-    """``score --out`` checked before any work (dipaco/run/path_guard.py); a file only if an earlier score wrote it."""
-    out = check_target(path, "score --out", fix="choose a --out outside every run directory")
-    if out.is_dir():
+    """``score --out`` checked before any work: not in a run directory
+    (dipaco/run/path_guard.py), and a file only dipaco wrote there may be replaced
+    (dipaco/run/owned.py)."""
+    given = Path(path).expanduser()
+    if given.is_dir():
         raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")
-    if out.exists():
-        try:
-            earlier = json.loads(out.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            earlier = None
-        if not (isinstance(earlier, dict) and {"ppl", "run_dir", "checkpoint"} <= set(earlier)):
-            raise RunDirError(f"score --out {path} exists and is not an earlier dipaco-infer score report: it is "
-                              "never overwritten; choose a new --out")
-    return out
+    check_owned(given.parent, [given.name], "score --out", replace=True)  # a link in the way: refused here
+    check_target(path, "score --out", fix="choose a --out outside every run directory")
+    return given.parent.resolve() / given.name
 
 
 def cmd_score(args: argparse.Namespace) -> None:
@@ -158,7 +155,7 @@ def cmd_score(args: argparse.Namespace) -> None:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
               "perplexity is undefined (nan)", file=sys.stderr)
     if out is not None:
-        write_json(out, report)
+        write_owned_file(out, json.dumps(report, indent=2, sort_keys=True) + "\n", "score --out")
         print(f"dipaco: wrote {args.out}", file=sys.stderr)
     else:
         emit(json.dumps(report, sort_keys=True))
@@ -167,7 +164,8 @@ def cmd_score(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     if args.all and args.format != "hf":
         fail("--all writes the routed Hugging Face export: add --format hf (or export one path with --path P)")
-    check_export_target(Path(args.out).expanduser().resolve(), args.force)  # before any work
+    names = (DIPACO_EXPORT_FILES if args.format == "dipaco" else HF_EXPORT_FILES)
+    check_export_target(Path(args.out).expanduser().resolve(), args.force, names)  # before any work
     run = open_run(args)
     if args.all:
         try:

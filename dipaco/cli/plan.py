@@ -20,6 +20,7 @@ import torch
 
 from dipaco.plan.build import build_comm_plan, build_grid, build_topology, format_streaming_plan
 from dipaco.cli.errors import report_user_errors
+from dipaco.cli.help import plain
 from dipaco.plan.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, ConfigError, compose_config
 from dipaco.plan.memory import RankMemory, outer_on_device, rank_memory
@@ -116,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     @report_user_errors
     def run(overrides: list[str]) -> None:
         if any(a in ("-h", "--help") for a in overrides):
-            print(__doc__)
+            print(plain(__doc__), end="")
             return
         cfg = compose_config(overrides)
         validate_config(cfg)

@@ -11,9 +11,7 @@ from pathlib import Path
 
 from dipaco.cli.errors import report_user_errors
 from dipaco.run.path_guard import check_target, is_run_directory
-from dipaco.job.report import IGNORED, write_report
-
-REPORT_FILES = ("report.md", "report.json", "report.png")
+from dipaco.job.report import IGNORED, REPORT_FILES, write_report
 
 
 @report_user_errors

@@ -205,6 +205,7 @@ DOMAINS: dict[str, Domain] = {
     "launcher.rejoin_after_s": Real(0, 10**7, null=True),
     "logging.tensorboard": FLAG, "logging.wandb": FLAG, "logging.wandb_project": TEXT,
     "logging.wandb_entity": MAYBE_TEXT, "logging.wandb_mode": OneOf(WANDB_MODES),
+    "logging.run_name": MAYBE_TEXT, "logging.wandb_group": MAYBE_TEXT, "logging.tags": Domain("texts"),
     "logging.every_steps": Int(0, 10**7, why="0 logs per round only"),
     "logging.val_documents": Int(0, 10**6, why="each is scored every round"),
     "logging.peak_tflops": Real(0, 1e6, lo_open=True, null=True, why="the device's dense peak, for MFU"),

@@ -285,6 +285,11 @@ class LoggingConfig:
     wandb_project: str = "dipaco"
     wandb_entity: Optional[str] = None
     wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`) | disabled
+    # the W&B run's name (None: the run directory's name), group (None: the sweep folder's
+    # name for a sweep's run, else none) and tags; the W&B run id is the run's own (run_uid)
+    run_name: Optional[str] = None
+    wandb_group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
     # per-step health metrics (loss, grad norm, lr, tokens/s, MFU, memory) every this many
     # inner steps of each path; 0: per round only. Read from the device once per turn.
     every_steps: int = 10

@@ -235,7 +235,7 @@ def _validate_slurm(la: LauncherConfig) -> None:
 
 def _validate_logging(log: LoggingConfig) -> None:
     require(not log.wandb or importlib.util.find_spec("wandb") is not None, "logging.wandb",
-             "wandb is not installed", "pip install wandb, or set logging.wandb=false")
+             "wandb is not installed", "pip install -e \".[wandb]\" (or pip install wandb), or set logging.wandb=false")
 
 
 def _validate_elastic(cfg: Config) -> None:

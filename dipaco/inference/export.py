@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, load_tensors, save_tensors, sha256_file, write_json
 from dipaco.data import Tokenizer
 from dipaco.rounds.early_stopping import load_best_path
-from dipaco.run.file_mode import follow_umask
+from dipaco.inference.model_card import write_provenance
 from dipaco.inference.run import InferenceRun
+from dipaco.run.owned import RECORD, OwnedWrite, check_owned, read_record, sweep_stale_staging
 from dipaco.run.path_guard import check_target
 from modules import ModelConfig, ModuleGrid, PathModel
 
@@ -23,50 +22,51 @@ EXPORT_VERSION = 1
 # Every export directory holds this file: ``--force`` replaces only a directory that has
 # it, so it can never empty a run directory or anything else it did not write.
 EXPORT_MARKER = ".dipaco-export"
+# What a dipaco-format export writes (and so may replace with --force).
+DIPACO_EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "manifest.json", "provenance.json",
+                       EXPORT_MARKER)
 # Names that mark a dipaco run directory (never replaced, whatever else it holds).
-_RUN_FILES = ("config.yaml", "checkpoints", "router", "metrics.jsonl")
+_RUN_FILES = ("config.yaml", "checkpoints", "metrics.jsonl", "fingerprints.json")
 
 
-def check_export_target(out: Path, overwrite: bool) -> None:
-    """Refuse an ``--out`` that is a file, a run directory, or a non-empty directory
-    without :data:`EXPORT_MARKER` (``overwrite`` only replaces an earlier export)."""
+def check_export_target(out: Path, overwrite: bool, names: Sequence[str] = ()) -> None:
+    """Refuse, before any work, an ``--out`` that is a file, a run directory, a folder inside
+    another export, a non-empty folder that holds no earlier export, an earlier export
+    without ``overwrite``, or (``overwrite``) one where a file of the user's or a link
+    stands in the way of ``names`` (dipaco/run/owned.py: ``--force`` replaces only the
+    files an earlier export wrote; the user's own files beside them stay)."""
     # the rule every writing command follows: nothing inside a run directory, no special file
-    check_target(out, "--out", replaces=overwrite, marker=EXPORT_MARKER,
-                 fix="choose a new --out outside every run directory")
-    if not out.exists():
+    check_target(out, "--out", fix="choose a new --out outside every run directory")
+    for parent in out.parents:  # an export's path folder is part of that export
+        if (parent / EXPORT_MARKER).is_file():
+            raise FileExistsError(f"--out {out} lies inside the dipaco export {parent}; replacing part of it "
+                                  "would break it: choose a new --out (or replace the whole export)")
+    if not out.exists() and not out.is_symlink():
         return
     if not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a directory; choose a new --out")
-    if any((out / name).exists() for name in _RUN_FILES):
+    mine = (out / EXPORT_MARKER).is_file() and bool(read_record(out))
+    if any((out / name).exists() for name in _RUN_FILES) and not mine:
         raise FileExistsError(f"--out {out} is a dipaco run directory; it is never replaced: choose a new --out")
+    sweep_stale_staging(out)  # what an interrupted export left: ours, and nobody else's
     if not any(out.iterdir()):
         return
-    if not (out / EXPORT_MARKER).is_file():
+    if not mine and (out / EXPORT_MARKER).is_file():
+        raise FileExistsError(f"--out {out} holds an export by an older dipaco (no {RECORD}: which of its files "
+                              "are dipaco's is not recorded), so --force cannot tell them from yours: remove it or "
+                              "choose a new --out")
+    if not mine:
         raise FileExistsError(f"--out {out} is not empty and is not a dipaco export (no {EXPORT_MARKER}); "
                               "--force replaces only an earlier export: choose a new --out")
     if not overwrite:
         raise FileExistsError(f"{out} is not empty: it holds an earlier export (pass --force to replace it)")
+    check_owned(out, names, "export --out", replace=True)
 
 
-def publish_directory(tmp: Path, out: Path) -> Path:
-    """Move the finished export ``tmp`` to ``out``, replacing an earlier export there
-    (set aside first, restored if the move fails); ``tmp`` never stays behind."""
-    if not (tmp / EXPORT_MARKER).exists():
-        (tmp / EXPORT_MARKER).write_text(f"{EXPORT_FORMAT} v{EXPORT_VERSION}\n", encoding="utf-8")
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, old / "export")
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        if old is not None:
-            os.replace(old / "export", out)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    return out
+def staged_export(out: Path, overwrite: bool) -> OwnedWrite:
+    """The staging of an export into ``out`` (``with staged_export(out, force) as tmp:``):
+    written in full inside ``out``, then moved in by the ownership rule."""
+    return OwnedWrite(out, "export --out", replace=overwrite)
 
 
 # --------------------------------------------------------------------------- export
@@ -80,18 +80,15 @@ def export_path(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,
     (ModelConfig, the path, module ids, grid shape, source run and checkpoint),
     ``tokenizer.json`` and ``manifest.json`` (sha256 + size of each, the checkpoint
     format, so :meth:`CheckpointManager.verify` checks it) and :data:`EXPORT_MARKER`.
-    Written into a temporary sibling directory, then renamed: never half-written, and
-    nothing is left behind on failure. ``overwrite`` replaces only an earlier export.
+    Staged inside ``out`` and moved in when complete (:mod:`dipaco.run.owned`): never
+    half-written, nothing left behind on failure; ``overwrite`` replaces only the files an
+    earlier export wrote.
     """
     out = Path(out_dir).expanduser().resolve()
-    check_export_target(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = follow_umask(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # mkdtemp: 0700
-    try:
+    check_export_target(out, overwrite, DIPACO_EXPORT_FILES)
+    with staged_export(out, overwrite) as tmp:
         _write_export(run, int(path_id), tmp)
-        return publish_directory(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _write_export(run: InferenceRun, path_id: int, tmp: Path) -> None:
@@ -124,6 +121,7 @@ def _write_export(run: InferenceRun, path_id: int, tmp: Path) -> None:
                                      for mid in module_ids},
                    "best_weights": best},
     })
+    write_provenance(run, tmp)  # what trained the run, and this export
     (tmp / EXPORT_MARKER).write_text(f"{EXPORT_FORMAT} v{EXPORT_VERSION}\n", encoding="utf-8")
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     write_json(tmp / MANIFEST, {"files": {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
@@ -141,7 +139,7 @@ def load_exported_path(directory: str | os.PathLike) -> tuple[PathModel, Any]:
     d = Path(directory).expanduser().resolve()
     if not d.is_dir():
         raise CheckpointError(f"exported path directory {d} does not exist")
-    CheckpointManager.verify(d)
+    CheckpointManager.verify(d, allow_extra=True)  # the user's notes beside it are never read
     try:
         info = json.loads((d / "config.json").read_text(encoding="utf-8"))
         if info.get("format") != EXPORT_FORMAT or info.get("version") != EXPORT_VERSION:

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
 from dipaco.run.checkpoint import save_tensors, write_json
-from dipaco.run.file_mode import follow_umask
-from dipaco.inference.export import check_export_target, publish_directory
+from dipaco.inference.export import EXPORT_MARKER, check_export_target, staged_export
+from dipaco.inference.model_card import MODEL_CARD, PROVENANCE_FILE, TRAINING_CONFIG, write_hf_extras
 from dipaco.inference.run import InferenceRun
 from modules import ModelConfig, PathModel
 
@@ -45,6 +43,10 @@ _BLOCK_NAMES = {
     "mlp.up.weight": "mlp.up_proj.weight",
     "mlp.down.weight": "mlp.down_proj.weight",
 }
+# The top-level files of a one-path Hugging Face export (what --force may replace).
+HF_EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json", MODEL_CARD, TRAINING_CONFIG,
+                   PROVENANCE_FILE, EXPORT_MARKER)
 _BLOCK_KEY = re.compile(r"levels\.(\d+)\.blocks\.(\d+)\.(.+)")
 
 
@@ -111,34 +113,44 @@ def llama_state_dict(model: PathModel) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_llama(model: PathModel, tokenizer: Any, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Write ``model`` (one path) and ``tokenizer`` as a Llama directory that
-    ``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer`` load."""
-    out = Path(out_dir).expanduser().resolve()
-    # the same rule as the dipaco export: --force replaces only an earlier export
-    check_export_target(out, overwrite)
+def write_llama_files(model: PathModel, tokenizer: Any, out: Path) -> None:
+    """Write ``model`` (one path) and ``tokenizer`` into the folder ``out`` (staging: the
+    caller moves it in) as a Llama directory that ``transformers.LlamaForCausalLM`` and
+    ``AutoTokenizer`` load."""
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ExportError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                           f"{model.cfg.vocab_size} embedding rows")
     tensors = llama_state_dict(model)
     num_layers = len(model.levels) * model.cfg.layers_per_level
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = follow_umask(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # mkdtemp: 0700
-    try:
-        save_tensors(staging / "model.safetensors", tensors, meta={"format": "pt"})
-        write_json(staging / "config.json", llama_config(model.cfg, num_layers, tokenizer.eos_id))
-        write_json(staging / "generation_config.json", {"eos_token_id": int(tokenizer.eos_id)})
-        tokenizer.save_pretrained(str(staging), model_max_length=model.cfg.max_seq_len)
-        return publish_directory(staging, out)  # a reader never sees a half-written checkpoint
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_tensors(out / "model.safetensors", tensors, meta={"format": "pt"})
+    write_json(out / "config.json", llama_config(model.cfg, num_layers, tokenizer.eos_id))
+    write_json(out / "generation_config.json", {"eos_token_id": int(tokenizer.eos_id)})
+    tokenizer.save_pretrained(str(out), model_max_length=model.cfg.max_seq_len)
+
+
+def write_llama(model: PathModel, tokenizer: Any, out_dir: str | os.PathLike, *, overwrite: bool = False,
+                extras: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write ``model`` and ``tokenizer`` as a Llama export in ``out_dir`` (``extras(staging)``
+    adds the model card and provenance), by the export rule: staged, then moved in;
+    ``overwrite`` replaces only the files an earlier export wrote."""
+    out = Path(out_dir).expanduser().resolve()
+    check_export_target(out, overwrite, HF_EXPORT_FILES)
+    with staged_export(out, overwrite) as staging:  # a reader never sees a half-written checkpoint
+        write_llama_files(model, tokenizer, staging)
+        if extras is not None:
+            extras(staging)
+        (staging / EXPORT_MARKER).write_text("dipaco-hf v1\n", encoding="utf-8")
+    return out
 
 
 def export_path_hf(run: InferenceRun, path_id: int, out_dir: str | os.PathLike, *,
                    overwrite: bool = False) -> Path:
     """Write path ``path_id`` of ``run`` as a Hugging Face Llama checkpoint; return the directory."""
     model = run.loader().get(int(path_id))
-    return write_llama(model, run.tokenizer, out_dir, overwrite=overwrite)
+    return write_llama(model, run.tokenizer, out_dir, overwrite=overwrite,
+                       extras=lambda d: write_hf_extras(run, d, [int(path_id)], routed=False))
 
 
-__all__ = ["ExportError", "export_path_hf", "llama_config", "llama_state_dict", "write_llama"]
+__all__ = ["ExportError", "HF_EXPORT_FILES", "export_path_hf", "llama_config", "llama_state_dict", "write_llama",
+           "write_llama_files"]

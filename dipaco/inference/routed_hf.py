@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence, Union
@@ -31,9 +29,9 @@ import torch
 
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file, write_json
 from dipaco.data import Tokenizer
-from dipaco.run.file_mode import follow_umask
-from dipaco.inference.export import EXPORT_MARKER, check_export_target, publish_directory
-from dipaco.inference.export_hf import ExportError, write_llama
+from dipaco.inference.export import EXPORT_MARKER, check_export_target, staged_export
+from dipaco.inference.export_hf import ExportError, write_llama_files
+from dipaco.inference.model_card import MODEL_CARD, write_hf_extras
 from dipaco.inference.run import InferenceRun
 from router import Router
 
@@ -50,22 +48,20 @@ def path_dir_name(path_id: int) -> str:
 def export_routed_hf(run: InferenceRun, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write every path of ``run`` as a Llama checkpoint plus its router; return the directory.
 
-    Written into a temporary sibling directory and renamed, like every export: a reader
-    never sees half of it; ``overwrite`` replaces only an earlier export.
+    Staged inside the folder and moved in, like every export (:mod:`dipaco.run.owned`);
+    ``overwrite`` replaces only the files an earlier export wrote.
     """
     if run.cfg.router.featurizer == "lm":
         raise ExportError("the router routes on the warm-up model's hidden states (router.featurizer=lm), "
                           "which a Llama export does not carry; export one path at a time with --path")
     out = Path(out_dir).expanduser().resolve()
-    check_export_target(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = follow_umask(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # mkdtemp: 0700
-    try:
+    check_export_target(out, overwrite, (ROUTED_INFO, "tokenizer.json", MANIFEST, EXPORT_MARKER, MODEL_CARD))
+    with staged_export(out, overwrite) as staging:
         grid = run.new_grid()
         loader = run.loader()
         paths = {}
         for p in range(run.num_paths):
-            write_llama(loader.get(p), run.tokenizer, staging / path_dir_name(p))
+            write_llama_files(loader.get(p), run.tokenizer, staging / path_dir_name(p))
             paths[str(p)] = {"dir": path_dir_name(p), "path": list(grid.path_of(p)),
                              "modules": grid.module_ids_of_path(p)}
         run.router.save(staging / "router")
@@ -75,13 +71,12 @@ def export_routed_hf(run: InferenceRun, out_dir: str | os.PathLike, *, overwrite
             "num_paths": run.num_paths, "prefix_tokens": run.prefix_tokens, "paths": paths,
             "source": {"run_dir": str(run.run.root), "checkpoint": run.checkpoint.name,
                        "best_weights": bool(run.best_paths)}})
+        write_hf_extras(run, staging, list(range(run.num_paths)), routed=True)
         (staging / EXPORT_MARKER).write_text(f"{ROUTED_FORMAT} v{ROUTED_VERSION}\n", encoding="utf-8")
         files = sorted(p for p in staging.rglob("*") if p.is_file())
         write_json(staging / MANIFEST, {"files": {str(p.relative_to(staging)): {
             "sha256": sha256_file(p), "bytes": p.stat().st_size} for p in files}})
-        return publish_directory(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 @dataclass
@@ -155,7 +150,7 @@ def load_routed(directory: str | os.PathLike) -> RoutedLlama:
     d = Path(directory).expanduser().resolve()
     if not d.is_dir():
         raise CheckpointError(f"routed export directory {d} does not exist")
-    CheckpointManager.verify(d)
+    CheckpointManager.verify(d, allow_extra=True)  # the user's notes beside it are never read
     try:
         info = json.loads((d / ROUTED_INFO).read_text(encoding="utf-8"))
         if info.get("format") != ROUTED_FORMAT or info.get("version") != ROUTED_VERSION:

@@ -67,6 +67,7 @@ class Prepared:
     train_dataset: Any = None  # the rows write_shards copies when re-sharding (== train_ids)
     train_labels: Optional[np.ndarray] = None  # label code of each training document (None: unlabelled data)
     timings: dict[str, float] = field(default_factory=dict)
+    warmup_intervals: list[dict] = field(default_factory=list)  # the warm-up's curve, when it trained now
 
 
 def _log(msg: str) -> None:
@@ -132,7 +133,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
 
     # Dense warm-up: the paper initialises every path from a dense model.
     n_warm = warmup_steps(cfg)
-    warm_grid = None
+    warm_grid, warm_curve = None, []
     want_warm = fps.want("warmup", data=data_fp, tokenizer=tokenizer.sha256, steps=n_warm)
     if n_warm > 0:
         t0 = time.perf_counter()
@@ -141,7 +142,9 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         else:
             _log(f"dense warm-up: {n_warm} steps")
             warm_grid, stats = train_dense(cfg, train_ids, tokenizer.eos_id, steps=n_warm,
-                                           stream_id=WARMUP_STREAM_ID, progress_desc="warm-up")
+                                           stream_id=WARMUP_STREAM_ID, progress_desc="warm-up",
+                                           log_every=cfg.logging.every_steps)
+            warm_curve = stats.intervals
             save_dense(run.warmup, warm_grid, {"steps": n_warm, "loss": stats.loss,
                                                 "tokens": stats.tokens, "seconds": stats.seconds})
             fps.record("warmup", want_warm)
@@ -204,7 +207,7 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         nmi = f", NMI vs labels {report['nmi']:.3f}" + (f" (per level: {levels})" if levels else "")
     _log(f"routing: shard sizes {report['shard_sizes']}, imbalance {report['imbalance']:.2f}{nmi}")
     return Prepared(tokenizer=tokenizer, train_ids=train_ids, val_ids=val_ids, val_labels=val_labels,
-                    eval_ids=data.eval_ids, router=router, report=report, warmup_steps=n_warm,
+                    eval_ids=data.eval_ids, router=router, report=report, warmup_steps=n_warm, warmup_intervals=warm_curve,
                     train_dataset=train_ids, train_labels=train_labels, timings=timings)
 
 

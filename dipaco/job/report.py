@@ -23,6 +23,11 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from dipaco.job.plots import bar_chart
+from dipaco.run.owned import OwnedWrite, check_owned
+from dipaco.run.provenance import one_line as provenance_line, read as read_provenance
+
+# What dipaco-report writes into its first DIR (and so may replace there).
+REPORT_FILES = ("report.md", "report.json", "report.png")
 
 METRICS = (
     ("routed_ppl", "routed ppl"),
@@ -40,6 +45,7 @@ METRICS = (
 IGNORED = frozenset({"sweep", "trainer.threads", "trainer.progress", "trainer.plots", "hydra.sweep.dir",
                      "logging.tensorboard", "logging.wandb", "logging.wandb_project",
                      "logging.wandb_entity", "logging.wandb_mode", "logging.every_steps",
+                     "logging.run_name", "logging.wandb_group", "logging.tags",
                      "logging.val_documents", "logging.peak_tflops"})
 
 
@@ -165,16 +171,38 @@ def plot(records: list[dict[str, Any]], out: Path, metric: str = "ratio_vs_dense
                      hline=1.0 if metric == "ratio_vs_dense" else None)
 
 
+def provenance_section(rows: list[RunRow], root: Path) -> str:
+    """What made each run (its ``provenance.jsonl``: first launch, and the last when it
+    was resumed), so a table mixing versions or machines says so."""
+    lines = ["Provenance (what made each run; provenance.jsonl):", ""]
+    for row in sorted(rows, key=lambda r: str(r.path)):
+        try:
+            name = row.path.relative_to(root).as_posix() or "."
+        except ValueError:
+            name = str(row.path)
+        recs = read_provenance(row.path)
+        if not recs:
+            lines.append(f"- {name}: not recorded")
+            continue
+        lines.append(f"- {name}: {provenance_line(recs[0])}")
+        if len(recs) > 1:
+            lines.append(f"  - last of {len(recs)} launches: {provenance_line(recs[-1])}")
+    return "\n".join(lines)
+
+
 def write_report(root: Path, metric: str = "ratio_vs_dense", more: tuple[Path, ...] = (),
                  ignore: frozenset[str] = IGNORED) -> str:
-    """Write ``report.md`` (+ ``report.png``) in ``root`` from the runs under ``root`` and
-    under the directories ``more``; return the markdown."""
+    """Write ``report.md``, ``report.json`` (+ ``report.png``) in ``root`` from the runs under
+    ``root`` and under the directories ``more``; return the markdown. The files replace
+    only an earlier report's (dipaco/run/owned.py): a ``report.md`` of the user's is refused."""
     rows = find_runs(root, *more)
     if not rows:
         raise FileNotFoundError(f"no finished run (summary.json) under {root}")
     header, table, records = build_table(rows, ignore)
-    text = markdown(header, table)
-    (root / "report.md").write_text(text + "\n", encoding="utf-8")
-    (root / "report.json").write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
-    plot(records, root / "report.png", metric)
+    text = markdown(header, table) + "\n\n" + provenance_section(rows, root)
+    check_owned(root, REPORT_FILES, "dipaco-report DIR", replace=True)  # before the plot's work
+    with OwnedWrite(root, "dipaco-report DIR", replace=True) as staging:
+        (staging / "report.md").write_text(text + "\n", encoding="utf-8")
+        (staging / "report.json").write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+        plot(records, staging / "report.png", metric)
     return text

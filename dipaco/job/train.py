@@ -27,6 +27,7 @@ from dipaco.rounds.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_
 from dipaco.runtime.device import set_deterministic
 from dipaco.rounds.evaluate import evaluate_single
 from dipaco.run.fingerprint import preflight_resume
+from dipaco.run.provenance import PROVENANCE, record as record_provenance
 from dipaco.job.evaluation import evaluate_run
 from dipaco.runtime import elastic
 from dipaco.runtime.launch import StopSignals, init_distributed, launch, require_torchrun_env
@@ -44,6 +45,8 @@ from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.config.schedule import describe_segments, extension_note
 from dipaco.runtime.slurm import slurm_rendezvous
 from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
+from dipaco.job.summary_table import summary_table
+from dipaco.runtime.record_tail import RecordTail
 from dipaco.runtime.tracking import MetricsWriter, writer_for
 from dipaco.config.validate import validate_config
 from modules import PathModel
@@ -139,13 +142,15 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
         _log("resume changes " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
         with open(run.root / "resumes.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
+    resumed = cfg.resume and run.config.is_file()
     if changes or not run.config.is_file() or not cfg.resume:
         atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     if not cfg.resume:
-        run.metrics.unlink(missing_ok=True)  # a fresh run's rounds start a fresh log
-        run.steps.unlink(missing_ok=True)
+        for stale in (run.metrics, run.steps, run.root / PROVENANCE):  # a fresh run starts fresh logs
+            stale.unlink(missing_ok=True)
         # events of an earlier attempt in this directory would mix into the new curves
         shutil.rmtree(run.tensorboard, ignore_errors=True)
+    record_provenance(run.root, "resume" if resumed else "start")  # what made the run, per launch
     if cfg.launcher.name == "local" and cfg.launcher.nproc > 1:
         _log(f"launcher=local runs one process; launcher.nproc={cfg.launcher.nproc} only sets the simulated "
              "worker groups (launcher=spawn starts that many ranks)")
@@ -162,15 +167,16 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
 
     # the job's one writer (one W&B run): the rounds, decoupled mode and the summary use it
     with MetricsWriter(run, cfg, shared=True) as writer:
+        writer.log_curve("warmup", prep.warmup_intervals, offset=-prep.warmup_steps)  # ends at step 0
         t0 = time.perf_counter()
-        if cfg.diloco.mode == "decoupled":
-            # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
-            result = run_decoupled(cfg, run)
-        else:
-            result = _run_rounds(cfg, run, prep)
+        # a spawned rank 0 writes metrics.jsonl without W&B: the job streams it there meanwhile
+        with RecordTail(writer) if cfg.launcher.name == "spawn" else contextlib.nullcontext():
+            if cfg.diloco.mode == "decoupled":
+                # asynchronous workers + per-module synchronisers (docs/decoupled.md); same RoundsResult
+                result = run_decoupled(cfg, run)
+            else:
+                result = _run_rounds(cfg, run, prep)
         rounds_s = time.perf_counter() - t0
-        if cfg.launcher.name == "spawn":  # the spawned rank 0 wrote metrics.jsonl without W&B
-            writer.mirror_to_wandb(after_round=result.start_round)
         return _finish(cfg, run, prep, result, rounds_s, wall0)
 
 
@@ -197,7 +203,7 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
         writer.log_summary(summary, step=cfg.trainer.rounds * cfg.diloco.inner_steps)
     if cfg.trainer.plots:
         write_plots(run)
-    _print_table(summary)
+    say_plain(summary_table(summary))
     _log(f"run directory: {run.root}")
     return summary
 
@@ -277,7 +283,9 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
         init = load_dense_state(run.warmup) if prep.warmup_steps else None
         grid, stats = train_dense(cfg, prep.train_ids, prep.tokenizer.eos_id, steps=steps,
                                   stream_id=BASELINE_STREAM_ID, step_offset=prep.warmup_steps,
-                                  init=init, progress_desc="dense baseline")
+                                  init=init, progress_desc="dense baseline", log_every=cfg.logging.every_steps)
+        with writer_for(run, cfg) as writer:  # beside the paths' curves, at the same inner steps
+            writer.log_curve("dense_baseline", stats.intervals)
         info = {"steps": steps + prep.warmup_steps, "train_loss": stats.loss, "tokens": stats.tokens,
                 "seconds": stats.seconds, "tokens_per_s": stats.tokens / max(stats.seconds, 1e-9)}
         save_dense(run.baseline, grid, info)
@@ -376,25 +384,3 @@ def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rou
         "seed": cfg.seed,
     }
     return summary
-
-
-
-def _print_table(s: dict[str, Any]) -> None:
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    rows = [("routed perplexity", s["routed_ppl"]), ("dense same-size perplexity", s["dense_ppl"]),
-            ("ratio vs dense", s["ratio_vs_dense"])]
-    if s.get("rerouted_ppl") is not None:
-        rows.append(("routed, re-routed perplexity", s["rerouted_ppl"]))
-    if s.get("routed_ppl_long") is not None:
-        rows += [("routed perplexity, long", s["routed_ppl_long"]), ("ratio vs dense, long", s["ratio_vs_dense_long"])]
-    if s.get("routed_ppl_last_weights") is not None:
-        rows.append(("routed perplexity, last weights", s["routed_ppl_last_weights"]))
-    rows += [("paths", s["num_paths"]), ("rounds x H", f"{s['rounds']} x {s['inner_steps']}"),
-             ("bytes sent", f"{s['bytes_sent']:,}"), ("DDP equivalent bytes", f"{int(s['ddp_bytes_equivalent']):,}"),
-             ("training tokens/s", s["tokens_per_s"]), ("wall time (s)", s["wall_s"])]
-    width = max(len(k) for k, _ in rows)
-    say_plain("\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in rows))

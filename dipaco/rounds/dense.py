@@ -44,8 +44,10 @@ def train_dense(
     step_offset: int = 0,
     init: Optional[dict[str, dict[str, torch.Tensor]]] = None,
     progress_desc: str = "dense",
+    log_every: int = 0,
 ) -> tuple[ModuleGrid, InnerStats]:
-    """Train a dense path for ``steps`` inner steps; return the grid and stats."""
+    """Train a dense path for ``steps`` inner steps; return the grid and stats (with
+    ``log_every``, its per-step intervals: the warm-up's and baseline's curves)."""
     grid = dense_grid(cfg)
     if init:
         for mid, sd in init.items():
@@ -53,7 +55,8 @@ def train_dense(
     model = PathModel(grid, 0)
     stream = TokenStream(docs, seq_len=cfg.trainer.seq_len, batch_size=cfg.trainer.batch_size,
                          seed=cfg.seed, path_id=stream_id, eos_id=eos_id)
-    learner = PathLearner(0, model, stream, cfg.trainer, total_inner_steps(cfg), step_offset=step_offset)
+    learner = PathLearner(0, model, stream, cfg.trainer, total_inner_steps(cfg), step_offset=step_offset,
+                          log_every=log_every)
     bar = progress_bar(cfg.trainer.progress, steps, progress_desc, "step")
 
     # the bar counts steps only: the loss stays on the device until the turn ends

@@ -97,7 +97,7 @@ def merge_step_records(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, A
                     "grad_norm": _mean(recs, "grad_norm"), "grad_norm_max": _max(recs, "grad_norm_max"),
                     "skipped_steps": max(r["skipped_steps"] for r in recs),
                     "tokens": sum(r["tokens"] for r in recs), "seconds": max(r["seconds"] for r in recs),
-                    "tokens_per_s": _mean(recs, "tokens_per_s"), "tflops": _mean(recs, "tflops"),
+                    "data_s": _max(recs, "data_s"), "tokens_per_s": _mean(recs, "tokens_per_s"), "tflops": _mean(recs, "tflops"),
                     "mfu_pct": _mean(recs, "mfu_pct"), "memory": memory})
     return out
 

@@ -141,7 +141,9 @@ class PathLearner:
             lr = lr_at(self.step + self.step_offset, self.total_steps, self.cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            t_data = time.perf_counter()
             x, y = self.stream.next_batch()
+            data_s = time.perf_counter() - t_data  # torchtitan's data-loading time
             self.optimizer.zero_grad(set_to_none=True)
             loss = self._loss_and_backward(x, y)
             if self.grad_sync is not None:
@@ -168,7 +170,7 @@ class PathLearner:
             else:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
-            turn.add(loss, norm, bad, int((y != -100).sum()), lr, self.step)  # y is the host batch: no device read
+            turn.add(loss, norm, bad, int((y != -100).sum()), lr, self.step, data_s)  # y: host batch, no device read
             if on_step is not None:
                 on_step()
             if should_stop is not None and should_stop():

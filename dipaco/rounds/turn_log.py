@@ -67,18 +67,21 @@ class TurnLog:
         self.k = 0
         self.tokens: list[int] = []
         self.lrs: list[float] = []
+        self.data_s: list[float] = []  # host seconds each step waited for its batch
         self.marks: list[tuple[int, Any, dict[str, int]]] = []  # (steps before, clock, memory)
         if self.every:
             self._mark()
 
     def add(self, loss: torch.Tensor, norm: torch.Tensor, bad: torch.Tensor, tokens: int, lr: float,
-            step: int) -> None:
-        """Step ``step`` (the path's count after it): device values stay on the device."""
+            step: int, data_s: float = 0.0) -> None:
+        """Step ``step`` (the path's count after it): device values stay on the device;
+        ``data_s``: the host seconds the step waited for its batch."""
         self.rows[self.k] = torch.stack([loss.detach().to(torch.float64), norm.detach().to(torch.float64),
                                          bad.to(torch.float64)])
         self.k += 1
         self.tokens.append(tokens)
         self.lrs.append(lr)
+        self.data_s.append(float(data_s))
         if self.every and step % self.every == 0:
             self._mark()
 
@@ -115,5 +118,5 @@ class TurnLog:
                 "loss": _mean(losses), "loss_max": max(losses, default=None),
                 "grad_norm": _mean(norms), "grad_norm_max": max(norms, default=None),
                 "lr": self.lrs[kb - 1], "tokens": sum(self.tokens[ka:kb]),
-                "seconds": self._seconds(ta, tb), "memory": memory})
+                "seconds": self._seconds(ta, tb), "data_s": sum(self.data_s[ka:kb]), "memory": memory})
         return stats

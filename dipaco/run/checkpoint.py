@@ -217,8 +217,11 @@ class CheckpointManager:
         return sorted(int(m.group(1)) for m in found if m)
 
     @staticmethod
-    def verify(path: Path | str) -> dict:
-        """Check a checkpoint against its manifest; return the manifest or raise."""
+    def verify(path: Path | str, allow_extra: bool = False) -> dict:
+        """Check a checkpoint against its manifest; return the manifest or raise.
+
+        ``allow_extra``: files the manifest does not name are tolerated (an export, where
+        the user may keep notes beside dipaco's files); they are never read either way."""
         path = Path(path)
         mpath = path / MANIFEST
         if not mpath.is_file():
@@ -238,7 +241,7 @@ class CheckpointManager:
         # pickle) is reported, not loaded.
         extra = [str(p.relative_to(path)) for p in path.rglob("*")
                  if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in files]
-        if extra:
+        if extra and not allow_extra:
             raise CheckpointError(f"checkpoint {path} holds files not in its manifest: {extra[:3]}")
         return manifest
 

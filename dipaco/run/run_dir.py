@@ -28,6 +28,7 @@ RUN_LAYOUT = frozenset({
     "checkpoints", "metrics.jsonl", "tb", "baseline", "summary.json", "plots", "cache", "fingerprints.json",
     "resumes.jsonl", ".dipaco.lock", ".hydra", "decoupled", "decoupled_metrics.json", "train.log", "route.log",
     "report.md", "report.json", "report.png", "steps.jsonl", "wandb", "membership.jsonl",
+    "provenance.jsonl", ".dipaco-owned.json", "run_uid",
 })
 
 

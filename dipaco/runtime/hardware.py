@@ -61,7 +61,8 @@ def memory_snapshot(device: torch.device) -> dict[str, int]:
     """This process's memory now, in bytes (no device synchronisation).
 
     ``rss_bytes`` / ``max_rss_bytes``: the host process's resident set now and its
-    peak; on CUDA also ``max_active_bytes`` / ``max_reserved_bytes``: the caching
+    peak; ``host_total_bytes``: the host's memory (for the shares); on CUDA also
+    ``device_total_bytes`` (the device's memory) and ``max_active_bytes`` / ``max_reserved_bytes``: the caching
     allocator's peaks of memory in tensors and of memory held from the driver since the
     rank started (:func:`dipaco.runtime.device.reset_peak_memory`).
     """
@@ -70,9 +71,13 @@ def memory_snapshot(device: torch.device) -> dict[str, int]:
     rss = _rss_bytes()
     if rss is not None:
         out["rss_bytes"] = rss
+    host = _host_total_bytes()
+    if host:
+        out["host_total_bytes"] = host
     if device.type == "cuda":
         out["max_active_bytes"] = int(torch.cuda.max_memory_allocated(device))
         out["max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+        out["device_total_bytes"] = int(torch.cuda.get_device_properties(device).total_memory)  # host-side
     return out
 
 
@@ -99,3 +104,10 @@ def cap_threads(requested: int, ranks_on_host: int = 1, say: Optional[Callable[[
         say(f"trainer.threads={requested} is more than the {share} core(s) each of the {ranks_on_host} rank(s) "
             f"on this host can have ({cores} in all): using {share} threads per rank")
     return share
+
+
+def _host_total_bytes() -> Optional[int]:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (OSError, ValueError, AttributeError):
+        return None

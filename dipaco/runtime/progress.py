@@ -4,7 +4,9 @@ A bar redraws itself with ``\\r`` on every update; written to a file that is tho
 of lines of noise (the default run left 3,480 updates, 283 kB). So bars are drawn only
 when ``trainer.progress`` asks for them *and* stderr is a terminal. Logs get the one
 ``[dipaco] ...`` line per round and per phase (corpus, routing, warm-up, baseline) that
-the job prints either way. tqdm is wrapped here and nowhere else in ``dipaco/``.
+the job prints either way; while a bar is drawn, each line goes through tqdm's own
+``write``, which clears the bars, prints the line and draws them again, so no line prints
+over a bar. tqdm is wrapped here and nowhere else in ``dipaco/``.
 
 Those lines go through ONE logger, ``logging.getLogger("dipaco")`` (:data:`log`; its
 children, ``logging.getLogger(__name__)`` in ``dipaco.*``, print through it too): each
@@ -51,6 +53,20 @@ class _Stdout(logging.StreamHandler):
     @stream.setter
     def stream(self, _value) -> None:  # StreamHandler.__init__ assigns it
         pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _bars_on_screen():
+            super().emit(record)
+            return
+        try:  # tqdm's own write: clears the bars, prints the line, draws them again below it
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's contract: report, never raise
+            self.handleError(record)
+
+
+def _bars_on_screen() -> bool:
+    """Whether a progress bar is being drawn now (a log line must not print over it)."""
+    return bool(getattr(tqdm, "_instances", None))
 
 
 class _Format(logging.Formatter):

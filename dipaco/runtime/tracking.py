@@ -24,16 +24,17 @@ Every scalar is plotted against the path's inner step count (round ``r`` ends at
 One writer per job process (:meth:`MetricsWriter.shared`): the job opens it, and the
 rounds, decoupled mode and the summary write through it, so W&B is initialised once. A
 rank spawned on this host (``launcher=spawn``) writes its own metrics.jsonl lines and
-TensorBoard events but no W&B run; the job's writer sends those records to W&B when
-the ranks are done (:meth:`MetricsWriter.mirror_to_wandb`). TensorBoard (through
+TensorBoard events but no W&B run; the job's process follows those files while the ranks
+train and sends each new record to W&B through its writer
+(:class:`dipaco.runtime.record_tail.RecordTail`). TensorBoard (through
 ``torch.utils.tensorboard``) and W&B are wrapped here and nowhere else.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -45,7 +46,8 @@ from dipaco.run.checkpoint import atomic_write_text
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log
 
-__all__ = ["MetricsWriter", "SUMMARY_SCALARS", "round_scalars", "step_scalars", "writer_for"]
+__all__ = ["MetricsWriter", "RUN_UID", "SUMMARY_SCALARS", "round_scalars", "run_uid", "step_scalars",
+           "wandb_settings", "writer_for"]
 
 # summary.json keys plotted as ``summary/<key>`` at the last round
 SUMMARY_SCALARS = ("routed_ppl", "dense_ppl", "ratio_vs_dense", "wrong_path_ppl", "rerouted_ppl",
@@ -54,6 +56,10 @@ GIB = 2.0**30
 # step record memory key → tag (CUDA allocator peaks, the host's resident set)
 MEMORY_TAGS = {"max_active_bytes": "memory/max_active(GiB)", "max_reserved_bytes": "memory/max_reserved(GiB)",
                "rss_bytes": "memory/rss(GiB)", "max_rss_bytes": "memory/max_rss(GiB)"}
+# (memory key, total key, tag): the same peaks as a share of the memory they live in
+SHARE_TAGS = (("max_active_bytes", "device_total_bytes", "memory/max_active(%)"),
+              ("max_reserved_bytes", "device_total_bytes", "memory/max_reserved(%)"),
+              ("max_rss_bytes", "host_total_bytes", "memory/max_rss(%)"))
 
 
 def _finite(v: Any) -> bool:
@@ -107,12 +113,14 @@ def step_scalars(records: list[dict[str, Any]]) -> dict[str, float]:
     interval losses), ``loss_metrics/global_max_loss`` (the largest step loss of any
     path), ``grad_norm``, ``throughput(tps)``, ``tflops``, ``mfu(%)``,
     ``time_metrics/end_to_end(s)`` (seconds per inner step; means over paths),
+    ``time_metrics/data_loading(s)`` / ``(%)`` (the host's wait for each step's batch),
+    the memory peaks as shares of the device's (host's) memory (``memory/max_reserved(%)``),
     ``lr``, ``skipped_steps`` (sum) and the memory peaks (largest). Per path:
     ``loss_metrics/path_<p>``, ``grad_norm/path_<p>``, ``throughput(tps)/path_<p>`` and
     ``mfu(%)/path_<p>``.
     """
     out: dict[str, float] = {}
-    weighted, maxes, norms, tps, tflops, mfu, step_s = [], [], [], [], [], [], []
+    weighted, maxes, norms, tps, tflops, mfu, step_s, data_s, data_pct = [], [], [], [], [], [], [], [], []
     memory: dict[str, float] = {}
     for r in sorted(records, key=lambda x: int(x["path"])):
         p = r["path"]
@@ -131,17 +139,27 @@ def step_scalars(records: list[dict[str, Any]]) -> dict[str, float]:
             tflops.append(float(r["tflops"]))
         if _finite(r.get("seconds")) and r.get("steps"):
             step_s.append(float(r["seconds"]) / int(r["steps"]))
+            if _finite(r.get("data_s")):  # torchtitan's data-loading time, per step and as a share
+                data_s.append(float(r["data_s"]) / int(r["steps"]))
+                if r["seconds"] > 0:
+                    data_pct.append(100.0 * float(r["data_s"]) / float(r["seconds"]))
         if _finite(r.get("mfu_pct")):
             out[f"mfu(%)/path_{p}"] = float(r["mfu_pct"])
             mfu.append(float(r["mfu_pct"]))
-        for key, value in (r.get("memory") or {}).items():
+        mem = r.get("memory") or {}
+        for key, value in mem.items():
             if key in MEMORY_TAGS and _finite(value):
                 memory[MEMORY_TAGS[key]] = max(memory.get(MEMORY_TAGS[key], 0.0), value / GIB)
+        for key, total, tag in SHARE_TAGS:  # memory as a share of the device (host) it lives on
+            if _finite(mem.get(key)) and _finite(mem.get(total)) and mem[total] > 0:
+                memory[tag] = max(memory.get(tag, 0.0), 100.0 * mem[key] / mem[total])
     if weighted:
         out["loss_metrics/global_avg_loss"] = sum(v * n for v, n in weighted) / sum(n for _, n in weighted)
     for tag, values, fn in (("loss_metrics/global_max_loss", maxes, max), ("grad_norm", norms, _mean),
                             ("throughput(tps)", tps, _mean), ("tflops", tflops, _mean), ("mfu(%)", mfu, _mean),
-                            ("time_metrics/end_to_end(s)", step_s, _mean)):
+                            ("time_metrics/end_to_end(s)", step_s, _mean),
+                            ("time_metrics/data_loading(s)", data_s, _mean),
+                            ("time_metrics/data_loading(%)", data_pct, _mean)):
         if values:
             out[tag] = float(fn(values))
     lrs = [float(r["lr"]) for r in records if _finite(r.get("lr"))]
@@ -181,6 +199,37 @@ def nonfinite_line(record: dict[str, Any]) -> Optional[str]:
             "trainer.grad_clip > 0")
 
 
+RUN_UID = "run_uid"
+
+
+def run_uid(run: RunDir) -> str:
+    """The run's own id (``RUN/run_uid``, made once): it moves with the run directory, so
+    the W&B run id made from it does too (a resume after a move continues the same W&B run)."""
+    path = run.root / RUN_UID
+    try:
+        uid = path.read_text(encoding="ascii").strip()
+        if len(uid) == 16 and all(c in "0123456789abcdef" for c in uid):
+            return uid
+    except (OSError, UnicodeDecodeError):
+        pass
+    uid = uuid.uuid4().hex[:16]
+    atomic_write_text(path, uid + "\n")
+    return uid
+
+
+def wandb_settings(run: RunDir, cfg: Config) -> dict[str, Any]:
+    """``wandb.init``'s arguments for ``run``: id from :func:`run_uid`, name (default: the run
+    directory's name), group (default: the sweep folder's name for a sweep's run), tags."""
+    log_cfg = cfg.logging
+    in_sweep = (run.root.parent / "multirun.yaml").is_file()
+    return dict(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity, mode=log_cfg.wandb_mode,
+                dir=str(run.root), config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+                id=run_uid(run), resume="allow",  # one W&B run per run: a resumed run continues it
+                name=log_cfg.run_name or run.root.name,
+                group=log_cfg.wandb_group or (run.root.parent.name if in_sweep else None),
+                tags=list(log_cfg.tags) or None)
+
+
 class MetricsWriter:
     """Persists the records and the final summary of one run (the job's process, or a
     spawned rank 0 without W&B).
@@ -207,12 +256,7 @@ class MetricsWriter:
         if log_cfg.wandb if wandb is None else wandb:
             import wandb as wandb_module  # optional dependency; validate_config refused the run if missing
 
-            self.wandb_run = wandb_module.init(
-                project=log_cfg.wandb_project, entity=log_cfg.wandb_entity, mode=log_cfg.wandb_mode,
-                dir=str(run.root), config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-                # one W&B run per run directory: a resumed run continues it
-                id=hashlib.sha1(str(run.root).encode()).hexdigest()[:16], resume="allow",
-            )
+            self.wandb_run = wandb_module.init(**wandb_settings(run, cfg))
         if shared:
             MetricsWriter._open[run.root] = self
 
@@ -263,6 +307,23 @@ class MetricsWriter:
             self._scalars(scalars, step)
             log.debug(_health_line(step, scalars))
 
+    def log_curve(self, name: str, intervals: list[dict[str, Any]], offset: int = 0) -> None:
+        """A dense model's per-step intervals (the warm-up's, the dense baseline's) on the
+        paths' board: ``loss_metrics/<name>``, ``grad_norm/<name>``, ``throughput(tps)/<name>``
+        at step ``interval step + offset`` (the warm-up ends at step 0, where the paths start).
+        TensorBoard only: W&B takes one rising step per run, which the paths' steps use."""
+        tb = self._tensorboard() if intervals else None
+        if tb is None:
+            return
+        for iv in intervals:
+            step = int(iv["step"]) + offset
+            secs = iv.get("seconds") or 0.0
+            for tag, value in ((f"loss_metrics/{name}", iv.get("loss")), (f"grad_norm/{name}", iv.get("grad_norm")),
+                               (f"throughput(tps)/{name}", iv["tokens"] / secs if secs > 0 else None)):
+                if _finite(value):
+                    tb.add_scalar(tag, float(value), global_step=step)
+        tb.flush()
+
     def round_step(self, record: dict[str, Any]) -> int:
         """The step a round record is plotted at: its ``step``, or ``round·H``."""
         return int(record.get("step") or int(record["round"]) * self.inner_steps)
@@ -286,6 +347,12 @@ class MetricsWriter:
         if self.wandb_run is not None:
             # W&B's run summary, not a logged step: the last step was logged already
             self.wandb_run.summary.update(scalars)
+
+    def send_to_wandb(self, scalars: dict[str, float], step: int) -> None:
+        """Log ``scalars`` at ``step`` to this writer's W&B run only (what a spawned rank 0
+        wrote to the files already: :class:`dipaco.runtime.record_tail.RecordTail`)."""
+        if self.wandb_run is not None and scalars:
+            self.wandb_run.log(scalars, step=step)
 
     def mirror_to_wandb(self, after_round: int) -> None:
         """Send the records of rounds past ``after_round`` to W&B: what a spawned rank 0
