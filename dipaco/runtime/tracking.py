@@ -34,17 +34,16 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from omegaconf import OmegaConf
 
 from dipaco.config import Config
 from dipaco.run.checkpoint import atomic_write_text
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log
+from dipaco.runtime.run_identity import RUN_UID, run_uid, wandb_settings
 
 __all__ = ["MetricsWriter", "RUN_UID", "SUMMARY_SCALARS", "round_scalars", "run_uid", "step_scalars",
            "wandb_settings", "writer_for"]
@@ -197,37 +196,6 @@ def nonfinite_line(record: dict[str, Any]) -> Optional[str]:
     return (f"round {record.get('round')}: the loss became non-finite (inf or NaN) on {', '.join(bad)}; "
             "those steps were not applied. If it goes on, lower trainer.lr or diloco.outer.lr, or keep "
             "trainer.grad_clip > 0")
-
-
-RUN_UID = "run_uid"
-
-
-def run_uid(run: RunDir) -> str:
-    """The run's own id (``RUN/run_uid``, made once): it moves with the run directory, so
-    the W&B run id made from it does too (a resume after a move continues the same W&B run)."""
-    path = run.root / RUN_UID
-    try:
-        uid = path.read_text(encoding="ascii").strip()
-        if len(uid) == 16 and all(c in "0123456789abcdef" for c in uid):
-            return uid
-    except (OSError, UnicodeDecodeError):
-        pass
-    uid = uuid.uuid4().hex[:16]
-    atomic_write_text(path, uid + "\n")
-    return uid
-
-
-def wandb_settings(run: RunDir, cfg: Config) -> dict[str, Any]:
-    """``wandb.init``'s arguments for ``run``: id from :func:`run_uid`, name (default: the run
-    directory's name), group (default: the sweep folder's name for a sweep's run), tags."""
-    log_cfg = cfg.logging
-    in_sweep = (run.root.parent / "multirun.yaml").is_file()
-    return dict(project=log_cfg.wandb_project, entity=log_cfg.wandb_entity, mode=log_cfg.wandb_mode,
-                dir=str(run.root), config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-                id=run_uid(run), resume="allow",  # one W&B run per run: a resumed run continues it
-                name=log_cfg.run_name or run.root.name,
-                group=log_cfg.wandb_group or (run.root.parent.name if in_sweep else None),
-                tags=list(log_cfg.tags) or None)
 
 
 class MetricsWriter:
