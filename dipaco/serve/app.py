@@ -126,9 +126,9 @@ def create_app(service: CompletionService) -> FastAPI:
         ok = engine.alive
         body: dict[str, Any] = {"status": "ok" if ok else "failed", "model": model.name,
                                 "active_requests": engine.active, "engine": vars(engine.stats).copy()}
-        loaded = getattr(engine.engine, "loaded_paths", None)
-        if isinstance(loaded, (list, tuple)):
-            body["loaded_paths"] = [int(p) for p in loaded]
+        loaded = _loaded_paths(engine.engine)
+        if loaded is not None:
+            body["loaded_paths"] = loaded
         if not ok:
             body["error"] = engine.error or "the engine thread is not running"
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -158,6 +158,15 @@ def create_app(service: CompletionService) -> FastAPI:
         return await _collect(completion, request)
 
     return app
+
+
+def _loaded_paths(engine: Any) -> list[int] | None:
+    """Paths the engine holds in memory, if it says (its own list, or its path loader's)."""
+    for holder in (engine, getattr(engine, "loader", None)):
+        loaded = getattr(holder, "loaded_paths", None)
+        if isinstance(loaded, (list, tuple)):
+            return [int(p) for p in loaded]
+    return None
 
 
 async def _stream(completion: Completion) -> AsyncIterator[str]:

@@ -145,9 +145,9 @@ class Completion:
                 request = self.service.make_request(prompt_ids=c.prompt_ids, **settings)
                 c.request_id = self.service.engine.submit(request, self._sink)
                 self._by_request[c.request_id] = c
-        except ValueError as e:
+        except ValueError as e:  # the engine's own check of a request (one line)
             self.cancel()
-            raise bad_request(str(e), "prompt") from None
+            raise bad_request(str(e)) from None
         except EngineDown as e:
             self.cancel()
             raise APIError(503, f"the engine is not running: {e}", code="engine_down") from None
