@@ -37,6 +37,10 @@ if str(HERE.parent) not in sys.path:  # run as a script: the repository root hol
 from benchmarks.common import load_average, print_table, write_result  # noqa: E402
 
 PROMPT_TOKENS = 32  # each prompt: the first tokens of a validation document
+# --tiny's prompts: a wiring check needs no corpus pass (reading the validation split costs seconds)
+TINY_TEXTS = ["def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
+              "The river rose after three days of rain, and the village", "class Cache:\n    def __init__(self):",
+              "SELECT name, count(*) FROM users GROUP BY", "import os\nimport sys\n\n\ndef main():\n"]
 
 
 def prompts_of(run: Any, n: int) -> list[list[int]]:
@@ -161,7 +165,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     from dipaco.inference import InferenceRun
 
     run = InferenceRun.open(run_dir, verify="read")
-    prompts = prompts_of(run, args.prompts)
+    if args.tiny:
+        prompts = [run.encode(TINY_TEXTS[i % len(TINY_TEXTS)])[:PROMPT_TOKENS] for i in range(args.prompts)]
+    else:
+        prompts = prompts_of(run, args.prompts)
     model = run_dir.resolve().name
     server = Server(run_dir, args.max_batch_size, args.max_loaded_paths, args.max_tokens)
     try:
