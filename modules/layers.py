@@ -71,6 +71,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------- block parts
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Attention of one new token per row over a cache buffer: ``q [B, H, 1, hd]``,
+    ``keys``/``values`` ``[B, H, max_len, hd]`` (whole buffers), row ``b`` sees positions
+    ``[0, lengths[b])``.
+
+    Why not SDPA over ``keys[:, :, :length]``: its result for a row depends on the key length
+    and on the other rows of the call (its kernel blocks both), so a row would decode to
+    different bits in a batch than alone. Plain matmuls over the full buffer reduce the same
+    way for every row and batch size; masked positions weigh exactly zero.
+    """
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, 1, max_len]
+    seen = torch.arange(keys.shape[2], device=q.device) < lengths.view(-1, 1)
+    scores = scores.float().masked_fill(~seen.view(q.shape[0], 1, 1, -1), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+
+
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with rotary positions and an optional KV cache."""
 
@@ -107,8 +125,11 @@ class Attention(nn.Module):
             if start == 0:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             elif T == 1:
-                # One new token sees every cached position: no mask needed.
-                y = F.scaled_dot_product_attention(q, k, v)
+                # One new token per row: attend over the whole cache buffer with a length mask,
+                # as a serving batch does (modules/row_decode.py), so a row decodes to the same
+                # bits alone or beside others.
+                lengths = torch.full((B,), start + 1, dtype=torch.long, device=x.device)
+                y = decode_attention(q, kv_cache.k[layer], kv_cache.v[layer], lengths)
             else:
                 # SDPA's is_causal aligns the mask top-left, which is wrong when queries
                 # start at `start`; query i (absolute start+i) may see keys 0..start+i.

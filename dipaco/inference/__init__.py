@@ -4,6 +4,7 @@
     path = run.route(run.encode("def main():"))       # the prefix chooses the path
     model = run.loader().get(path)                    # builds and loads ONLY that path's modules
     out = run.generate(run.encode("def main():"), max_new_tokens=64, reroute_every=32)
+    gens = RoutedEngine(run, max_batch_size=32).generate([Request(ids) for ids in prompts])  # batched
     report = run.score(docs)                          # == the job's routed evaluation
     export_path(run, path, "out/path_9"); model, tok = load_exported_path("out/path_9")
     export_path_hf(run, path, "out/llama_9")          # transformers.LlamaForCausalLM loads it
@@ -37,10 +38,12 @@ from __future__ import annotations
 
 from dipaco.inference.export import EXPORT_FORMAT, EXPORT_VERSION, export_path, load_exported_path
 from dipaco.inference.export_hf import ExportError, export_path_hf
+from dipaco.inference.engine import Request, RoutedEngine, TokenEvent
 from dipaco.inference.generate import Generation, generate_routed
 from dipaco.inference.routed_hf import RoutedLlama, export_routed_hf, load_routed
 from dipaco.inference.run import InferenceRun, PathLoader, parse_path
 
 __all__ = ["InferenceRun", "PathLoader", "parse_path", "Generation", "generate_routed",
+           "RoutedEngine", "Request", "TokenEvent",
            "export_path", "load_exported_path", "EXPORT_FORMAT", "EXPORT_VERSION",
            "export_path_hf", "ExportError", "export_routed_hf", "load_routed", "RoutedLlama"]

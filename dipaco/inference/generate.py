@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from dipaco.inference.sampling import check_sampling, sample_token
 from dipaco.runtime.device import model_device
 from modules import PathModel
 
@@ -28,6 +28,7 @@ class Generation:
             ``prompt + tokens`` (``router.reroute_windows``'s rule); without re-routing, ``[path]``.
         switches: ``(sequence position, path)`` each time generation started using a path.
         stopped_at_eos: generation ended on the eos token.
+        finish_reason: ``"eos"``, ``"length"`` or ``"cancelled"`` (set by the engine and here).
     """
 
     prompt: list[int]
@@ -35,6 +36,7 @@ class Generation:
     window_paths: list[int] = field(default_factory=list)
     switches: list[tuple[int, int]] = field(default_factory=list)
     stopped_at_eos: bool = False
+    finish_reason: Optional[str] = None
 
     @property
     def sequence(self) -> list[int]:
@@ -71,17 +73,6 @@ class _PathDecoder:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-            generator: torch.Generator) -> int:
-    if temperature == 0:
-        return int(logits.argmax())
-    scaled = logits.double() / temperature
-    if top_k is not None:
-        kth = torch.topk(scaled, min(int(top_k), scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return int(torch.multinomial(F.softmax(scaled, dim=-1), 1, generator=generator))
-
-
 def generate_routed(
     run: InferenceRun,
     prompt_ids: Sequence[int],
@@ -89,6 +80,7 @@ def generate_routed(
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
     seed: int = 0,
     reroute_every: Optional[int] = None,
     use_kv_cache: bool = True,
@@ -101,6 +93,7 @@ def generate_routed(
     Args:
         temperature: 0 is greedy; otherwise softmax sampling at this temperature.
         top_k: sample among the ``top_k`` likeliest tokens only.
+        top_p: then among the smallest set of likeliest tokens whose probability reaches it.
         seed: seeds the sampler (a private generator; the global RNG is untouched).
         reroute_every: W; ``None`` routes once by the prompt.
         use_kv_cache: ``False`` re-runs the whole context each step (slow; same tokens).
@@ -113,10 +106,7 @@ def generate_routed(
         raise ValueError("the prompt is empty: generation needs at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    check_sampling(temperature, top_k, top_p)
     if reroute_every is not None and reroute_every < 1:
         raise ValueError(f"reroute_every must be >= 1 token, got {reroute_every}")
     loader = loader or run.loader()
@@ -144,7 +134,7 @@ def generate_routed(
             decoder = None  # release the old path's cache before loading the new path
             decoder = _PathDecoder(loader.get(p), use_kv_cache)
             out.switches.append((len(seq), p))
-        tok = _sample(decoder.next_logits(seq), temperature, top_k, generator)
+        tok = int(sample_token(decoder.next_logits(seq), temperature, top_k, top_p, generator))
         seq.append(tok)
         out.tokens.append(tok)
         if on_token is not None:
@@ -152,6 +142,7 @@ def generate_routed(
         if stop_at_eos and tok == eos:
             out.stopped_at_eos = True
             break
+    out.finish_reason = "eos" if out.stopped_at_eos else "length"
     if reroute_every is None:
         out.window_paths = [path_at(0)]
     else:

@@ -1,0 +1,163 @@
+"""The rows of :class:`~dipaco.inference.engine.RoutedEngine` and one path's batch of them.
+
+A row follows :func:`~dipaco.inference.generate_routed`'s rules exactly, one token per
+step: when it starts on a path its context is encoded alone (the last ``max_seq_len``
+tokens, batch 1, as a fresh one-prompt decoder does), then it decodes in the batch
+(:func:`modules.row_decode.decode_rows`) until its cache is full, after which it
+re-encodes its trailing window every step (the long-context rule).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from dipaco.inference.generate import Generation
+from dipaco.inference.sampling import sample_token
+from dipaco.runtime.device import model_device
+from modules import PathModel
+from modules.row_decode import RowCache, decode_rows
+
+if TYPE_CHECKING:
+    from dipaco.inference.engine import Request
+    from dipaco.inference.run import InferenceRun
+
+
+@dataclass(eq=False)  # rows are compared by identity
+class Row:
+    """One request being generated.
+
+    Attributes:
+        windows: path of each re-routing window decided so far (window 0 without re-routing).
+        path: the path generating the next token.
+        since: the step it started waiting for ``path`` (scheduling).
+        slot: its slot in the batch's :class:`RowCache` while it decodes there.
+        start: sequence position of the slot's first cached token.
+    """
+
+    rid: int
+    req: "Request"
+    out: Generation
+    seq: list[int]
+    windows: dict[int, int] = field(default_factory=dict)
+    path: int = -1
+    since: int = 0
+    slot: Optional[int] = None
+    start: int = 0
+    generator: Optional[torch.Generator] = None
+
+    def path_at(self, pos: int) -> int:
+        """The path of sequence position ``pos`` (its window must have been routed)."""
+        W = self.req.reroute_every
+        return self.windows[0 if W is None else pos // W]
+
+    def record_windows(self, run: "InferenceRun") -> list[int]:
+        """``Generation.window_paths``: windows never needed for generating are routed now,
+        one at a time, by the rule and on the sequence :func:`generate_routed` uses."""
+        W = self.req.reroute_every
+        if W is None:
+            return [self.windows[0]]
+        for j in range(-(-len(self.seq) // W)):
+            if j not in self.windows:
+                ctx = run.router.window_context(self.seq, j, W)
+                self.windows[j] = int(run.router.route_contexts([ctx])[0])
+        return [self.windows[j] for j in range(-(-len(self.seq) // W))]
+
+
+class PathBatch:
+    """The rows one path is generating: ``slotted`` decode together from the cache (slot
+    ``i`` = ``slotted[i]``), ``windowed`` re-encode their last ``max_seq_len`` tokens each
+    step, ``fresh`` joined since the last step and are encoded at the next."""
+
+    def __init__(self, model: PathModel, path: int, max_rows: int, use_kv_cache: bool,
+                 cache: Optional[RowCache] = None) -> None:
+        self.model, self.path, self.max_rows = model, int(path), int(max_rows)
+        self.device = model_device(model)
+        self.max_len = model.cfg.max_seq_len
+        self.cache: Optional[RowCache] = None
+        if use_kv_cache:  # every path has the same shapes: the previous path's buffers serve
+            same = cache is not None and cache.slots == max_rows and cache.k.device == self.device
+            self.cache = cache if same else RowCache(model, max_rows)
+        self.slotted: list[Row] = []
+        self.windowed: list[Row] = []
+        self.fresh: list[Row] = []
+
+    @property
+    def rows(self) -> list[Row]:
+        return self.slotted + self.windowed + self.fresh
+
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.slotted) - len(self.windowed) - len(self.fresh)
+
+    def join(self, row: Row) -> None:
+        """``row`` starts generating with this path (its context is encoded at the next step)."""
+        row.out.switches.append((len(row.seq), self.path))
+        self.fresh.append(row)
+
+    def leave(self, row: Row) -> None:
+        """``row`` stops here (finished, cancelled or re-routed); the slots stay packed."""
+        if row.slot is not None:
+            last = len(self.slotted) - 1
+            if row.slot != last:
+                self.cache.move(last, row.slot)
+                self.slotted[row.slot] = self.slotted[last]
+                self.slotted[row.slot].slot = row.slot
+            self.slotted.pop()
+            row.slot = None
+        elif row in self.windowed:
+            self.windowed.remove(row)
+        elif row in self.fresh:
+            self.fresh.remove(row)
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
+
+    def _encode(self, row: Row) -> torch.Tensor:
+        """Next-token logits of ``row`` from its last ``max_seq_len`` tokens, alone (batch 1)."""
+        row.start = max(0, len(row.seq) - self.max_len)
+        window = row.seq[row.start:]
+        if self.cache is None:
+            return self.model(self._ids(window))[0, -1]
+        scratch = self.cache.scratch
+        scratch.reset()
+        return self.model(self._ids(window), scratch)[0, -1]
+
+    @torch.no_grad()
+    def step(self) -> tuple[list[Row], list[int]]:
+        """One new token for every row: (the rows, their tokens)."""
+        for row in [r for r in self.slotted if self.cache.lengths[r.slot] >= self.max_len]:
+            self.leave(row)  # cache full: from now on the window slides every step
+            self.windowed.append(row)
+        rows: list[Row] = list(self.slotted)
+        parts: list[torch.Tensor] = []
+        if self.slotted:
+            last = torch.tensor([r.seq[-1] for r in self.slotted], dtype=torch.long, device=self.device)
+            parts.append(decode_rows(self.model, last, self.cache))
+        for row in self.windowed:
+            rows.append(row)
+            parts.append(self._encode(row).unsqueeze(0))
+        fresh, self.fresh = self.fresh, []
+        for row in fresh:
+            rows.append(row)
+            parts.append(self._encode(row).unsqueeze(0))
+            if self.cache is not None and self.cache.scratch.length < self.max_len:
+                row.slot = len(self.slotted)
+                self.cache.fill(row.slot, self.cache.scratch)
+                self.slotted.append(row)
+            else:
+                self.windowed.append(row)
+        logits = torch.cat(parts).float()
+        tokens = logits.argmax(dim=-1)  # greedy rows: the first of equal maxima, as one prompt
+        for i, row in enumerate(rows):
+            if row.req.temperature > 0:
+                tokens[i] = sample_token(logits[i], row.req.temperature, row.req.top_k, row.req.top_p,
+                                         self._generator(row, logits.device))
+        return rows, tokens.tolist()  # the one host sync of a step
+
+    @staticmethod
+    def _generator(row: Row, device: Any) -> torch.Generator:
+        """The row's own sampler, seeded by its request (made on the logits' device)."""
+        if row.generator is None:
+            row.generator = torch.Generator(device=device).manual_seed(int(row.req.seed))
+        return row.generator
