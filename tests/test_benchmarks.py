@@ -48,3 +48,14 @@ def test_link_benchmark_skips_with_a_message_when_it_cannot_shape(monkeypatch: p
     monkeypatch.delenv(bench_link.INSIDE, raising=False)
     assert "not root" in bench_link.main([])["skipped"]
     assert "skipped: cannot shape a link here (not root" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_runs_tiny(finished, tmp_path) -> None:
+    """bench_serve --tiny: dipaco-serve and the in-process engine on the same 8 prompts."""
+    pytest.importorskip("dipaco.inference.engine", reason="the engine (dipaco.inference.engine) is not merged yet")
+    from benchmarks import bench_serve
+
+    out = bench_serve.main(["--tiny", "--run-dir", str(finished[0]), "--out", str(tmp_path / "serve.json")])
+    assert out["prompts"] == 8 and 0 < out["server"]["tokens"] <= 64 and 0 < out["engine"]["tokens"] <= 64
+    assert out["server"]["latency_p99_s"] >= out["server"]["latency_p50_s"] > 0

@@ -70,6 +70,10 @@ def hostile_cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("dipaco-plan", SMOKE + ["launcher.timeout_s=0.001"]),
         ("dipaco-plan", SMOKE + ["grid.levels=[0]"]),
         ("dipaco-plan", [f"tag={BAD_UTF8}"]),
+        ("dipaco-serve", [str(tmp / "no_run")]),
+        ("dipaco-serve", [str(a_file)]),
+        ("dipaco-serve", [BAD_UTF8]),
+        ("dipaco-serve", [str(tmp), "--port", "99999"]),
     ]
 
 

@@ -1,8 +1,9 @@
 """``dipaco-infer``: routed inference over a finished run (route | generate | score | export | eval).
 
     dipaco-infer route    RUN_DIR (--text T [T ...] | --file F.jsonl) [--top-k K]
-    dipaco-infer generate RUN_DIR --prompt P [--max-new-tokens N] [--temperature T] [--top-k K]
-                          [--seed S] [--reroute-every W] [--no-kv-cache] [--json]
+    dipaco-infer generate RUN_DIR (--prompt P [--json] | --file F.jsonl [--out F [--resume]] [--batch-size B])
+                          [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
+                          [--reroute-every W] [--max-loaded-paths N] [--no-kv-cache]
     dipaco-infer score    RUN_DIR (--file F.jsonl | --validation) [--reroute-every W] [--long] [--batch-size B] [--out F]
     dipaco-infer export   RUN_DIR (--path P | --all) --out DIR [--format dipaco|hf]
     dipaco-infer eval     RUN_DIR --tasks T[,T...] --include-path DIR [--limit N] [--num-fewshot K] [--dense] [--out F]

@@ -1,15 +1,25 @@
-"""``dipaco-infer generate``: continue a prompt with its path (the rules are in
-:mod:`dipaco.inference`)."""
+"""``dipaco-infer generate``: continue a prompt with its path (``--prompt``), or every prompt of
+a JSON-lines file with the batched engine (``--file``). The rules are in :mod:`dipaco.inference`;
+the engine's batching, seeds and memory bound in docs/serving.md.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
 
 from dipaco.cli.errors import fail
 from dipaco.cli.infer_args import (COMMON_EPILOG, add_run_args, emit, int_in, non_negative_float, open_run,
-                                   positive)
+                                   positive, read_jsonl_records)
+from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
+from dipaco.run.path_guard import check_target
+from dipaco.run.run_dir import RunDirError
+from dipaco.runtime.progress import progress_bar
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -23,23 +33,52 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "prefix tokens, window j by the prefix tokens before it); a new path is loaded and its "
         "KV cache rebuilt when it changes (a prompt shorter than the prefix picks window 0's path "
         "from the prompt alone). The model sees at most the last max_seq_len tokens. "
+        "With --file: every prompt of the file, batched by path (docs/serving.md); one JSON line "
+        "per prompt (index, text, tokens, finish_reason, path_sequence, ...) in input order, each "
+        "written whole as soon as it and those before it are done; --resume --out F continues a "
+        "killed run. Greedy and seeded results are those of --prompt, one at a time. "
         + COMMON_EPILOG))
     add_run_args(g)
-    g.add_argument("--prompt", required=True, help="the text to continue (must not be empty)")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the text to continue (must not be empty)")
+    src.add_argument("--file", metavar="F.jsonl", help="prompts, one JSON object per line (the training "
+                     "readers' rules: malformed lines are skipped and counted on stderr); a line's "
+                     "optional \"seed\" field overrides its derived seed")
+    g.add_argument("--text-field", default="text", help="field holding the prompt in --file (default: text)")
     g.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=64, metavar="N",
                    help="tokens to generate at most (default 64; stops early at end-of-text)")
     g.add_argument("--temperature", type=non_negative_float, default=0.8, metavar="T",
                    help="sampling temperature; 0 is greedy (default 0.8)")
     g.add_argument("--top-k", type=positive("--top-k"), default=None, metavar="K",
                    help="sample among the K likeliest tokens only")
+    g.add_argument("--top-p", type=_unit_interval, default=None, metavar="P",
+                   help="nucleus sampling: among the likeliest tokens whose probability reaches P, in (0, 1]")
     g.add_argument("--seed", type=int_in("--seed", 0, 2**32 - 1), default=0, metavar="S",
-                   help="sampling seed (default 0)")
+                   help="sampling seed (default 0); with --file, prompt i samples with a seed derived "
+                        "from S and i, so its result does not depend on the other prompts")
     g.add_argument("--reroute-every", type=positive("--reroute-every"), default=None, metavar="W",
                    help="re-route every W tokens")
     g.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context each step (slow)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-text token")
     g.add_argument("--json", action="store_true", help="end with one JSON line: text, tokens, paths")
+    g.add_argument("--batch-size", type=positive("--batch-size", 4096), default=32, metavar="B",
+                   help="with --file: rows decoded together (default 32)")
+    g.add_argument("--max-loaded-paths", type=positive("--max-loaded-paths", 4096), default=1, metavar="N",
+                   help="with --file: paths kept in memory at once (default 1: the memory of one path)")
+    g.add_argument("--out", default=None, metavar="F", help="with --file: write the lines here, not to stdout")
+    g.add_argument("--resume", action="store_true",
+                   help="with --out: keep the lines an earlier run wrote and generate the rest")
     return g
+
+
+def _unit_interval(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {s}")
+    return v
 
 
 class _TextStream:
@@ -68,6 +107,11 @@ class _TextStream:
 
 def run(args: argparse.Namespace) -> None:
     """The ``generate`` verb."""
+    if args.file is not None:
+        return run_file(args)
+    for flag in ("out", "resume"):
+        if getattr(args, flag):
+            fail(f"--{flag} goes with --file (one prompt streams its text to stdout)")
     if not args.prompt.strip():
         fail("--prompt is empty: give some text to continue")
     inf = open_run(args)
@@ -79,7 +123,7 @@ def run(args: argparse.Namespace) -> None:
               f"({inf.prefix_tokens}); routing on those {len(prompt)}", file=sys.stderr)
     stream = _TextStream(inf.tokenizer, sys.stdout)
     gen = inf.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, reroute_every=args.reroute_every,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, reroute_every=args.reroute_every,
                        use_kv_cache=not args.no_kv_cache, stop_at_eos=not args.ignore_eos,
                        on_token=stream)
     text = stream.close()
@@ -97,3 +141,117 @@ def run(args: argparse.Namespace) -> None:
         steps = ", ".join(f"{p} {inf.router.path_tuple(p)} from token {pos}" for pos, p in gen.switches)
         print(f"dipaco: re-routed every {args.reroute_every} tokens; paths used: {steps or 'none'}; "
               f"path of each window: {gen.window_paths}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- --file
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of prompt ``index`` under ``--seed seed``: mixed, not added, so
+    neighbouring prompts and runs get unrelated streams."""
+    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def _resume_point(out: Path) -> int:
+    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off); they must be
+    this command's lines, in order, or nothing is touched."""
+    data = out.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    for i, line in enumerate(whole.splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not (isinstance(rec, dict) and rec.get("index") == i):
+            raise RunDirError(f"generate --out {out} line {i + 1} is not line {i} of an earlier dipaco-infer generate "
+                              "--file run: it is never overwritten; choose a new --out")
+    if len(whole) < len(data):
+        with open(out, "r+b") as f:
+            f.truncate(len(whole))  # a line torn by a kill: generated again
+    return whole.count(b"\n")
+
+
+def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], int]:
+    """``--out`` checked before any work, and how many prompts an earlier run finished."""
+    if args.out is None:
+        if args.resume:
+            fail("--resume needs --out F (the file an earlier run wrote)")
+        return None, 0
+    out = check_target(args.out, "generate --out", fix="choose a --out outside every run directory")
+    if out.is_dir():
+        raise RunDirError(f"generate --out {args.out} is a directory; name a file (e.g. {Path(args.out) / 'out.jsonl'})")
+    if not out.exists() or out.stat().st_size == 0:
+        return out, 0
+    if not args.resume:
+        raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, or choose a new --out")
+    return out, _resume_point(out)
+
+
+class _InOrder:
+    """Writes each result's line once it and every earlier one are done: whole lines, input order."""
+
+    def __init__(self, inf: InferenceRun, fd: int, first: int, bar: Any) -> None:
+        self.inf, self.fd, self.next, self.bar = inf, fd, first, bar
+        self.ready: dict[int, bytes] = {}
+
+    def __call__(self, index: int, rec: dict) -> None:
+        self.ready[index] = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        self.flush()
+
+    def flush(self) -> None:
+        """Write every line whose turn has come."""
+        while self.next in self.ready:
+            line = self.ready.pop(self.next)
+            while line:  # one write per line in practice; a kill leaves whole lines
+                line = line[os.write(self.fd, line):]
+            self.next += 1
+            if self.bar is not None:
+                self.bar.update(1)
+
+    def record(self, index: int, line: dict, gen: Generation, seed: int) -> dict:
+        used = [p for _, p in gen.switches]
+        return {"index": index, **({"id": line["id"]} if "id" in line else {}),
+                "text": self.inf.tokenizer.decode(gen.tokens), "tokens": gen.tokens,
+                "prompt_tokens": len(gen.prompt), "new_tokens": len(gen.tokens), "finish_reason": gen.finish_reason,
+                "path_sequence": gen.window_paths, "paths_used": used, "seed": seed}
+
+
+def run_file(args: argparse.Namespace) -> None:
+    """``generate --file``: every prompt through the batched engine, one JSON line each."""
+    out, done = _out_file(args)
+    records, _ = read_jsonl_records(args.file, args.text_field)
+    inf = open_run(args)  # the checkpoint is verified once, here
+    reqs: list[tuple[int, Request, dict, int]] = []
+    for i, (text, line) in enumerate(records[done:], start=done):
+        seed = line.get("seed", prompt_seed(args.seed, i))
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            fail(f"{args.file}: prompt {i} has seed {seed!r}; a seed is an integer in [0, 2**63)")
+        reqs.append((i, Request(inf.encode(text), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=seed, stop_at_eos=not args.ignore_eos,
+                                reroute_every=args.reroute_every), line, seed))
+    fd = sys.stdout.fileno() if out is None else os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    bar = progress_bar(True, len(records), "generate", "prompt")
+    if bar is not None:
+        bar.update(done)
+    sys.stdout.flush()
+    writer = _InOrder(inf, fd, done, bar)
+    try:
+        todo = [(i, r, line, seed) for i, r, line, seed in reqs if r.prompt_ids]
+        for i, r, line, seed in reqs:
+            if not r.prompt_ids:  # nothing to continue: said on its own line, in its place
+                writer.ready[i] = (json.dumps({"index": i, **({"id": line["id"]} if "id" in line else {}),
+                                               "error": "the prompt encodes to no tokens", "seed": seed})
+                                   + "\n").encode("utf-8")
+        writer.flush()
+        engine = RoutedEngine(inf, max_batch_size=args.batch_size, max_loaded_paths=args.max_loaded_paths,
+                              use_kv_cache=not args.no_kv_cache)
+        engine.generate([r for _, r, _, _ in todo], on_result=lambda k, gen: writer(
+            todo[k][0], writer.record(todo[k][0], todo[k][2], gen, todo[k][3])))
+        writer.flush()
+    finally:
+        if bar is not None:
+            bar.close()
+        if out is not None:
+            os.close(fd)
+    print(f"dipaco: generated {len(reqs)} prompt(s)" + (f" ({done} already in {args.out})" if done else "")
+          + (f"; wrote {args.out}" if out is not None else ""), file=sys.stderr)

@@ -281,4 +281,6 @@ class RoutedEngine:
             return cur
         if not self._queues:
             return None
-        return min(self._queues, key=lambda p: (self._rows[self._queues[p][0]].since, p))
+        # oldest wait first; among equals the path of the earliest request, so that output
+        # kept in input order (generate --file) flows as early as it can
+        return min(self._queues, key=lambda p: (self._rows[self._queues[p][0]].since, self._queues[p][0]))

@@ -54,15 +54,16 @@ class Row:
 
     def record_windows(self, run: "InferenceRun") -> list[int]:
         """``Generation.window_paths``: windows never needed for generating are routed now,
-        one at a time, by the rule and on the sequence :func:`generate_routed` uses."""
+        in one call, by the rule and on the sequence :func:`generate_routed` uses."""
         W = self.req.reroute_every
         if W is None:
             return [self.windows[0]]
-        for j in range(-(-len(self.seq) // W)):
-            if j not in self.windows:
-                ctx = run.router.window_context(self.seq, j, W)
-                self.windows[j] = int(run.router.route_contexts([ctx])[0])
-        return [self.windows[j] for j in range(-(-len(self.seq) // W))]
+        n_windows = -(-len(self.seq) // W)
+        missing = [j for j in range(n_windows) if j not in self.windows]
+        if missing:
+            ctxs = [run.router.window_context(self.seq, j, W) for j in missing]
+            self.windows.update(zip(missing, map(int, run.router.route_contexts(ctxs))))
+        return [self.windows[j] for j in range(n_windows)]
 
 
 class PathBatch:

@@ -147,7 +147,12 @@ def generate_routed(
         out.window_paths = [path_at(0)]
     else:
         # Windows that hold only prompt tokens were never needed for generating; fill them
-        # (and a window the last token opened) in by the same rule, for the record.
+        # (and a window the last token opened) in by the same rule, for the record, in one
+        # router call (a call costs far more than a context in it).
         n_windows = -(-len(seq) // reroute_every)
-        out.window_paths = [path_at(j * reroute_every) for j in range(n_windows)]
+        missing = [j for j in range(n_windows) if j not in window_path]
+        if missing:
+            ctxs = [run.router.window_context(seq, j, reroute_every) for j in missing]
+            window_path.update(zip(missing, map(int, run.router.route_contexts(ctxs))))
+        out.window_paths = [window_path[j] for j in range(n_windows)]
     return out

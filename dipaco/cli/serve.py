@@ -1,0 +1,158 @@
+"""``dipaco-serve``: serve a finished run over HTTP with OpenAI's completions API.
+
+    dipaco-serve RUN_DIR [--host H] [--port P] [--max-loaded-paths N] [--max-batch-size B]
+                 [--max-tokens-cap C] [--reroute-every W] [--device D]
+
+The server's rules (endpoints, continuous batching, refusals, no authentication) are
+written once, in :mod:`dipaco.serve`; the inference rules in :mod:`dipaco.inference`.
+The one module that uses uvicorn.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+from typing import Any, Optional, Sequence
+
+from dipaco.cli.errors import entry_point, fail, report_user_errors
+
+EXTRA_HINT = 'pip install -e ".[serve]"'
+LOOPBACK = "127.0.0.1"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (exit 2), like every dipaco command."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        fail(f"{message} (see {self.prog} --help)")
+
+
+def _int_range(name: str, lo: int, hi: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must lie in [{lo}, {hi}], got {v}")
+        return v
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dipaco-serve`` argument parser."""
+    p = _Parser(prog="dipaco-serve", description=(
+        "Serve a finished dipaco-train run with OpenAI's completions API (POST /v1/completions, "
+        "GET /v1/models, GET /health): each prompt is routed to one path and decoded in that "
+        "path's batch, which new requests join at its next step."), epilog=(
+        "There is no authentication: the server binds 127.0.0.1 unless --host says otherwise, "
+        "and anyone who can reach its port can use it. The checkpoint is hash-checked when the "
+        "run is opened (--fast-verify: only the module files read). Rules: docs/serving.md."))
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished dipaco-train run directory")
+    p.add_argument("--host", default=LOOPBACK, help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_int_range("--port", 0, 65535), default=8000,
+                   help="TCP port (default 8000; 0 picks a free one and prints it)")
+    p.add_argument("--max-loaded-paths", type=_int_range("--max-loaded-paths", 1, 4096), default=1, metavar="N",
+                   help="paths kept in memory at once (default 1)")
+    p.add_argument("--max-batch-size", type=_int_range("--max-batch-size", 1, 4096), default=32, metavar="B",
+                   help="rows decoded together in one path's batch (default 32)")
+    p.add_argument("--max-tokens-cap", type=_int_range("--max-tokens-cap", 1, 2**20), default=None, metavar="C",
+                   help="largest max_tokens a request may ask for (default: the model's context)")
+    p.add_argument("--reroute-every", type=_int_range("--reroute-every", 1, 2**20), default=None, metavar="W",
+                   help="re-route every W tokens (default: route once by the prompt; a request's "
+                        "reroute_every field overrides it)")
+    p.add_argument("--max-body-bytes", type=_int_range("--max-body-bytes", 1024, 2**30), default=1 << 20,
+                   metavar="BYTES", help="largest request body accepted (default 1 MiB)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
+                   help="where the path models run (default: the run's trainer.device)")
+    p.add_argument("--checkpoint", default=None, metavar="ROUND",
+                   help="round number, round_NNNNNN name or path (default: newest)")
+    p.add_argument("--fast-verify", action="store_true",
+                   help="hash only the module files read, not the whole checkpoint")
+    return p
+
+
+def _require_extra() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        fail(f"dipaco-serve needs the serve extra ({e.name} is missing): {EXTRA_HINT}")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the run is loaded (a busy port fails at once)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        fail(f"--host {host!r} is not an address of this machine ({e.strerror})")
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        fail(f"cannot listen on {host}:{port}: {e.strerror} (choose another --port)")
+    sock.listen(2048)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _say(message: str) -> None:
+    print(f"dipaco-serve: {message}", file=sys.stderr, flush=True)
+
+
+@report_user_errors
+def serve(args: argparse.Namespace) -> None:
+    """Open the run, start the engine thread, serve until interrupted."""
+    _require_extra()
+    import uvicorn
+
+    from dipaco.inference import InferenceRun
+    from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
+    from dipaco.serve.app import create_app
+
+    if not _is_loopback(args.host):
+        _say(f"warning: binding {args.host}: the server has no authentication; anyone who can reach "
+             f"port {args.port} can use it")
+    sock = _bind(args.host, args.port)
+    run = InferenceRun.open(args.run_dir, checkpoint=args.checkpoint, device=args.device,
+                            verify="read" if args.fast_verify else "all")
+    model = ServedModel.from_run(run)
+    cap = model.max_seq_len if args.max_tokens_cap is None else args.max_tokens_cap
+    limits = ServeLimits(max_tokens_cap=cap, max_body_bytes=args.max_body_bytes, reroute_every=args.reroute_every)
+    from dipaco.inference.engine import RoutedEngine  # after the quick checks: it imports torch kernels
+
+    engine = RoutedEngine(run, max_batch_size=args.max_batch_size, max_loaded_paths=args.max_loaded_paths)
+    service = CompletionService(model, EngineThread(engine), limits)
+    host, port = sock.getsockname()[:2]
+    _say(f"serving model {model.name!r} ({model.num_paths} paths, context {model.max_seq_len} tokens) on "
+         f"http://{_url_host(host)}:{port}/v1 (at most {args.max_loaded_paths} path(s) loaded, batches of "
+         f"{args.max_batch_size}, max_tokens <= {cap})")
+    config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    _say("stopped")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@entry_point
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    """Console-script entry point (argument errors and failures as one line: dipaco.cli.errors)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    return serve(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

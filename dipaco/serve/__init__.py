@@ -1,0 +1,34 @@
+"""``dipaco-serve``: an OpenAI-compatible HTTP server over the batched routed engine.
+
+    model = ServedModel.from_run(run)                        # name, tokenizer, context
+    thread = EngineThread(RoutedEngine(run, max_loaded_paths=1))
+    app = create_app(CompletionService(model, thread, ServeLimits(max_tokens_cap=256)))
+
+Rules, written once here and referred to by ``dipaco-serve --help`` and docs/serving.md:
+
+* **Endpoints.** ``POST /v1/completions`` (OpenAI's schema; ``n`` = 1 per prompt, a list
+  of prompts gives one choice each; ``stream`` sends server-sent events ending with
+  ``data: [DONE]``), ``GET /v1/models`` (the run as one model, named after its
+  directory), ``GET /health`` (200 while the engine thread runs, 503 once it failed).
+  Each choice also says which paths made it: ``"dipaco": {"paths", "switches"}``.
+* **Continuous batching.** One engine thread (:class:`EngineThread`) runs
+  ``engine.step()`` while there is work; a new request is queued by the engine on its
+  path and joins that path's running batch at the next step. At most
+  ``--max-loaded-paths`` paths are in memory (the engine's bound).
+* **Refusals.** Every refusal is OpenAI's error object with a one-line message and a
+  4xx status (413 for a body over ``--max-body-bytes``, checked before parsing; 404 for
+  an unknown model; 400 for the rest), or 503 while the engine is down; never a
+  traceback. Types are strict and unknown fields are refused.
+* **Stop strings** cut the text before the stop (which is not returned) and free the
+  row in the engine; a client that disconnects frees its rows too.
+* **No authentication.** The server binds 127.0.0.1 unless told otherwise; anyone who
+  can reach its port can use it.
+"""
+from __future__ import annotations
+
+from dipaco.serve.completions import CompletionService
+from dipaco.serve.engine_thread import EngineDown, EngineThread
+from dipaco.serve.errors import APIError
+from dipaco.serve.model import ServedModel, ServeLimits
+
+__all__ = ["CompletionService", "EngineThread", "EngineDown", "APIError", "ServedModel", "ServeLimits"]

@@ -1,0 +1,196 @@
+"""The engine thread: one thread runs ``engine.step()`` while there is work.
+
+Requests are submitted from the server's event loop (:meth:`EngineThread.submit`: the
+engine queues them per path) and join a running batch at its next step, not after it
+drains. Each step's token events go to the sink registered with their request (the app's
+sink hands them to an asyncio queue with ``loop.call_soon_threadsafe``).
+
+Failure rules: a bad request is refused by ``engine.submit`` (``ValueError``) and never
+reaches the thread; a sink that raises loses its own events only. If ``engine.step()``
+itself raises, the engine's state is unknown: the thread stops, every open request gets
+:data:`ENGINE_FAILED` and later submits raise :class:`EngineDown` (``/health`` says so,
+requests get 503).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from dipaco.serve.errors import one_line
+
+log = logging.getLogger("dipaco.serve")
+
+# handed to every open request's sink when the engine fails
+ENGINE_FAILED = object()
+
+Sink = Callable[[Any], None]
+
+
+class Engine(Protocol):
+    """:class:`dipaco.inference.engine.RoutedEngine`'s API as the thread uses it."""
+
+    def submit(self, request: Any) -> int: ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+    def step(self) -> list: ...
+
+    def has_work(self) -> bool: ...
+
+
+class EngineDown(RuntimeError):
+    """The engine thread has stopped (failed or shut down): no request can be served."""
+
+
+@dataclass
+class BatchStats:
+    """What the thread has seen (``/health`` shows it; tests read it).
+
+    Attributes:
+        steps: ``engine.step()`` calls that produced events.
+        tokens: token events handed out.
+        max_rows: the most requests that got a token from one step (one path's batch).
+        joined_running: requests whose first token came from a step that also served a
+            request which had had tokens before (they joined a running batch).
+        submitted, finished: requests in and out.
+    """
+
+    steps: int = 0
+    tokens: int = 0
+    max_rows: int = 0
+    joined_running: int = 0
+    submitted: int = 0
+    finished: int = 0
+
+
+class EngineThread:
+    """Drives one engine from one daemon thread; thread-safe :meth:`submit` / :meth:`cancel`."""
+
+    def __init__(self, engine: Engine, *, name: str = "dipaco-engine") -> None:
+        self.engine = engine
+        self.stats = BatchStats()
+        self.error: Optional[str] = None
+        self._sinks: dict[int, Sink] = {}
+        self._started: set[int] = set()  # requests that have had a token
+        self._lock = threading.Lock()  # sinks, stats; held around submit so no event outruns its sink
+        self._wake = threading.Condition(threading.Lock())
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    # ---------------------------------------------------------------- control
+
+    def start(self) -> "EngineThread":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the thread to stop after its current step and wait for it."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def active(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._lock:
+            return len(self._sinks)
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, request: Any, sink: Sink) -> int:
+        """Queue ``request``; its events go to ``sink`` (called on the engine thread).
+
+        Raises ``ValueError`` (the engine refused the request, one line) or
+        :class:`EngineDown`.
+        """
+        with self._lock:
+            if self.error is not None or self._stopping:
+                raise EngineDown(self.error or "the server is shutting down")
+            rid = int(self.engine.submit(request))
+            self._sinks[rid] = sink
+            self.stats.submitted += 1
+        with self._wake:
+            self._wake.notify_all()
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Free the request's row at the engine's next step; its later events are dropped."""
+        with self._lock:
+            known = self._sinks.pop(request_id, None) is not None
+            self._started.discard(request_id)
+            if known:
+                self.stats.finished += 1
+        if known and self.error is None:
+            try:
+                self.engine.cancel(request_id)
+            except Exception as e:  # a row the engine has already finished: nothing to free
+                log.debug("cancel(%s): %s", request_id, e)
+            with self._wake:
+                self._wake.notify_all()
+
+    # ---------------------------------------------------------------- the loop
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._wait_for_work():
+                    return
+                events = self.engine.step()
+            except Exception as e:  # the engine's state is unknown now: stop serving, say why
+                log.exception("the engine failed")
+                self._fail(f"the engine failed: {type(e).__name__}: {one_line(str(e))}")
+                return
+            self._dispatch(events)
+
+    def _wait_for_work(self) -> bool:
+        """Block until the engine has work (True) or the thread is asked to stop (False)."""
+        with self._wake:
+            while not self._stopping:
+                if self.engine.has_work():
+                    return True
+                self._wake.wait(0.5)  # a timeout too: work may appear without a notify
+            return False
+
+    def _dispatch(self, events: list) -> None:
+        with self._lock:
+            if events:
+                self.stats.steps += 1
+            rows = {ev.request_id for ev in events}
+            self.stats.max_rows = max(self.stats.max_rows, len(rows))
+            running = bool(rows & self._started)
+            for ev in events:
+                rid = ev.request_id
+                sink = self._sinks.get(rid)
+                if sink is None:  # cancelled, or finished already
+                    continue
+                if ev.token is not None:
+                    self.stats.tokens += 1
+                    if rid not in self._started:
+                        self._started.add(rid)
+                        self.stats.joined_running += running
+                if ev.finished:
+                    self._sinks.pop(rid, None)
+                    self._started.discard(rid)
+                    self.stats.finished += 1
+                try:
+                    sink(ev)
+                except Exception:  # one request's sink costs that request only
+                    log.exception("dropping an event of request %s", rid)
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            self.error = message
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            try:
+                sink(ENGINE_FAILED)
+            except Exception:
+                log.exception("telling a request the engine failed")

@@ -1,0 +1,79 @@
+"""What the server knows of the run it serves, and the limits it enforces.
+
+The HTTP layer needs a run's tokenizer, context length and name only; keeping them in
+:class:`ServedModel` (built from an :class:`~dipaco.inference.InferenceRun` by
+:meth:`ServedModel.from_run`) lets the server be tested with a stand-in engine and tokenizer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from dipaco.inference.run import InferenceRun
+
+
+class TextTokenizer(Protocol):
+    """The part of :class:`dipaco.data.Tokenizer` the server uses."""
+
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass
+class ServedModel:
+    """The one model a server offers.
+
+    Attributes:
+        name: the model id clients send (``model``); the run directory's name.
+        tokenizer: encodes prompts, decodes generated tokens.
+        max_seq_len: the model's context (every path has the same): a prompt must leave
+            room for at least one new token.
+        num_paths: paths of the grid (reported by ``/v1/models``).
+        created: Unix time the model was made (the run directory's modification time).
+        info: extra facts ``/v1/models`` shows under ``dipaco``.
+        vocab_size: token ids a prompt given as ids may hold (``None``: not checked here).
+    """
+
+    name: str
+    tokenizer: TextTokenizer
+    max_seq_len: int
+    num_paths: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    info: dict[str, Any] = field(default_factory=dict)
+    vocab_size: Optional[int] = None
+
+    @classmethod
+    def from_run(cls, run: "InferenceRun", name: Optional[str] = None) -> "ServedModel":
+        """The model of an opened run; ``name`` defaults to the run directory's name."""
+        root = Path(run.run.root)
+        return cls(name=name or root.resolve().name, tokenizer=run.tokenizer,
+                   max_seq_len=int(run.cfg.model.max_seq_len), num_paths=run.num_paths,
+                   created=int(root.stat().st_mtime),
+                   info={"grid": list(run.cfg.grid.levels), "prefix_tokens": run.prefix_tokens,
+                         "max_seq_len": int(run.cfg.model.max_seq_len), "checkpoint": Path(run.checkpoint).name},
+                   vocab_size=min(int(run.cfg.model.vocab_size), int(run.tokenizer.vocab_size)))
+
+
+@dataclass
+class ServeLimits:
+    """What one request may ask for (the CLI's flags).
+
+    Attributes:
+        max_tokens_cap: the largest ``max_tokens`` accepted (a larger one is refused, not cut).
+        max_body_bytes: request bodies above this are refused with 413 before parsing.
+        max_prompts: prompts in one request (``prompt`` as a list).
+        reroute_every: re-route every W tokens (``None``: route once by the prompt).
+        default_max_tokens: ``max_tokens`` when a request does not say (OpenAI's default, 16).
+    """
+
+    max_tokens_cap: int = 256
+    max_body_bytes: int = 1 << 20
+    max_prompts: int = 64
+    reroute_every: Optional[int] = None
+    default_max_tokens: int = 16
