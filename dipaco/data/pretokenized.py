@@ -41,6 +41,7 @@ from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.readers import (count_skip, is_saved_dataset, iter_dataset, iter_json_file, iter_json_lines,
                                  iter_parquet, open_datasets)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
+from dipaco.run.outputs import output_between
 from dipaco.data.textstore import Documents, TextStoreWriter, new_store_dir
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
 from dipaco.runtime.progress import progress_bar
@@ -84,7 +85,8 @@ def _token_shards(path: str) -> Optional[List[Tuple[str, Path]]]:
         return None
     if (root / OFFSETS_FILE).is_file():
         return [("", root)]
-    found = sorted(p.parent for p in root.rglob(OFFSETS_FILE) if not any(q.startswith(".") for q in p.parts))
+    found = sorted(p.parent for p in root.rglob(OFFSETS_FILE) if not any(q.startswith(".") for q in p.parts)
+                   and not output_between(p, root))  # a run's token cache is not data (dipaco/run/outputs.py)
     return [(p.relative_to(root).as_posix(), p) for p in found] or None
 
 
