@@ -81,3 +81,38 @@ def test_a_runs_token_cache_inside_a_tokens_folder_is_not_a_shard(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("seed: 0\n")
     (tmp_path / "run" / "fingerprints.json").write_text("{}")
     assert [name for name, _ in _token_shards(str(tmp_path))] == ["train"]
+
+
+# ------------------------------------------------------------------ a token store's id width is its header's
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "int32"])
+@pytest.mark.parametrize("damage", ["none", "cut_to_half", "one_id_short", "no_header", "header_says_other"])
+def test_a_token_stores_id_width_comes_from_its_header(tmp_path, dtype, damage):
+    """`data=tokens` over a `tokens.bin` of uint16 / uint32 / int32 ids cut to half its size (a uint32 file then has exactly the size of uint16 ids), one id short, without its `tokens.json` header, or with a header naming another width
+    — the width is read from `tokens.json`, never from size ÷ count: the intact store reads its own ids; each damage is one `DataError` line (`... holds N bytes for the M token ids offsets.npy counts as uint32 ...: it is truncated` / `... has no tokens.json naming the id type ...`)."""
+    import numpy as np
+
+    from dipaco.data.errors import DataError
+    from dipaco.data.pretokenized import open_token_shard
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    ids = np.arange(1, 41, dtype=dtype)
+    ids.tofile(d / "tokens.bin")
+    np.save(d / "offsets.npy", np.asarray([0, 10, 40]))
+    (d / "tokens.json").write_text(json.dumps({"dtype": dtype}))
+    if damage == "cut_to_half":
+        (d / "tokens.bin").write_bytes((d / "tokens.bin").read_bytes()[: ids.nbytes // 2])
+    elif damage == "one_id_short":
+        (d / "tokens.bin").write_bytes((d / "tokens.bin").read_bytes()[: -ids.itemsize])
+    elif damage == "no_header":
+        (d / "tokens.json").unlink()
+    elif damage == "header_says_other":
+        (d / "tokens.json").write_text(json.dumps({"dtype": "uint16" if dtype != "uint16" else "uint32"}))
+    if damage == "none":
+        assert [doc.tolist() for doc in open_token_shard(d)] == [list(range(1, 11)), list(range(11, 41))]
+        return
+    with pytest.raises(DataError) as err:
+        open_token_shard(d)
+    assert "\n" not in str(err.value) and ("tokens.json" in str(err.value) or "truncated" in str(err.value))
