@@ -35,8 +35,7 @@ from dipaco.cli.errors import report_user_errors
 from dipaco.config import ConfigError, compose_config
 from dipaco.data import DataError
 from dipaco.runtime.launch import LaunchError
-from dipaco.job.prepare import prepare
-from dipaco.run.run_dir import RunDir, RunDirError, RunStopped, _is_disk_full
+from dipaco.run.run_dir import RunDirError, RunStopped, _is_disk_full
 from dipaco.run.lock import LOCK_NAME, RunLock
 from dipaco.job.train import train
 from dipaco.config.validate import validate_config
@@ -243,19 +242,17 @@ def test_dipaco_route_refuses_an_existing_run(finished, tmp_path, capsys, monkey
 
 
 @pytest.mark.slow
-def test_fresh_run_rebuilds_a_foreign_tokenizer_and_router(finished, tmp_path, capsys):
-    """A fresh run in a directory holding a `tokenizer.json` and `router/` from elsewhere (no fingerprint, other data)
-    — `tokenizer.json in D was made from something else (no fingerprint recorded); rebuilding it`, same for `router/`; the run's own are written."""
+def test_fresh_run_refuses_a_foreign_tokenizer_and_router(finished, tmp_path, capsys):
+    """A fresh run in a directory holding a `tokenizer.json` and `router/` from elsewhere (no fingerprint)
+    — `D holds tokenizer.json, router/ but no fingerprints.json: what they were made from cannot be checked, so they are not used`; exit 2; D byte-identical (they used to be rebuilt: no command overwrites what a run directory holds)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copy(finished[0] / "tokenizer.json", run_dir / "tokenizer.json")
     shutil.copytree(finished[0] / "router", run_dir / "router")
-    cfg = compose_config(SMOKE + ["data.max_documents=120"], run_dir)
-    validate_config(cfg)
-    prepare(cfg, RunDir.at(run_dir))
-    out = capsys.readouterr().out
-    assert "tokenizer.json in" in out and "router/ in" in out and out.count("rebuilding it") == 2
-    assert (run_dir / "tokenizer.json").read_bytes() != (finished[0] / "tokenizer.json").read_bytes()
+    before = snapshot(run_dir)
+    with pytest.raises(RunDirError, match="but no fingerprints.json"):
+        train(compose_config(SMOKE + ["data.max_documents=120"], run_dir))
+    assert snapshot(run_dir) == before
 
 
 def test_second_run_in_a_locked_directory_is_refused_with_the_pid(tmp_path):

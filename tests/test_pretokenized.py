@@ -30,6 +30,7 @@ def write_shard(directory: Path, docs: list, dtype: str = "<u2") -> Path:
     lengths = [len(d) for d in docs]
     np.concatenate([np.asarray(d, dtype) for d in docs]).tofile(directory / "tokens.bin")
     np.save(directory / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    (directory / "tokens.json").write_text(json.dumps({"dtype": np.dtype(dtype).name}))
     return directory
 
 

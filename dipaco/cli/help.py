@@ -39,8 +39,10 @@ _ABOUT = {
     ),
     "dipaco-route": (
         "usage: dipaco-route [GROUP=CHOICE ...] [KEY=VALUE ...]",
-        "Fit the router on a corpus and write its shards and routing_report.json into a new "
-        "run directory; `dipaco-train hydra.run.dir=DIR` then trains from it. It takes "
+        "Fit the router on a corpus (after its tokenizer, and the dense warm-up where the config has "
+        "one: trainer.warmup_fraction) and write its shards and routing_report.json into a new run "
+        "directory; `dipaco-train hydra.run.dir=DIR` then trains from what it holds (its own config: a "
+        "KEY=VALUE the tokenizer, warm-up, router or shards were made from is refused). It takes "
         "dipaco-train's config; these groups matter here.",
         ("data", "model", "grid", "router", "experiment"),
         (("hydra.run.dir=DIR", "a new directory (outputs/DATE/TIME)"),

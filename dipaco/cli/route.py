@@ -1,9 +1,11 @@
-"""``dipaco-route``: fit the router on a dataset, write shards and the routing report.
+"""``dipaco-route``: tokenize a dataset, train the dense warm-up (where the config has
+one), fit the router, write shards and the routing report.
 
 Same config groups as ``dipaco-train``; the output directory then serves as the start
-of a training run (``dipaco-train hydra.run.dir=DIR`` reuses what it wrote when the
-fingerprints match, ``resume=true`` continues with its saved config). It writes only a
-new directory: one that already holds a run (``config.yaml``) is refused, untouched.
+of a training run: ``dipaco-train hydra.run.dir=DIR`` continues from what it holds, with
+its saved config (:mod:`dipaco.run.routed`: a key its artefacts were made from is refused,
+nothing is rebuilt). It writes only a new directory: one that already holds a run
+(``config.yaml``) is refused, untouched.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from dipaco.run.checkpoint import atomic_write_text
 from dipaco.cli.errors import entry_point, report_user_errors
@@ -19,6 +21,7 @@ from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import config_from_hydra, hydra_record, protect_run_dir, register_launcher, run_protected
 from dipaco.config import register_configs
 from dipaco.run.path_guard import check_run_root, check_target
+from dipaco.run.record import write_run_config
 from dipaco.job.prepare import prepare
 from dipaco.run.resume import check_fresh
 from dipaco.run.run_dir import RunDir, RunDirError, disk_full_guard
@@ -44,7 +47,7 @@ def _app(cfg: DictConfig) -> None:
     with RunLock(run.root), disk_full_guard(run):
         for rel, text in hydra_record(cfg).items():
             atomic_write_text(run.root / rel, text)
-        atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(conf)))
+        write_run_config(run, conf)
         prep = prepare(conf, run)
     keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity", "levels")
     # each stage's seconds and the peak RSS after it (benchmarks/bench_prepare.py reads them)

@@ -13,6 +13,11 @@ With ``data.splits=auto`` a file's **own split** is read off its path under
 / ``training``, ``validation`` / ``valid`` / ``val`` / ``dev`` or ``test`` / ``testing``,
 alone or followed by ``-``, ``_``, ``.``, a space or a digit (``train-00000-of-00004``),
 as Hugging Face names split files.
+
+Folders dipaco wrote (a run directory, an export, a report, a sweep folder:
+:func:`dipaco.run.outputs.is_dipaco_output`) are never read: inside a directory or under
+a glob they are skipped whole and counted (``dipaco_output``); as ``data.path`` itself,
+or as the folder of the file it names, they are refused in one line.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import stat
 from typing import BinaryIO, Dict, List, Optional, Tuple
 
 from dipaco.data.errors import DataError
+from dipaco.run.outputs import SKIPPED_OUTPUT, is_dipaco_output
 
 __all__ = ["NOT_REGULAR", "SPLIT_NAMES", "file_split", "open_regular", "relative_id", "resolve_files"]
 
@@ -81,6 +87,8 @@ def resolve_files(path: Optional[str], source: str, skipped: Optional[Dict[str, 
     except OSError as e:  # ELOOP (a symlink loop), EACCES, ...
         raise DataError(f"data.path={path} cannot be read ({e.strerror or e}). "
                         f"Fix: point data.path at a readable regular file, glob or directory") from None
+    if mode is not None:
+        _refuse_output(path, path if stat.S_ISDIR(mode) else os.path.dirname(os.path.abspath(path)))
     if mode is not None and stat.S_ISDIR(mode):
         return _walk(path, source, suffixes, skipped), path
     if mode is not None and stat.S_ISREG(mode):
@@ -90,7 +98,10 @@ def resolve_files(path: Optional[str], source: str, skipped: Optional[Dict[str, 
                         f"(a FIFO or device could block or never end). Fix: write the data to a file")
     if glob.has_magic(path):
         files = []
+        outputs = _OutputFolders(_glob_base(path), skipped)
         for f in sorted(glob.glob(path, recursive=True)):
+            if outputs.holds(f):
+                continue
             if _is_regular(f):
                 files.append(f)
             else:
@@ -106,7 +117,7 @@ def resolve_files(path: Optional[str], source: str, skipped: Optional[Dict[str, 
 def _walk(path: str, source: str, suffixes: Optional[Tuple[str, ...]], skipped: Dict[str, int]) -> List[str]:
     files: List[str] = []
     for dirpath, dirnames, filenames in os.walk(path):  # symlinked directories are not followed (no loops)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not _skip_output(dirpath, d, skipped))
         for name in sorted(filenames):
             if name.startswith(".") or (suffixes is not None and not name.lower().endswith(suffixes)):
                 continue
@@ -121,6 +132,50 @@ def _walk(path: str, source: str, suffixes: Optional[Tuple[str, ...]], skipped: 
         raise DataError(f"data.path={path}: the directory holds no {wanted} for data.source={source}{extra}. "
                         f"Fix: point data.path at the data files or change data.source")
     return sorted(files)
+
+
+def _refuse_output(path: str, folder: str) -> None:
+    """``data.path`` naming a folder dipaco wrote (or a file in one): one line, never read."""
+    if is_dipaco_output(folder):
+        raise DataError(f"data.path={path} is {'in ' if folder != path else ''}a folder dipaco wrote (a run "
+                        f"directory, export, report or sweep folder): its files are outputs, not training data. "
+                        f"Fix: point data.path at the data itself")
+
+
+def _skip_output(dirpath: str, name: str, skipped: Dict[str, int]) -> bool:
+    """Whether the walk skips ``dirpath/name`` as a folder dipaco wrote (counted)."""
+    if is_dipaco_output(os.path.join(dirpath, name)):
+        skipped[SKIPPED_OUTPUT] = skipped.get(SKIPPED_OUTPUT, 0) + 1
+        return True
+    return False
+
+
+def _glob_base(pattern: str) -> str:
+    """The folder a glob's matches all lie in: its path up to the first magic component."""
+    parts = os.path.abspath(pattern).split(os.sep)
+    fixed = [p for p in parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]]
+    return os.sep.join(fixed) or os.sep
+
+
+class _OutputFolders:
+    """Which matches of a glob lie in a folder dipaco wrote, below the glob's fixed base
+    (each folder asked once; a skipped folder counted once)."""
+
+    def __init__(self, base: str, skipped: Dict[str, int]) -> None:
+        self.base, self.skipped, self.seen = os.path.abspath(base), skipped, {}
+
+    def _output(self, d: str) -> bool:
+        if d not in self.seen:
+            up = os.path.dirname(d)
+            above = up != d and d != self.base and up.startswith(self.base) and self._output(up)
+            self.seen[d] = above or is_dipaco_output(d)
+            if self.seen[d] and not above:
+                self.skipped[SKIPPED_OUTPUT] = self.skipped.get(SKIPPED_OUTPUT, 0) + 1
+        return self.seen[d]
+
+    def holds(self, match: str) -> bool:
+        full = os.path.abspath(match)
+        return self._output(full if os.path.isdir(full) else os.path.dirname(full))
 
 
 def open_regular(path: str) -> Optional[BinaryIO]:

@@ -26,6 +26,7 @@ the tokenizer's vocabulary on the way (an id outside it is one :class:`DataError
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.readers import (count_skip, is_saved_dataset, iter_dataset, iter_json_file, iter_json_lines,
                                  iter_parquet, open_datasets)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
+from dipaco.run.outputs import output_between
 from dipaco.data.textstore import Documents, TextStoreWriter, new_store_dir
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
 from dipaco.runtime.progress import progress_bar
@@ -51,14 +53,37 @@ if TYPE_CHECKING:
 
 __all__ = ["TokenCorpus", "TokenView", "load_token_corpus", "open_token_shard"]
 
-_WIDTHS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+# the id types a token directory's header (tokens.json) may name
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "int32": np.dtype("<i4")}
+HEADER_FILE = "tokens.json"
 _COPY_TOKENS = 4 * 2**20  # tokens copied per batch
 
 
+def _id_dtype(directory: Path, fix: str) -> np.dtype:
+    """The id type of ``directory``'s ``tokens.bin``, from its header ``tokens.json``.
+
+    Never from the file's size: a uint32 file cut to half its size reads as uint16 ids of
+    the right count, so size ÷ count cannot tell a damaged file from a narrower one."""
+    header = directory / HEADER_FILE
+    example = '{"dtype": "uint16"}'
+    try:
+        dtype = json.loads(header.read_text(encoding="utf-8")).get("dtype")
+    except FileNotFoundError:
+        raise DataError(f"data.path: {directory} has no {HEADER_FILE} naming the id type of {TOKENS_FILE} (its "
+                        f"size cannot tell it). Fix: write {HEADER_FILE} beside it, e.g. {example} "
+                        f"(uint16, uint32 or int32)") from None
+    except (OSError, ValueError, AttributeError):
+        dtype = None
+    if dtype not in _DTYPES:
+        raise DataError(f"data.path: {header} does not name an id type (uint16, uint32 or int32). Fix: {fix}")
+    return _DTYPES[dtype]
+
+
 def open_token_shard(directory: Path) -> TokenDocs:
-    """A token directory of uint16 / uint32 ids, memory-mapped; one :class:`DataError` line
-    naming the file when it is incomplete or inconsistent."""
-    fix = "write tokens.bin and offsets.npy as docs/data.md describes"
+    """A token directory of uint16 / uint32 / int32 ids (its header says which),
+    memory-mapped; one :class:`DataError` line naming the file when it is incomplete or
+    inconsistent."""
+    fix = "write tokens.bin, offsets.npy and tokens.json as docs/data.md describes"
     tokens_path, offsets_path = directory / TOKENS_FILE, directory / OFFSETS_FILE
     try:
         offsets = np.load(offsets_path, allow_pickle=False)
@@ -67,13 +92,14 @@ def open_token_shard(directory: Path) -> TokenDocs:
     if (offsets.ndim != 1 or offsets.size < 1 or offsets.dtype.kind not in "iu" or offsets[0] != 0
             or np.any(np.diff(offsets) < 0)):
         raise DataError(f"data.path: {offsets_path} is not a non-decreasing int array from 0. Fix: {fix}")
+    dtype = _id_dtype(directory, fix)
     size = tokens_path.stat().st_size if tokens_path.is_file() else -1
     n = int(offsets[-1])
-    width = size // n if n and size >= 0 and size % n == 0 else (2 if n == 0 and size == 0 else 0)
-    if width not in _WIDTHS:
+    if size != n * dtype.itemsize:
         raise DataError(f"data.path: {tokens_path} holds {size} bytes for the {n} token ids {offsets_path.name} "
-                        f"counts: not 2 or 4 bytes per id (uint16 / uint32). Fix: {fix}")
-    tokens = np.memmap(tokens_path, dtype=_WIDTHS[width], mode="r") if n else np.zeros(0, _WIDTHS[width])
+                        f"counts as {dtype.name} ({HEADER_FILE}: {n * dtype.itemsize} bytes): it is truncated or "
+                        f"not the file they describe. Fix: {fix}")
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
     return TokenDocs.from_offsets(tokens, offsets.astype(np.int64))
 
 
@@ -84,7 +110,8 @@ def _token_shards(path: str) -> Optional[List[Tuple[str, Path]]]:
         return None
     if (root / OFFSETS_FILE).is_file():
         return [("", root)]
-    found = sorted(p.parent for p in root.rglob(OFFSETS_FILE) if not any(q.startswith(".") for q in p.parts))
+    found = sorted(p.parent for p in root.rglob(OFFSETS_FILE) if not any(q.startswith(".") for q in p.parts)
+                   and not output_between(p, root))  # a run's token cache is not data (dipaco/run/outputs.py)
     return [(p.relative_to(root).as_posix(), p) for p in found] or None
 
 

@@ -166,12 +166,13 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
         fps.record("router", want)
         release_free_memory()  # the fit's work arrays, before the costs of every document
     router.featurizer.progress = False  # routing draws one bar over every document (assign_in_batches)
-    assignments = assign_in_batches(router, train_ids, progress=bars_enabled(t.progress), as_array=True)
-    release_free_memory()  # the [N, P] costs and the assignment's work arrays
     want_shards = shards_fingerprint(fps, run)
     reuse_shards = fps.reusable("shards", want_shards, run.shards.is_dir() and run.routing_report.is_file(),
                                 "shards/")
+    assignments = None  # shards its fingerprints vouch for (a resume): no document is routed again
     if not reuse_shards:
+        assignments = assign_in_batches(router, train_ids, progress=bars_enabled(t.progress), as_array=True)
+        release_free_memory()  # the [N, P] costs and the assignment's work arrays
         with progress_bars(t.progress):
             write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                          router.num_paths * cfg.grid.replicas, run.shards)
@@ -188,11 +189,11 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     # Training labels are int codes (one per document, -1: none): the same partition as the
     # label strings, so the same NMI and purity, in 4 bytes a document
     train_labels = data.train_labels
-    report = routing_report(assignments, num_paths=router.num_paths, grid=router.grid, labels=train_labels)
-    report["validation"] = routing_report(best, num_paths=router.num_paths, labels=labels, grid=router.grid)
     if reuse_shards:  # as written with the shards (a re-shard adds to it)
         report = run.read_json(run.routing_report)
     else:
+        report = routing_report(assignments, num_paths=router.num_paths, grid=router.grid, labels=train_labels)
+        report["validation"] = routing_report(best, num_paths=router.num_paths, labels=labels, grid=router.grid)
         write_json(run.routing_report, report)
         fps.record("shards", want_shards)
     want = fps.want("checkpoints", data=data_fp, tokenizer=tokenizer.sha256)

@@ -60,15 +60,17 @@ class RunRow:
     config: Any = None  # the run's resolved config.yaml
 
     def value(self, key: str) -> str:
-        """The run's effective value of ``key``: override, group choice or config value."""
+        """The run's effective value of ``key``: what ran (its ``config.yaml``) for a
+        setting, else (a config group: ``grid``) its override or group choice. Hydra's
+        ``.hydra/`` record can lag behind what ran, so it never overrides ``config.yaml``."""
+        if self.config is not None:
+            got = OmegaConf.select(self.config, key, default=None)
+            if got is not None and not OmegaConf.is_dict(got):
+                return str(got)
         if key in self.overrides:
             return self.overrides[key]
         if self.choices and key in self.choices:
             return str(self.choices[key])
-        if self.config is not None:
-            got = OmegaConf.select(self.config, key, default=None)
-            if got is not None:
-                return str(got)
         return ""
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
 from dipaco.plan.build import build_comm_plan, build_grid
 from dipaco.run.checkpoint import atomic_write_text, write_json
@@ -39,6 +38,8 @@ from dipaco.job.prepare import Prepared, prepare
 from dipaco.run.results import RoundsResult
 from dipaco.job.reshard import reshard_rounds, run_rounds_with_reshards
 from dipaco.run.resume import check_fresh, finished_summary, has_saved_config, resume_config
+from dipaco.run.record import write_run_config
+from dipaco.run.routed import holds_prepared_run, routed_config
 from dipaco.rounds import run_rank
 from dipaco.run.run_dir import RunDir, bytes_totals, disk_full_guard, prior_totals
 from dipaco.run.lock import RunLock, check_unlocked
@@ -84,11 +85,14 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
     check_run_root(cfg.run_dir)
     run = RunDir.at(cfg.run_dir)
     changes: dict[str, list] = {}
-    if cfg.resume and has_saved_config(run):
-        saved_rounds = run.load_config().trainer.rounds
-        cfg, changes = resume_config(cfg, run, overrides)
+    if holds_prepared_run(run):  # a routed directory: continued, never rebuilt (dipaco/run/routed.py)
+        cfg, changes = routed_config(cfg, run, overrides, _log)  # checked as a resume is (preflight_resume)
         validate_config(cfg)
-        done = finished_summary(cfg, run)
+    elif cfg.resume and has_saved_config(run):
+        saved_rounds = run.load_config().trainer.rounds
+        cfg, changes = resume_config(cfg, run, overrides, log=_log)
+        validate_config(cfg)
+        done = finished_summary(cfg, run, _log)
         if done is not None:
             _log(f"{run.root} is already finished ({done.get('rounds')} rounds, summary.json); nothing to do "
                  "(to train longer: resume=true trainer.rounds=N)")
@@ -113,7 +117,7 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
                 return _train_under_torchrun(cfg, run, changes)
     check_unlocked(run.root)
     with RunLock(run.root, log=_log), disk_full_guard(run), StopSignals():
-        if hydra_files and not run.config.is_file():  # a new run, accepted
+        if hydra_files and not cfg.resume:  # a new run, accepted: Hydra's record beside its config.yaml
             for rel, text in hydra_files.items():
                 atomic_write_text(run.root / rel, text)
         if cfg.launcher.name in ("torchrun", "slurm"):
@@ -144,7 +148,7 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
             f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
     resumed = cfg.resume and run.config.is_file()
     if changes or not run.config.is_file() or not cfg.resume:
-        atomic_write_text(run.config, OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        write_run_config(run, cfg)  # and what it says, in fingerprints.json (dipaco/run/record.py)
     if not cfg.resume:
         for stale in (run.metrics, run.steps, run.root / PROVENANCE):  # a fresh run starts fresh logs
             stale.unlink(missing_ok=True)

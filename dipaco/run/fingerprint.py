@@ -5,9 +5,10 @@ checkpoints), the fingerprint of the data it was made from and the config keys i
 depends on, and under ``outputs`` the sha256 of each artefact as written. Preparation
 reuses an artefact only when its record matches what this run would make. Otherwise a
 fresh run says so and rebuilds it; a resumed run refuses in one line (its checkpoints
-were trained on the old artefact, so rebuilding would silently mix two runs). Run
-directories made before fingerprints existed have no file at all: a resume trusts them,
-with a log line.
+were trained on the old artefact, so rebuilding would silently mix two runs). A missing
+record is never a pass: a run directory holding artefacts but no ``fingerprints.json``
+(deleted, or from a dipaco before them), or an artefact without its recorded sha256, is
+refused by every command that reads it (:func:`read_fingerprints`, :func:`verify_outputs`).
 
 Every read checks the files themselves too (docs/design.md contract 9):
 :func:`verify_outputs` refuses a ``tokenizer.json``, ``router/``, ``shards/`` or
@@ -74,16 +75,16 @@ _NO_LONGER_DEPENDS = frozenset({"diloco.outer_device"})
 _ADDED_OFF = {"router.prompt_classifier": False}
 
 
-def _depends(key: str, artefact: str) -> bool:
+def artefact_depends(key: str, artefact: str) -> bool:
     """Whether config ``key`` shapes ``artefact``: keys a resume may change (they say how a
     run executes, :data:`dipaco.run.resume.ALLOWED_ON_RESUME`) never do."""
-    return key not in _IGNORED and not allowed_on_resume(key) and \
+    return artefact in _DEPENDS_ON and key not in _IGNORED and not allowed_on_resume(key) and \
         any(key == p or key.startswith(p + ".") for p in _DEPENDS_ON[artefact])
 
 
 def config_keys(cfg: Config, artefact: str) -> dict[str, Any]:
     """The values of the config keys ``artefact`` depends on."""
-    return {k: v for k, v in flat_config(cfg).items() if _depends(k, artefact)}
+    return {k: v for k, v in flat_config(cfg).items() if artefact_depends(k, artefact)}
 
 
 class Fingerprints:
@@ -92,15 +93,7 @@ class Fingerprints:
     def __init__(self, run: RunDir, cfg: Config, log: Callable[[str], None]) -> None:
         self.run, self.cfg, self.log = run, cfg, log
         self.path = run.root / FINGERPRINTS
-        self.legacy = False
-        try:
-            self.saved: dict[str, Any] = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            self.saved = {}
-            # a run directory made before fingerprints: only a resume trusts what it holds
-            self.legacy = cfg.resume and run.config.is_file()
-        except ValueError as e:
-            raise RunDirError(f"corrupt {self.path}: {e}; start a new run directory") from None
+        self.saved: dict[str, Any] = read_fingerprints(run)
 
     def want(self, artefact: str, **inputs: Any) -> dict[str, Any]:
         """What ``artefact`` must have been made from: its inputs and config keys."""
@@ -112,9 +105,6 @@ class Fingerprints:
             return False
         recorded = self.saved.get(artefact)
         if _matches(recorded, want):
-            return True
-        if self.legacy:
-            self.log(f"{what}: no fingerprints recorded (a run directory from an older dipaco); reusing it")
             return True
         why = _difference(recorded, want)
         if self.cfg.resume:
@@ -135,14 +125,33 @@ class Fingerprints:
         write_json(self.path, self.saved)
 
 
+def held_artefacts(run: RunDir) -> list[str]:
+    """The artefacts ``run`` holds on disk (``tokenizer.json``, ``router/``, ...), by name."""
+    held = [_WHAT[a] for a, f in _OUTPUT_FILE.items() if f(run).is_file()]
+    if run.checkpoints.is_dir() and any(run.checkpoints.iterdir()):
+        held.append(_WHAT["checkpoints"])
+    return held
+
+
 def read_fingerprints(run: RunDir) -> dict[str, Any]:
-    """``fingerprints.json`` of ``run`` (``{}`` for a run directory from before them)."""
+    """``fingerprints.json`` of ``run``: ``{}`` where the run holds no artefact yet; a
+    :class:`RunDirError` where it holds some but the record is missing or unreadable
+    (what they were made from is unknown: never a pass)."""
+    path = run.root / FINGERPRINTS
     try:
-        return json.loads((run.root / FINGERPRINTS).read_text(encoding="utf-8"))
+        saved = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        held = held_artefacts(run)
+        if held:
+            raise RunDirError(f"{run.root} holds {', '.join(held)} but no {FINGERPRINTS}: what they were made "
+                              "from cannot be checked, so they are not used; start a new run in another "
+                              "hydra.run.dir (or put the run's own fingerprints.json back)") from None
         return {}
-    except ValueError as e:
-        raise RunDirError(f"corrupt {run.root / FINGERPRINTS}: {e}; start a new run directory") from None
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"corrupt {path}: {e}; start a new run directory") from None
+    if not isinstance(saved, dict):
+        raise RunDirError(f"corrupt {path}: not a JSON object; start a new run directory")
+    return saved
 
 
 def _expected_outputs(saved: dict[str, Any]) -> dict[str, str]:
@@ -156,10 +165,15 @@ def _expected_outputs(saved: dict[str, Any]) -> dict[str, str]:
 def verify_outputs(run: RunDir, artefacts: tuple[str, ...] = tuple(_OUTPUT_FILE)) -> None:
     """Refuse, in one line, an artefact on disk whose sha256 is not the one
     ``fingerprints.json`` records (replaced by hand, or copied from another run)."""
-    for artefact, want in _expected_outputs(read_fingerprints(run)).items():
-        path = _OUTPUT_FILE[artefact](run) if artefact in artefacts and artefact in _OUTPUT_FILE else None
-        if path is None or not path.is_file():
+    expected = _expected_outputs(read_fingerprints(run))
+    for artefact in artefacts:
+        path = _OUTPUT_FILE[artefact](run)
+        if not path.is_file():
             continue  # a missing file is reported by whoever needs it, naming it
+        want = expected.get(artefact)
+        if want is None:  # a record deleted or never written: unknown is not a pass
+            raise RunDirError(f"{path}: {FINGERPRINTS} records no sha256 for it, so it cannot be checked as the "
+                              f"{artefact} this run was made with; start a new run in another hydra.run.dir")
         got = sha256_file(path)
         if got != want:
             raise RunDirError(f"{path} is not the {artefact} this run was made with (sha256 {got[:12]}..., "
@@ -179,7 +193,7 @@ def checkpoint_stamp(run: RunDir) -> Optional[str]:
 def verify_checkpoint(run: RunDir, ckpt: Path) -> None:
     """Refuse (:class:`CheckpointError`) a checkpoint that this run did not write: no
     ``state.json`` (an export copied under ``checkpoints/``), another round than its
-    name, or the stamp of other artefacts. Checkpoints from before stamps pass."""
+    name, the stamp of other artefacts, or no stamp where the run records one."""
     state_file = Path(ckpt) / "state.json"
     fix = f"move it out of {run.checkpoints}, or pass the checkpoint to use"
     try:
@@ -193,7 +207,10 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> None:
     if name.startswith("round_") and name[6:].isdigit() and state.get("round") != int(name[6:]):
         raise CheckpointError(f"{ckpt} holds round {state.get('round')!r}, not the round its name says; {fix}")
     stamp, want = state.get("made_from"), checkpoint_stamp(run)
-    if stamp is not None and want is not None and stamp != want:
+    if stamp is None and want is not None:
+        raise CheckpointError(f"{ckpt} carries no stamp of what it was made from ({FINGERPRINTS} records one): "
+                              f"it cannot be checked as this run's; {fix}")
+    if want is not None and stamp != want:
         raise CheckpointError(f"{ckpt} was made from other artefacts than this run's (its stamp {stamp[:12]}..., "
                               f"{FINGERPRINTS} says {want[:12]}...): it comes from another run; {fix}")
 
@@ -205,9 +222,12 @@ def preflight_resume(run: RunDir, cfg: Config) -> None:
     chosen). (The data's fingerprint needs the corpus: preparation checks it, with the
     tokenizer, before it writes.)"""
     saved = read_fingerprints(run)
+    trained = "checkpoints/" in held_artefacts(run)
     for artefact, recorded in saved.items():
         if artefact not in _DEPENDS_ON or not isinstance(recorded, dict):
             continue
+        if artefact == "checkpoints" and not trained:
+            continue  # what training would be made from binds nothing before a checkpoint exists
         want = config_keys(cfg, artefact)
         if artefact == "warmup":
             want["steps"] = warmup_steps(cfg)

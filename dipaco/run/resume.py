@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
 from dipaco.config import Config, ConfigError, to_config
+from dipaco.run.checkpoint import CheckpointError, CheckpointManager
+from dipaco.run.record import FINGERPRINTS, hand_edits
 from dipaco.run.run_dir import RUN_LAYOUT, RunDir, RunDirError
 from dipaco.config.schedule import extended_segments
 
@@ -77,29 +79,42 @@ def allowed_on_resume(key: str) -> bool:
     return any(key == a or key.startswith(a + ".") for a in ALLOWED_ON_RESUME)
 
 
-def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = None
-                  ) -> tuple[Config, dict[str, list[Any]]]:
+def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = None,
+                  may_change: Callable[[str], bool] = allowed_on_resume, trained: bool = True,
+                  log: Callable[[str], None] = lambda _m: None) -> tuple[Config, dict[str, list[Any]]]:
     """The config to resume ``run`` with, and the allowed changes ``{key: [saved, given]}``.
 
     ``overrides`` is the command line (Hydra's task overrides): only keys it sets count
     as asked for, every other key comes from the saved config. ``None`` (the Python API)
     means every key of ``given`` was asked for. Raises :class:`ConfigError` for a change
     of a key that shapes the run, :class:`RunDirError` for an unreadable saved config.
+    ``may_change``: the keys this continuation may change (a routed directory that has
+    not trained yet: :mod:`dipaco.run.routed`); ``trained=False``: rounds may also shrink.
     """
     saved = run.load_config()
     explicit = None if overrides is None else override_keys(overrides)
     s, g = flat_config(saved), flat_config(given)
     changes: dict[str, list[Any]] = {}
+    for key, (ran, edited) in hand_edits(run, saved, log).items():  # config.yaml edited since it was written
+        if not may_change(key):
+            raise ConfigError(key, f"{run.config} says {key}={edited!r} but the run ran with {ran!r} "
+                                   f"({FINGERPRINTS}): it was edited by hand, and this key shapes the run",
+                              f"put {key}: {ran!r} back in config.yaml, or start a new run in another hydra.run.dir")
+        changes[key] = [ran, edited]  # honoured, and recorded as a change of this resume
     for key in sorted(set(s) | set(g)):
         sv, gv = s.get(key), g.get(key)
         if key in _IGNORED or sv == gv or not _covered(key, explicit):
             continue
         fix = (f"drop {key}=... (resume=true needs only hydra.run.dir), or start a new run in "
-               "another hydra.run.dir")
-        if not allowed_on_resume(key):
-            raise ConfigError(key, f"{run.root} was trained with {key}={sv!r}; this resume asks for "
-                                   f"{gv!r}, which would change the run", fix)
-        if key in _ONLY_MORE and sv is not None and (gv is None or gv < sv):
+               "another hydra.run.dir") if trained else \
+            f"drop {key}=... (the directory's own config.yaml is used), or route again into another hydra.run.dir"
+        if not may_change(key):
+            made = (f"{run.root} was trained with {key}={sv!r}; this resume asks for {gv!r}, which would change "
+                    "the run") if trained else \
+                (f"{run.root} holds artefacts made with {key}={sv!r} (router, shards, tokenizer); training on it "
+                 f"continues from them and cannot use {gv!r}")
+            raise ConfigError(key, made, fix)
+        if trained and key in _ONLY_MORE and sv is not None and (gv is None or gv < sv):
             raise ConfigError(key, f"{run.root} was trained with {key}={sv!r}; a resume may add rounds, "
                                    f"not remove them (asked for {gv!r})", fix)
         changes[key] = [sv, gv]
@@ -109,13 +124,17 @@ def resume_config(given: Config, run: RunDir, overrides: Optional[list[str]] = N
         OmegaConf.update(merged, key, gv, merge=False)
     cfg = to_config(merged)
     # A stop (trainer.stop_after_rounds) belongs to the launch that asked for it: a
-    # resume goes on to the end unless this command line asks for a stop again.
-    if "trainer.stop_after_rounds" not in changes and explicit is not None:
+    # resume goes on to the end unless this command line asks for a stop again (the same
+    # value as the first launch's included: asked for is asked for).
+    if explicit is not None and not _covered("trainer.stop_after_rounds", explicit):
         cfg.trainer.stop_after_rounds = None
+    elif explicit is not None:
+        cfg.trainer.stop_after_rounds = given.trainer.stop_after_rounds
     elif explicit is None:
         cfg.trainer.stop_after_rounds = given.trainer.stop_after_rounds
     cfg.resume, cfg.run_dir = True, given.run_dir
-    _extend_schedule(cfg, saved, changes)
+    if trained:  # untrained: the schedule is a fresh run's over the rounds asked for
+        _extend_schedule(cfg, saved, changes)
     return cfg, changes
 
 
@@ -131,17 +150,30 @@ def _extend_schedule(cfg: Config, saved: Config, changes: dict[str, list[Any]]) 
         t.lr_segments = segments
 
 
-def finished_summary(cfg: Config, run: RunDir) -> Optional[dict[str, Any]]:
-    """The saved summary when ``run`` already trained all of ``cfg.trainer.rounds``."""
+def finished_summary(cfg: Config, run: RunDir, log: Callable[[str], None] = lambda _m: None
+                     ) -> Optional[dict[str, Any]]:
+    """The saved summary when ``run`` already trained all of ``cfg.trainer.rounds`` and its
+    final checkpoint verifies. A damaged final checkpoint is not "nothing to do": the
+    resume goes on from the newest checkpoint that verifies and re-makes the rest."""
     if not run.summary.is_file():
         return None
     try:
         summary = json.loads(run.summary.read_text(encoding="utf-8"))
     except ValueError:
         return None  # a torn summary: finish the run again, it is rewritten atomically
-    if int(summary.get("rounds", -1)) >= cfg.trainer.rounds:
-        return summary
-    return None
+    if int(summary.get("rounds", -1)) < cfg.trainer.rounds:
+        return None
+    mgr = CheckpointManager(run.checkpoints)
+    rounds = mgr.list_rounds()
+    try:
+        if not rounds:
+            raise CheckpointError(f"no checkpoint under {run.checkpoints}")
+        mgr.verify(mgr.final_dir(rounds[-1]))
+    except CheckpointError as e:
+        log(f"{run.root} is finished but its final checkpoint is damaged ({e}); repairing it from the newest "
+            "checkpoint that verifies")
+        return None
+    return summary
 
 
 def check_fresh(run: RunDir) -> None:
