@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups", "prepare", "link"]
+OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups", "prepare", "link", "serving"]
 
 
 def test_entry_point_help() -> None:
@@ -53,9 +53,19 @@ def test_link_benchmark_skips_with_a_message_when_it_cannot_shape(monkeypatch: p
 @pytest.mark.slow
 def test_the_serving_benchmark_runs_tiny(finished, tmp_path) -> None:
     """bench_serve --tiny: dipaco-serve and the in-process engine on the same 8 prompts."""
-    pytest.importorskip("dipaco.inference.engine", reason="the engine (dipaco.inference.engine) is not merged yet")
     from benchmarks import bench_serve
 
     out = bench_serve.main(["--tiny", "--run-dir", str(finished[0]), "--out", str(tmp_path / "serve.json")])
     assert out["prompts"] == 8 and 0 < out["server"]["tokens"] <= 64 and 0 < out["engine"]["tokens"] <= 64
     assert out["server"]["latency_p99_s"] >= out["server"]["latency_p50_s"] > 0
+
+
+def test_serving_benchmark_tiny_runs_every_side(finished, tmp_path: Path) -> None:
+    """bench_serving --tiny on the shared tiny run: every side measured, the engine's greedy
+    tokens equal to transformers' on the Llama export."""
+    from benchmarks import bench_serving
+
+    out = bench_serving.main(["--tiny", "--run", str(finished[0]), "--work-dir", str(tmp_path)])
+    assert set(out["sides"]) >= {"per_process", "engine_process", "engine_loop", "hf"}
+    assert all(s["tokens_s"] > 0 for s in out["sides"].values())
+    assert out["sides"]["hf"]["same_tokens_as_engine"] >= 0.5  # left padding may flip a near-tie
