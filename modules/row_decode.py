@@ -40,11 +40,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight.t().unsqueeze(0).expand(x.shape[0], -1, -1))
 
 
+def _batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` over the whole batch: one matrix product (``exact=False``)."""
+    return F.linear(x, weight)
+
+
 def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: "RowCache", layer: int, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+               cache: "RowCache", layer: int, rows: torch.Tensor, pos: torch.Tensor,
+               linear=_linear) -> torch.Tensor:
     """:class:`layers.Attention` for one new token per row, row ``i`` in slot ``i`` of ``cache``."""
     B, T, C = x.shape
-    q, k, v = _linear(x, attn.qkv.weight).split(C, dim=2)
+    q, k, v = linear(x, attn.qkv.weight).split(C, dim=2)
     q = q.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)  # [B, H, 1, hd]
     k = k.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
     v = v.view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)
@@ -54,7 +60,7 @@ def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: t
     values[rows, :, pos] = v[:, :, 0]
     y = decode_attention(q, keys, values, pos + 1)
     y = y.transpose(1, 2).contiguous().view(B, T, C)
-    return _linear(y, attn.proj.weight)
+    return linear(y, attn.proj.weight)
 
 
 class RowCache:
@@ -96,10 +102,15 @@ class RowCache:
 
 
 @torch.no_grad()
-def decode_rows(model: "PathModel", ids: torch.Tensor, cache: RowCache) -> torch.Tensor:
+def decode_rows(model: "PathModel", ids: torch.Tensor, cache: RowCache, exact: bool = True) -> torch.Tensor:
     """Logits ``[B, vocab]`` of the token after each row: ``ids [B]`` are the newest tokens of
     the rows in slots ``0 … B-1`` (on the model's device); each slot's length is its new
-    token's position, and advances by one."""
+    token's position, and advances by one.
+
+    ``exact=False`` runs each linear layer as one matrix product over the batch (what a
+    padded-batch ``generate`` does): faster, but a row's float bits may then depend on the
+    other rows, so a greedy near-tie can pick another token than batch-1 decoding."""
+    linear = _linear if exact else _batched_linear
     B = int(ids.shape[0])
     if not 0 < B <= cache.slots:
         raise ValueError(f"decode_rows needs 1 to {cache.slots} rows, got {B}")
@@ -113,12 +124,12 @@ def decode_rows(model: "PathModel", ids: torch.Tensor, cache: RowCache) -> torch
     layer = 0
     for level in model.levels:
         for block in level.blocks:
-            x = x + _attention(block.attn, block.attn_norm(x), cos, sin, cache, layer, rows, pos)
+            x = x + _attention(block.attn, block.attn_norm(x), cos, sin, cache, layer, rows, pos, linear)
             h, mlp = block.mlp_norm(x), block.mlp
-            x = x + _linear(F.silu(_linear(h, mlp.gate.weight)) * _linear(h, mlp.up.weight), mlp.down.weight)
+            x = x + linear(F.silu(linear(h, mlp.gate.weight)) * linear(h, mlp.up.weight), mlp.down.weight)
             layer += 1
     x = model.head.norm(x)
     weight = model.embed.weight if model.cfg.tie_embeddings else model.head.proj.weight
     for i in range(B):
         cache.lengths[i] += 1
-    return _linear(x, weight)[:, 0]
+    return linear(x, weight)[:, 0]

@@ -100,6 +100,34 @@ def test_decode_rows_is_bit_identical_to_batch_one() -> None:
     assert cache.lengths[:len(seqs)] == [len(s) + 1 for s in seqs]
 
 
+def test_fast_decode_is_the_exact_decode_up_to_rounding() -> None:
+    """exact=False (one matrix product per layer for the batch) computes the same logits as the
+    row-exact decode up to float rounding; only the bits may differ."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=2, layers_per_level=1, max_seq_len=64)
+    model = PathModel(ModuleGrid(cfg, [2, 2], seed=0), 1).eval()
+    seqs = [torch.randint(0, 97, (n,)).tolist() for n in (1, 5, 17, 40, 63)]
+    nxt = torch.randint(0, 97, (len(seqs),))
+    out = {}
+    for exact in (True, False):
+        cache = RowCache(model, 8)
+        with torch.no_grad():
+            for i, s in enumerate(seqs):
+                cache.scratch.reset()
+                model(torch.tensor([s]), cache.scratch)
+                cache.fill(i, cache.scratch)
+            out[exact] = decode_rows(model, nxt, cache, exact=exact)
+    torch.testing.assert_close(out[False], out[True], rtol=1e-5, atol=1e-5)
+
+
+def test_the_fast_engine_answers_like_the_exact_one(run, prompts) -> None:
+    reqs = [Request(p, max_new_tokens=4) for p in prompts[:40]]
+    exact = RoutedEngine(run, max_batch_size=16).generate(reqs)
+    fast = RoutedEngine(run, max_batch_size=16, exact=False).generate(reqs)
+    same = sum(a.tokens == b.tokens for a, b in zip(exact, fast))
+    assert same >= 36, f"only {same} of 40 prompts got the exact engine's greedy tokens in fast mode"
+
+
 def test_a_sample_does_not_depend_on_its_batch(run, prompts) -> None:
     me = Request(prompts[40], max_new_tokens=6, temperature=1.0, top_p=0.9, seed=123)
     others = [Request(p, max_new_tokens=5, temperature=1.0, seed=k) for k, p in enumerate(prompts[:7])]

@@ -121,3 +121,6 @@ def test_out_is_never_overwritten_and_resume_refuses_a_foreign_file(finished, tm
     code, err = run_cli(main, ["generate", finished[0], "--prompt", "x", "--out", out], capsys, monkeypatch)
     assert code != 0
     one_line(err, "--out goes with --file")
+    code, err = run_cli(main, ["generate", finished[0], "--prompt", "x", "--fast"], capsys, monkeypatch)
+    assert code != 0
+    one_line(err, "--fast goes with --file")

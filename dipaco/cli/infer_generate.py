@@ -65,6 +65,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --file: rows decoded together (default 32)")
     g.add_argument("--max-loaded-paths", type=positive("--max-loaded-paths", 4096), default=1, metavar="N",
                    help="with --file: paths kept in memory at once (default 1: the memory of one path)")
+    g.add_argument("--fast", action="store_true",
+                   help="with --file: one matrix product per layer for the whole batch (faster; a greedy near-tie "
+                        "may then pick another token than --prompt gives the same prompt: docs/serving.md)")
     g.add_argument("--out", default=None, metavar="F", help="with --file: write the lines here, not to stdout")
     g.add_argument("--resume", action="store_true",
                    help="with --out: keep the lines an earlier run wrote and generate the rest")
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
     """The ``generate`` verb."""
     if args.file is not None:
         return run_file(args)
-    for flag in ("out", "resume"):
+    for flag in ("out", "resume", "fast"):
         if getattr(args, flag):
             fail(f"--{flag} goes with --file (one prompt streams its text to stdout)")
     if not args.prompt.strip():
@@ -244,7 +247,7 @@ def run_file(args: argparse.Namespace) -> None:
                                    + "\n").encode("utf-8")
         writer.flush()
         engine = RoutedEngine(inf, max_batch_size=args.batch_size, max_loaded_paths=args.max_loaded_paths,
-                              use_kv_cache=not args.no_kv_cache)
+                              use_kv_cache=not args.no_kv_cache, exact=not args.fast)
         engine.generate([r for _, r, _, _ in todo], on_result=lambda k, gen: writer(
             todo[k][0], writer.record(todo[k][0], todo[k][2], gen, todo[k][3])))
         writer.flush()

@@ -101,10 +101,14 @@ class RoutedEngine:
         max_loaded_paths: paths kept in memory (the :class:`PathLoader` bound).
         use_kv_cache: ``False`` re-encodes each row's whole window every step (slow; same tokens).
         patience: steps a row of another path may wait before the current path stops admitting.
+        exact: ``True`` (default): every row gets the tokens one-prompt generation gives it
+            (each linear layer one matrix-vector product per row). ``False``: one matrix
+            product per layer for the whole batch, faster; a row's float bits may then
+            depend on its batch, so a greedy near-tie can differ from one-prompt generation.
     """
 
     def __init__(self, run: "InferenceRun", *, max_batch_size: int = 32, max_loaded_paths: int = 1,
-                 use_kv_cache: bool = True, patience: int = 64) -> None:
+                 use_kv_cache: bool = True, patience: int = 64, exact: bool = True) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if patience < 1:
@@ -113,6 +117,7 @@ class RoutedEngine:
         self.loader = run.loader(cache_size=max_loaded_paths)
         self.max_batch_size = int(max_batch_size)
         self.use_kv_cache = bool(use_kv_cache)
+        self.exact = bool(exact)
         self.patience: Optional[int] = int(patience)
         self.eos = run.tokenizer.eos_id
         self.vocab_size = int(run.cfg.model.vocab_size)
@@ -164,7 +169,7 @@ class RoutedEngine:
             return events
         if self._batch is None or self._batch.path != path:
             self._batch = PathBatch(self.loader.get(path), path, self.max_batch_size, self.use_kv_cache,
-                                    self._batch.cache if self._batch is not None else None)
+                                    self._batch.cache if self._batch is not None else None, self.exact)
         batch = self._batch
         queue = self._queues.get(path)
         if queue and not (batch.rows and self._overdue(now, path)):  # draining: admit no more

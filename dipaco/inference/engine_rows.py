@@ -72,8 +72,9 @@ class PathBatch:
     step, ``fresh`` joined since the last step and are encoded at the next."""
 
     def __init__(self, model: PathModel, path: int, max_rows: int, use_kv_cache: bool,
-                 cache: Optional[RowCache] = None) -> None:
+                 cache: Optional[RowCache] = None, exact: bool = True) -> None:
         self.model, self.path, self.max_rows = model, int(path), int(max_rows)
+        self.exact = bool(exact)  # decode_rows' mode: row-exact (default) or one product per layer
         self.device = model_device(model)
         self.max_len = model.cfg.max_seq_len
         self.cache: Optional[RowCache] = None
@@ -134,7 +135,7 @@ class PathBatch:
         parts: list[torch.Tensor] = []
         if self.slotted:
             last = torch.tensor([r.seq[-1] for r in self.slotted], dtype=torch.long, device=self.device)
-            parts.append(decode_rows(self.model, last, self.cache))
+            parts.append(decode_rows(self.model, last, self.cache, self.exact))
         for row in self.windowed:
             rows.append(row)
             parts.append(self._encode(row).unsqueeze(0))
