@@ -104,6 +104,9 @@ def build_run(root: Path) -> RunDir:
     Tokenizer.train(["golden trajectory " * 8], vocab_size=257).save(str(run.tokenizer))
     docs, assignments = synthetic_docs()
     write_shards(docs, assignments, 4, run.shards)
+    # an empty record, as a prepared run holds one: without it, what the tokenizer and shards were
+    # made from is unknown and every reader of the run refuses them (dipaco/run/fingerprint.py)
+    (run.root / "fingerprints.json").write_text("{}\n", encoding="utf-8")
     return run
 
 

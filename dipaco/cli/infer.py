@@ -123,10 +123,11 @@ def _score_out(path: str) -> Path:
     (dipaco/run/path_guard.py), and a file only dipaco wrote there may be replaced
     (dipaco/run/owned.py)."""
     given = Path(path).expanduser()
+    # the run-directory guard first: inside a run, that is the cause to name, whatever lies there
+    check_target(path, "score --out", fix="choose a --out outside every run directory")
     if given.is_dir():
         raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")
     check_owned(given.parent, [given.name], "score --out", replace=True)  # a link in the way: refused here
-    check_target(path, "score --out", fix="choose a --out outside every run directory")
     return given.parent.resolve() / given.name
 
 

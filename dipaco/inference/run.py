@@ -91,8 +91,8 @@ class InferenceRun:
         ckpt, manifest = Path(), {}
         if need_weights:
             ckpt = _find_checkpoint(run, checkpoint)
+            verify_checkpoint(run, ckpt)  # a checkpoint of this run at all, before its files are hashed
             manifest = CheckpointManager.verify(ckpt) if verify == "all" else _read_manifest(ckpt)
-            verify_checkpoint(run, ckpt)
         best = need_weights and checkpoint is None and bool(cfg.trainer.path_early_stopping) \
             and run.best_paths.is_dir()
         return cls(run=run, cfg=cfg, tokenizer=tokenizer, router=router, checkpoint=ckpt,
