@@ -25,6 +25,13 @@ def golden() -> dict[str, Any]:
     return json.loads(golden_run.GOLDEN.read_text())
 
 
+# A lossy codec rounds each pseudo-gradient element to a level: an element on a rounding tie
+# lands one level away when a reduction's last bit differs between builds of the same
+# libraries (seen: 1 sample of 496 in int8_ef, 2.2e-5 off on a fresh install). One int8 level
+# of these pseudo-gradients moves a weight by well under 1e-4; a wrong rule moves far more.
+SAMPLE_ATOL = {"int8_ef": 1e-4}
+
+
 def assert_matches(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
     """Every loss and every recorded weight summary within tolerance, same keys."""
     assert got["losses"].keys() == want["losses"].keys(), name
@@ -43,7 +50,8 @@ def assert_matches(got: dict[str, Any], want: dict[str, Any], name: str) -> None
                 assert math.isclose(g[stat], w[stat], rel_tol=RTOL, abs_tol=ATOL * max(1, len(w["sample"]))), \
                     f"{where} {stat} {g[stat]} != {w[stat]}"
             for i, (a, b) in enumerate(zip(g["sample"], w["sample"])):
-                assert math.isclose(a, b, rel_tol=RTOL, abs_tol=ATOL), f"{where} sample {i}: {a} != {b}"
+                assert math.isclose(a, b, rel_tol=RTOL, abs_tol=SAMPLE_ATOL.get(name, ATOL)), \
+                    f"{where} sample {i}: {a} != {b}"
 
 
 @pytest.mark.parametrize("name", ["sync_local", "int8_ef"])
