@@ -16,6 +16,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from dipaco.cli.errors import entry_point, fail, report_user_errors
+from dipaco.cli.infer_args import int_in
 
 EXTRA_HINT = 'pip install -e ".[serve]"'
 LOOPBACK = "127.0.0.1"
@@ -26,18 +27,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         fail(f"{message} (see {self.prog} --help)")
-
-
-def _int_range(name: str, lo: int, hi: int):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"{name} must lie in [{lo}, {hi}], got {v}")
-        return v
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,18 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         "run is opened (--fast-verify: only the module files read). Rules: docs/serving.md."))
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished dipaco-train run directory")
     p.add_argument("--host", default=LOOPBACK, help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_int_range("--port", 0, 65535), default=8000,
+    p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000,
                    help="TCP port (default 8000; 0 picks a free one and prints it)")
-    p.add_argument("--max-loaded-paths", type=_int_range("--max-loaded-paths", 1, 4096), default=1, metavar="N",
+    p.add_argument("--max-loaded-paths", type=int_in("--max-loaded-paths", 1, 4096), default=1, metavar="N",
                    help="paths kept in memory at once (default 1)")
-    p.add_argument("--max-batch-size", type=_int_range("--max-batch-size", 1, 4096), default=32, metavar="B",
+    p.add_argument("--max-batch-size", type=int_in("--max-batch-size", 1, 4096), default=32, metavar="B",
                    help="rows decoded together in one path's batch (default 32)")
-    p.add_argument("--max-tokens-cap", type=_int_range("--max-tokens-cap", 1, 2**20), default=None, metavar="C",
+    p.add_argument("--max-tokens-cap", type=int_in("--max-tokens-cap", 1, 2**20), default=None, metavar="C",
                    help="largest max_tokens a request may ask for (default: the model's context)")
-    p.add_argument("--reroute-every", type=_int_range("--reroute-every", 1, 2**20), default=None, metavar="W",
+    p.add_argument("--reroute-every", type=int_in("--reroute-every", 1, 2**20), default=None, metavar="W",
                    help="re-route every W tokens (default: route once by the prompt; a request's "
                         "reroute_every field overrides it)")
-    p.add_argument("--max-body-bytes", type=_int_range("--max-body-bytes", 1024, 2**30), default=1 << 20,
+    p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024, 2**30), default=1 << 20,
                    metavar="BYTES", help="largest request body accepted (default 1 MiB)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
                    help="where the path models run (default: the run's trainer.device)")

@@ -25,8 +25,8 @@ CONFIG_RECORD = "config"
 _NOT_SETTINGS = ("resume", "run_dir")
 
 
-def _flat(cfg: Config) -> dict[str, Any]:
-    """Every leaf key of ``cfg`` with its value as JSON would hold it (lists, not tuples)."""
+def flat_config(cfg: Config) -> dict[str, Any]:
+    """``{"trainer.rounds": 16, "grid.levels": [2, 2], ...}`` for every leaf of ``cfg``."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -37,7 +37,12 @@ def _flat(cfg: Config) -> dict[str, Any]:
             out[prefix] = node
 
     walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True), "")
-    return json.loads(json.dumps(out, default=str))
+    return out
+
+
+def _flat(cfg: Config) -> dict[str, Any]:
+    """:func:`flat_config` with each value as JSON would hold it (lists, not tuples)."""
+    return json.loads(json.dumps(flat_config(cfg), default=str))
 
 
 def write_run_config(run: RunDir, cfg: Config) -> None:

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from dipaco.config import Config, ConfigError, to_config
 from dipaco.run.checkpoint import CheckpointError, CheckpointManager
-from dipaco.run.record import FINGERPRINTS, hand_edits
+from dipaco.run.record import FINGERPRINTS, flat_config, hand_edits
 from dipaco.run.run_dir import RUN_LAYOUT, RunDir, RunDirError
 from dipaco.config.schedule import extended_segments
 
@@ -39,21 +39,6 @@ _ONLY_MORE = ("trainer.rounds", "trainer.total_steps")
 _IGNORED = ("resume", "run_dir")
 # Config groups whose choice (``experiment=smoke``) may set keys anywhere.
 _GLOBAL_GROUPS = ("experiment", "sweep")
-
-
-def flat_config(cfg: Config) -> dict[str, Any]:
-    """``{"trainer.rounds": 16, "grid.levels": [2, 2], ...}`` for every leaf of ``cfg``."""
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k))
-        else:
-            out[prefix] = node
-
-    walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
-    return out
 
 
 def override_keys(overrides: list[str]) -> set[str]:
