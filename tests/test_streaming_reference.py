@@ -133,7 +133,8 @@ def run_code() -> list[Snapshot]:
                 with torch.no_grad():
                     for m in PATHS[p]:
                         mods[m].weight.add_(torch.tensor([increment(p, r, step, m)]))
-                stream.contribute(p, step, RATE[p] * UNITS[r][step], alpha)
+                # a step the reference does not cut at (a wrong schedule) trains one unit
+                stream.contribute(p, step, RATE[p] * UNITS[r].get(step, 1), alpha)
             stream.sync_point(step)
         stats = stream.end_round()  # every copy set aside: path_state reads them
         theta = {m: sync.syncs[m].core.weights.double().tolist() for m in IDS}
