@@ -13,7 +13,37 @@ Mutation record (run once by hand on a scratch copy of ``dipaco/``, never commit
 ``tests/test_streaming_reference.py`` for the reference test). Each row: the mutation,
 what failed, and (before this file gained the α and streaming scenarios) what failed then.
 
-MUTATION_TABLE_PLACEHOLDER
+Run on 2026-11-26 with ``/tmp`` scratch copies (``git archive`` of this branch, one edit of
+``dipaco/sync/`` each); "now" is ``pytest tests/test_golden.py
+tests/test_streaming_reference.py -m "not multiprocess"``, "before" is the whole
+``tests/test_golden.py`` of the commit before this work (its 4 scenarios, gloo and
+decoupled included) against the same mutated code.
+
+========================================  =========================================  ======
+mutation (dipaco/sync/)                   fails now                                  before
+========================================  =========================================  ======
+1 mix convention swapped: landing keeps   streaming_mix, streaming_int4_ef (round-1  passed
+  1 − m of the copy (streaming.py         loss); reference (a path's copy after the
+  ``_land``: ``weight = keep``)           staggered round)
+2 never mixing: every landing replaces    streaming_mix, streaming_int4_ef (round-1  passed
+  the copy (``weight = 1.0``)             loss); reference (copy)
+3 α window never reset between a          streaming_mix (Σα per round: the weights   passed
+  module's launches (``contribute``       alone cannot see it, α scales uniformly),
+  keeps ``since``)                        streaming_int4_ef (round-3 loss);
+                                          reference (Σα of round 2)
+4 final round staggered (``points_of``    streaming_mix, streaming_int4_ef (round-3  passed
+  always the staggered points)            loss); reference (Σα of round 2)
+5 mixing with the old θ_global (the       streaming_mix, streaming_int4_ef (round-1  passed
+  copies mixed before ``finish``'s outer  loss); reference (copy)
+  step)
+6 uniform α (alpha.py ``from_config``:    alpha_shard_size (round-2 loss),           passed
+  ``shard_size`` gives ``uniform``)       streaming_mix, streaming_int4_ef; not the
+                                          reference (it builds its PathAlpha itself)
+7 α from the wrong count: a streaming     streaming_mix, streaming_int4_ef (Σα per   passed
+  contribution weighted by the tokens of  round); reference (Σα of round 1)
+  its last segment, not those since the
+  module's last launch
+========================================  =========================================  ======
 """
 from __future__ import annotations
 
