@@ -48,10 +48,10 @@ from dipaco.runtime.launch import StopSignals
 from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import warmup_steps
-from dipaco.sync.checkpointing import write_module_files
+from dipaco.rounds.checkpointing import write_module_files
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
-from dipaco.sync.records import round_record
+from dipaco.rounds.round_line import round_record
 from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
@@ -321,7 +321,7 @@ def _account_leftovers(store: Store, module_ids: list[str]) -> None:
 
 
 def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
-    """One round record per phase index (:func:`dipaco.sync.records.round_record`) and the
+    """One round record per phase index (:func:`dipaco.rounds.round_line.round_record`) and the
     workers' step records (docs/metrics.md), persisted by sync mode's writer (metrics.jsonl,
     steps.jsonl, TensorBoard, W&B), in step order: W&B drops a step below the last one."""
     by_phase: dict[int, dict[str, dict]] = {}

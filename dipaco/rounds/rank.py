@@ -29,7 +29,7 @@ from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
-from dipaco.sync.checkpointing import load_checkpoint
+from dipaco.rounds.checkpointing import load_checkpoint
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import apply_fsdp, worker_mesh
@@ -142,7 +142,8 @@ def resume(rs: RankState) -> int:
     if rs.cfg.resume:
         latest = rs.ckpts.latest_valid(log=lambda m: say(m, rs.rank))
         if latest is not None:
-            start_round = load_checkpoint(latest, rs.grid, rs.sync, rs.learners, rs.modules, rs.topo, rs.rank)
+            start_round = load_checkpoint(latest, rs.grid, rs.sync, rs.learners, rs.modules, rs.topo, rs.rank,
+                                          stream=rs.stream)
             say(f"resumed from {latest.name} (round {start_round})", rs.rank)
     if start_round == 0:
         # docs/design.md contract 4: all copies of a module start from the same weights.

@@ -199,7 +199,6 @@ class DiLoCoSync:
         self.round = 0
         self._active: int | None = None
         self._ended: set[int] = set()
-        self.streaming: Any = None  # the StreamingSync driving this one (diloco.streaming), if any
 
     def _state_device(self, outer_device: str, modules: dict[str, nn.Module], held: list[str]) -> torch.device:
         """``diloco.outer_device``: ``auto`` keeps the outer state on the modules' device

@@ -34,7 +34,7 @@ exchange overlapped no inner step (τ = 0: nothing was learnt meanwhile; the syn
 round, and streaming's final round). α of a contribution is the path's tokens since that
 module's previous launch (``diloco.alpha`` applied to them).
 
-Checkpoints: every exchange lands in the round it was launched in (the last launch is
+Checkpoints (:mod:`dipaco.rounds.checkpointing`, given this driver): every exchange lands in the round it was launched in (the last launch is
 at H − τ), so a round boundary never has one in flight: none is lost or applied twice
 on resume. What a round boundary does hold is each path's copies and its tokens since
 each module's last launch: :meth:`path_state` / :meth:`load_path_state`
@@ -103,7 +103,6 @@ class StreamingSync:
         self._intervals: list[tuple[float, float, int]] = []
         self._bytes: dict[str, int] = {}
         self.blocked_s = 0.0  # time this round waited on exchanges not yet complete
-        sync.streaming = self
 
     @classmethod
     def from_config(cls, sync: DiLoCoSync, d: Any, rounds: int, points: Points) -> "StreamingSync":

@@ -1,4 +1,4 @@
-"""Checkpoints of the synchronous rounds: per-module and per-path files of one round.
+"""Checkpoints of the rounds: per-module and per-path files of one round boundary.
 
 Layout of ``checkpoints/round_NNNNNN/`` (both sync modes; decoupled mode writes the same
 files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from dipaco.run.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
 from dipaco.runtime.progress import say
 from dipaco.sync.diloco import DiLoCoSync
+from dipaco.sync.streaming import StreamingSync
 from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
@@ -55,8 +56,11 @@ def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict
 
 def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
                     learners: dict[int, Any], topo: Topology, rank: Optional[int],
-                    distributed: bool, my_modules: list[str]) -> Path:
+                    distributed: bool, my_modules: list[str], stream: Optional[StreamingSync] = None) -> Path:
     """Every rank writes only its own files into the partial directory; rank 0 commits.
+
+    ``stream``: the staggered driver (``diloco.streaming``), whose per-path copies are
+    written beside the paths' inner states.
 
     A module is written by the lowest rank that holds it; a path's inner state by local
     rank 0 of the worker group that trains it. Barriers order mkdir → writes → commit.
@@ -83,8 +87,8 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
         state = learner.state_dict()  # every rank: a collective when sharded
         if not distributed or topo.local_rank(rank) == 0:
             save_state(part / "paths" / f"path_{p}.safetensors", state)
-            if sync.streaming is not None:
-                save_state(part / "streams" / f"path_{p}.safetensors", sync.streaming.path_state(p))
+            if stream is not None:
+                save_state(part / "streams" / f"path_{p}.safetensors", stream.path_state(p))
     _barrier(distributed)
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
@@ -99,8 +103,10 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
 
 
 def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, Any],
-                    my_modules: list[str], topo: Topology, rank: Optional[int] = None) -> int:
-    """Load this rank's modules, outer states and paths; return the round to start from.
+                    my_modules: list[str], topo: Topology, rank: Optional[int] = None,
+                    stream: Optional[StreamingSync] = None) -> int:
+    """Load this rank's modules, outer states and paths (with ``stream``, each path's
+    copies too); return the round to start from.
 
     The worker grouping may differ from the checkpoint's (compute joined or left between
     rounds): module weights, outer optimiser states and per-path states do not depend on
@@ -134,8 +140,8 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
         sync.syncs[mid].load_state_dict(outer)
     for p, learner in learners.items():
         learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
-        if sync.streaming is not None:  # a checkpoint of synchronous rounds has none: θ_global
+        if stream is not None:  # a checkpoint of synchronous rounds has none: θ_global
             own = path / "streams" / f"path_{p}.safetensors"
-            sync.streaming.load_path_state(p, load_state(own) if own.exists() else None)
+            stream.load_path_state(p, load_state(own) if own.exists() else None)
     sync.round = int(state["round"])
     return int(state["round"])
