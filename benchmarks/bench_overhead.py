@@ -8,10 +8,11 @@ tokens, same torch thread count, in one process):
 
 * dipaco: exactly the trainer's loop body, local backend, for a ``[1, 1]`` grid (one path
   of a 2-level grid):
-  ``DiLoCoSync.begin_path`` → ``PathLearner.train_steps(H)`` (AdamW with warm-up + cosine
-  LR, gradient clipping, token counting, the per-step health metrics every
-  ``logging.every_steps`` steps (``--every-steps``, default the config's), ``TokenStream``
-  batches) → ``end_path`` → ``finish_round`` (the outer step of every module).
+  the round driver over the synchronous schedule, ``RoundDriver.activate`` →
+  ``PathLearner.train_steps(H)`` (AdamW with warm-up + cosine LR, gradient clipping,
+  token counting, the per-step health metrics every ``logging.every_steps`` steps
+  (``--every-steps``, default the config's), ``TokenStream`` batches) → ``contribute`` →
+  ``sync_point(H)`` (the outer step of every module) → ``end_round``.
 * bare: a plain loop over the same batches held in memory: forward, cross entropy,
   backward, ``torch.optim.AdamW.step``. Nothing else.
 
@@ -45,7 +46,9 @@ def make_sides(model_name: str, steps: int, seed: int = 0,
     from dipaco.config import compose_config
     from dipaco.data import TokenStream
     from dipaco.rounds.learner import PathLearner
+    from dipaco.plan.schedule import RoundSchedule
     from dipaco.sync.diloco import DiLoCoSync
+    from dipaco.sync.round_driver import RoundDriver
     from dipaco.plan.topology import Topology
     from modules import ModuleGrid, PathModel
 
@@ -61,16 +64,19 @@ def make_sides(model_name: str, steps: int, seed: int = 0,
     topo = Topology.from_grid(grid, 1, 1)
     sync = DiLoCoSync(topo, {m: grid.module(m) for m in grid.module_ids},
                       outer={"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    driver = RoundDriver(sync, RoundSchedule.synchronous(grid.module_ids, steps), rounds=10**9)
     stream = TokenStream(docs, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed, path_id=0, eos_id=0)
     every = cfg.logging.every_steps if every_steps is None else every_steps
     learner = PathLearner(0, model, stream, t, total_steps=10**9, log_every=every)
 
     def dipaco_round() -> float:
         t0 = time.perf_counter()
-        sync.begin_path(0)
+        driver.begin_round(0)
+        driver.activate(0)
         stats = learner.train_steps(steps)
-        sync.end_path(0, stats.tokens)
-        sync.finish_round()
+        driver.contribute(0, steps, stats.tokens, lambda p, tokens: float(tokens))
+        driver.sync_point(steps)
+        driver.end_round()
         learner.take_intervals()  # what the round's record takes
         return stats.tokens / (time.perf_counter() - t0)
 

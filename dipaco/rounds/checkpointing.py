@@ -10,7 +10,7 @@ files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
 * ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
 * ``streams/path_<p>.safetensors`` (``diloco.streaming``): each path's own copy of its
   modules and its tokens since each module's last launch
-  (:meth:`dipaco.sync.streaming.StreamingSync.path_state`). No exchange is in flight at a
+  (:meth:`dipaco.sync.round_driver.RoundDriver.path_state`). No exchange is in flight at a
   round boundary (the staggered schedule lands every one in its round), so nothing else
   of the stream needs saving: none is lost or applied twice on resume;
 * ``state.json``: round, grid, and the worker grouping the residuals are keyed by.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from dipaco.run.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
 from dipaco.runtime.progress import say
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.sync.streaming import StreamingSync
+from dipaco.sync.round_driver import RoundDriver
 from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
@@ -56,11 +56,11 @@ def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict
 
 def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
                     learners: dict[int, Any], topo: Topology, rank: Optional[int],
-                    distributed: bool, my_modules: list[str], stream: Optional[StreamingSync] = None) -> Path:
+                    distributed: bool, my_modules: list[str], driver: Optional[RoundDriver] = None) -> Path:
     """Every rank writes only its own files into the partial directory; rank 0 commits.
 
-    ``stream``: the staggered driver (``diloco.streaming``), whose per-path copies are
-    written beside the paths' inner states.
+    ``driver``: the round driver; under a staggered schedule each path's copies are
+    written beside its inner state.
 
     A module is written by the lowest rank that holds it; a path's inner state by local
     rank 0 of the worker group that trains it. Barriers order mkdir → writes → commit.
@@ -87,8 +87,8 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
         state = learner.state_dict()  # every rank: a collective when sharded
         if not distributed or topo.local_rank(rank) == 0:
             save_state(part / "paths" / f"path_{p}.safetensors", state)
-            if stream is not None:
-                save_state(part / "streams" / f"path_{p}.safetensors", stream.path_state(p))
+            if driver is not None and driver.holds_path_state:
+                save_state(part / "streams" / f"path_{p}.safetensors", driver.path_state(p))
     _barrier(distributed)
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
@@ -104,9 +104,9 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
 
 def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, Any],
                     my_modules: list[str], topo: Topology, rank: Optional[int] = None,
-                    stream: Optional[StreamingSync] = None) -> int:
-    """Load this rank's modules, outer states and paths (with ``stream``, each path's
-    copies too); return the round to start from.
+                    driver: Optional[RoundDriver] = None) -> int:
+    """Load this rank's modules, outer states and paths (under a staggered schedule each
+    path's copies too: ``driver``); return the round to start from.
 
     The worker grouping may differ from the checkpoint's (compute joined or left between
     rounds): module weights, outer optimiser states and per-path states do not depend on
@@ -140,8 +140,8 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
         sync.syncs[mid].load_state_dict(outer)
     for p, learner in learners.items():
         learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
-        if stream is not None:  # a checkpoint of synchronous rounds has none: θ_global
+        if driver is not None and driver.holds_path_state:  # synchronous rounds wrote none: θ_global
             own = path / "streams" / f"path_{p}.safetensors"
-            stream.load_path_state(p, load_state(own) if own.exists() else None)
+            driver.load_path_state(p, load_state(own) if own.exists() else None)
     sync.round = int(state["round"])
     return int(state["round"])

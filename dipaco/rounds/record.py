@@ -126,7 +126,7 @@ class RoundRecorder:
         record = {"paths": out.paths, "modules": modules, "bytes_sent": sent,
                   "tokens": sum(v["tokens"] for v in out.paths.values()),
                   "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s,
-                  # streaming (dipaco/sync/streaming.py): bytes per rank one path had in
+                  # streaming (dipaco/sync/round_driver.py): bytes per rank one path had in
                   # flight at once, and the time the inner steps stood waiting for exchanges
                   "inflight_peak_bytes": out.sync.inflight_peak_bytes, "blocked_s": out.sync.blocked_s,
                   # the turns' logging intervals: read from the device with the turn's totals
@@ -148,7 +148,7 @@ class RoundRecorder:
         """A checkpoint after ``round_idx`` rounds (a collective in the torch backend)."""
         rs = self.rs
         self.last_checkpoint = save_checkpoint(rs.ckpts, round_idx, rs.grid, rs.sync, rs.learners, rs.topo,
-                                               rs.rank, rs.distributed, rs.modules, rs.stream)
+                                               rs.rank, rs.distributed, rs.modules, rs.driver)
 
     def result(self) -> RoundsResult:
         """Close the writer and bar; every rank's totals (a collective in the torch backend)."""
