@@ -13,7 +13,10 @@ files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
   (:meth:`dipaco.sync.round_driver.RoundDriver.path_state`). No exchange is in flight at a
   round boundary (the staggered schedule lands every one in its round), so nothing else
   of the stream needs saving: none is lost or applied twice on resume;
-* ``state.json``: round, grid, and the worker grouping the residuals are keyed by.
+* ``state.json`` (:func:`checkpoint_state`, one layout for both modes): round, mode,
+  grid, and the worker grouping the residuals are keyed by (``residual.<group>``; in
+  decoupled mode every path is a group of its own); decoupled mode adds each module's
+  version. Checkpoints written before ``mode`` existed read as sync mode's.
 
 Files hold whole tensors in every case: with ``launcher.group_parallel=fsdp`` the shards
 of the weights, of θ_global and its outer state and of the AdamW moments are gathered
@@ -37,7 +40,7 @@ from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
 
-__all__ = ["save_checkpoint", "load_checkpoint", "write_module_files"]
+__all__ = ["checkpoint_state", "save_checkpoint", "load_checkpoint", "write_module_files"]
 
 
 def _barrier(distributed: bool) -> None:
@@ -52,6 +55,16 @@ def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict
     weights = grid.module_state_dict(module_id) if weights is None else weights
     save_state(part / "modules" / f"{module_id}.safetensors", weights)
     save_state(part / "outer" / f"{module_id}.safetensors", outer)
+
+
+def checkpoint_state(round_idx: int, grid: ModuleGrid, *, mode: str, worker_groups: int, group_size: int,
+                     versions: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """``state.json`` of a checkpoint, either mode: the round, the grid, and the worker
+    grouping error-feedback residuals are keyed by (resume needs to know which grouping
+    they belong to); ``versions``: decoupled mode's module versions."""
+    out = {"round": int(round_idx), "mode": mode, "num_paths": grid.num_paths, "module_ids": list(grid.module_ids),
+           "levels": list(grid.levels), "worker_groups": int(worker_groups), "group_size": int(group_size)}
+    return out if versions is None else {**out, "versions": dict(versions)}
 
 
 def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
@@ -92,11 +105,8 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
     _barrier(distributed)
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
-        ckpts.commit(round_idx, {"round": round_idx, "num_paths": grid.num_paths,
-                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels),
-                                 # error-feedback residuals are keyed by worker group: resume
-                                 # needs to know which grouping they belong to
-                                 "worker_groups": topo.num_groups, "group_size": topo.group_size})
+        ckpts.commit(round_idx, checkpoint_state(round_idx, grid, mode="sync", worker_groups=topo.num_groups,
+                                                 group_size=topo.group_size))
         ckpts.prune()
     _barrier(distributed)
     return final
