@@ -194,7 +194,7 @@ def test_resume_falls_back_over_a_corrupt_checkpoint(base_run: Path, copy_of_bas
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(
         base_run: Path, copy_of_base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crash half-way through writing round 2 leaves a .partial directory and round 1 intact."""
-    import dipaco.sync.checkpointing as trainer  # where the rounds loop's checkpoints are written
+    import dipaco.rounds.checkpointing as trainer  # where the rounds loop's checkpoints are written
 
     shutil.rmtree(ckpt_dir(copy_of_base, 2))  # as if the run had been stopped after round 1
     real_save = trainer.save_state
@@ -316,7 +316,7 @@ def test_error_feedback_residuals_are_dropped_when_groups_change(
     """Residuals are keyed by worker group: kept on the same grouping, dropped (logged) on another."""
     from dipaco.sync.diloco import DiLoCoSync
     from dipaco.plan.build import build_grid, build_topology
-    from dipaco.sync.checkpointing import load_checkpoint as _load_checkpoint
+    from dipaco.rounds.checkpointing import load_checkpoint as _load_checkpoint
 
     ckpt = tmp_path / "round_000002"
     shutil.copytree(ckpt_dir(base_run, 2), ckpt)

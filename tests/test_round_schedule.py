@@ -1,11 +1,15 @@
-"""The round as a schedule of per-module sync points, and launch() / finish() per module."""
+"""The round as a schedule of per-module sync points, launch() / land() per module, and the
+round driver that runs every schedule (a synchronous round keeps no per-path copy)."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from dipaco.sync.diloco import DiLoCoSync, RoundSchedule, SyncEvent, SyncPoint
+import dipaco.sync.round_driver as round_driver
+from dipaco.plan.schedule import RoundSchedule, SyncPoint
+from dipaco.sync.diloco import DiLoCoSync
+from dipaco.sync.round_driver import RoundDriver
 from dipaco.plan.topology import Topology
 
 IDS = ["embed", "L0.0", "L0.1", "head"]
@@ -31,29 +35,76 @@ def _train(sync: DiLoCoSync, mods: dict[str, nn.Module], p: int, to: float, toke
 
 def test_the_synchronous_schedule_is_one_sync_point_at_step_h() -> None:
     s = RoundSchedule.synchronous(IDS, 50)
-    assert s.is_synchronous
-    assert s.events() == [SyncEvent(50, tuple(IDS), tuple(IDS))]
-    assert s.restrict(["head", "embed"]).events() == [SyncEvent(50, ("embed", "head"), ("embed", "head"))]
+    assert s.is_synchronous and s.replaces_only
+    assert s.boundaries() == [50]
+    assert s.launching(50) == IDS
+    assert s.restrict(["head", "embed"]).launching(50) == ["embed", "head"]  # the global order kept
+    assert s.of_round(0, 3) is s
 
 
-def test_a_staggered_schedule_lists_its_sync_points_in_step_order() -> None:
-    s = RoundSchedule(4, {"embed": SyncPoint(1, 2), "L0.0": SyncPoint(2, 4), "head": SyncPoint(4, 4)})
-    assert not s.is_synchronous
-    assert s.events() == [SyncEvent(1, ("embed",), ()), SyncEvent(2, ("L0.0",), ("embed",)),
-                          SyncEvent(4, ("head",), ("L0.0", "head"))]
+def test_a_staggered_schedule_cuts_the_turns_at_its_steps_and_ends_synchronous() -> None:
+    s = RoundSchedule.staggered({"embed": (1, 2), "L0.0": (2, 4), "head": (4, 4)}, 4)
+    assert not s.is_synchronous and not s.replaces_only
+    assert s.boundaries() == [1, 2, 4]
+    assert s.launching(2) == ["L0.0"] and s.launching(4, ["embed", "head"]) == ["head"]
+    assert s.of_round(1, 3) is s and s.of_round(2, 3).is_synchronous  # the run's last round
     for bad in (SyncPoint(0, 1), SyncPoint(3, 2), SyncPoint(2, 5)):
-        with pytest.raises(ValueError, match="launch <= finish <= H"):
+        with pytest.raises(ValueError, match="launch <= land <= H"):
             RoundSchedule(4, {"embed": bad})
-    with pytest.raises(ValueError, match="synchronous schedules"):  # not built yet: streaming
-        DiLoCoSync(Topology(IDS, PATHS, world_size=1), {m: nn.Linear(2, 1) for m in IDS}, schedule=s)
 
 
-def test_launch_hands_later_contributions_to_the_next_round_and_finish_leaves_the_live_weights() -> None:
+def _round_by_driver(driver: RoundDriver, mods: dict[str, nn.Module], targets: dict[int, float]) -> None:
+    schedule = driver.begin_round(0)
+    for step in schedule.boundaries():
+        for p, to in targets.items():
+            driver.activate(p)
+            with torch.no_grad():
+                for m in PATHS[p]:
+                    mods[m].weight.add_(to)
+            driver.contribute(p, step, 1, lambda p, tokens: float(tokens))
+        driver.sync_point(step)
+    driver.end_round()
+
+
+def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_finish_round(monkeypatch) -> None:
+    """Every landing replaces: no path's copy is set aside (no flatten, no memory), and the
+    global and live weights are those of begin_path / end_path / finish_round bit for bit."""
+    ref, ref_mods = _sync(0.5)
+    for p, to in ((0, 2.0), (1, -1.0)):
+        ref.begin_path(p)
+        with torch.no_grad():
+            for m in PATHS[p]:
+                ref_mods[m].weight.add_(to)
+        ref.end_path(p, 1.0)
+    ref.finish_round()
+
+    def no_copy(*a, **k):
+        raise AssertionError("a synchronous round set a path's copy aside")
+    monkeypatch.setattr(round_driver, "flatten_params", no_copy)
+    sync, mods = _sync(0.5)
+    driver = RoundDriver(sync, RoundSchedule.synchronous(IDS, 3), rounds=2)
+    _round_by_driver(driver, mods, {0: 2.0, 1: -1.0})
+    assert driver.copies == {} and set(driver.resident.values()) == {None}
+    for m in IDS:
+        assert torch.equal(sync.syncs[m].core.weights, ref.syncs[m].core.weights), m
+        assert torch.equal(mods[m].weight, ref_mods[m].weight), m
+    assert sync.round == ref.round == 1
+
+
+def test_a_mixing_schedule_keeps_each_paths_copy() -> None:
+    """The control: a landing that mixes (τ > 0) sets the other path's copy aside."""
+    sync, mods = _sync(0.5)
+    driver = RoundDriver(sync, RoundSchedule.staggered({m: (1, 2) for m in IDS}, 2), rounds=2)
+    _round_by_driver(driver, mods, {0: 2.0, 1: -1.0})
+    assert driver.copies and driver.holds_path_state
+
+
+def test_launch_hands_later_contributions_to_the_next_round_and_land_leaves_the_live_weights() -> None:
     sync, mods = _sync()
     _train(sync, mods, 0, 1.0)
     ms = sync.syncs["L0.0"]
     with pytest.raises(RuntimeError, match="without launch"):
-        ms.finish()
+        ms.land()
     ms.launch()
     assert ms.in_flight
     with pytest.raises(RuntimeError, match="in flight"):
@@ -62,25 +113,25 @@ def test_launch_hands_later_contributions_to_the_next_round_and_finish_leaves_th
     with torch.no_grad():
         mods["L0.0"].weight.fill_(5.0)
     assert ms.contribute(0, 1.0, 0)
-    stats = ms.finish()
+    stats = ms.land()
     assert stats.stepped and stats.contributions == 1
     assert float(ms.core.weights[0]) == pytest.approx(1.0)  # the first contribution only
-    assert float(mods["L0.0"].weight.detach()[0, 0]) == 5.0  # finish leaves the live weights alone
+    assert float(mods["L0.0"].weight.detach()[0, 0]) == 5.0  # land leaves the live weights alone
     ms.launch()
-    assert ms.finish().contributions == 1
+    assert ms.land().contributions == 1
     # its Δ = 0 − 5 was taken against the θ_global of its own time (0): the step adds 5
     assert float(ms.core.weights[0]) == pytest.approx(1.0 + 5.0)
 
 
 @pytest.mark.parametrize("mix", [1.0, 0.25])
-def test_finish_replaces_or_mixes_the_new_global_weights_into_the_live_ones(mix: float) -> None:
+def test_land_replaces_or_mixes_the_new_global_weights_into_the_live_ones(mix: float) -> None:
     sync, mods = _sync()
     for p, to in ((0, 2.0), (1, 4.0)):
         _train(sync, mods, p, to)
     with torch.no_grad():
         mods["embed"].weight.fill_(10.0)  # what the path learnt since (streaming keeps part of it)
     sync.launch(["head", "embed"])  # launched in the global module order whatever the order asked
-    stats = sync.finish(["embed", "head"], mix=mix)
+    stats = sync.land(["embed", "head"], mix=mix)
     assert list(stats) == ["embed", "head"]
     theta = float(sync.syncs["embed"].core.weights[0])
     assert theta == pytest.approx(3.0)  # the mean of the two paths

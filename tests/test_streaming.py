@@ -24,9 +24,11 @@ STREAM = ["diloco.streaming=true"]  # τ = 1, a fragment per stage (embed, L0, L
 
 
 def run(tmp: Path, name: str, extra: list[str]) -> dict[str, Any]:
-    """A golden scenario with ``extra`` overrides, trained in a fresh run directory."""
+    """A golden scenario (``sync_local`` unless ``name`` is another) with ``extra``
+    overrides, trained in a fresh run directory ``tmp/name``."""
     r = golden_run.build_run(tmp / name)
-    cfg = compose_config(golden_run.BASE + golden_run.SCENARIOS[name] + extra, r.root)
+    scenario = golden_run.SCENARIOS.get(name, golden_run.SCENARIOS["sync_local"])
+    cfg = compose_config(golden_run.BASE + scenario + extra, r.root)
     golden_run.run_rounds(cfg, r)
     return golden_run.trajectory(r)
 
@@ -96,10 +98,13 @@ def test_plan_reports_peak_bytes_in_flight(capsys: pytest.CaptureFixture) -> Non
 
 
 # ----------------------------------------------------------------- runs
-def test_no_delay_one_fragment_reproduces_the_golden_synchronous_run(tmp_path: Path) -> None:
-    """τ = 0 with one fragment is today's synchronous DiLoCo, to the golden file's tolerance."""
+def test_no_delay_one_fragment_is_the_synchronous_run_bit_for_bit(tmp_path: Path) -> None:
+    """τ = 0 with one fragment is synchronous DiLoCo: the same losses and weights (every
+    weight's sha256) as the run without streaming, and the golden file's to its tolerance."""
     golden = golden_run.json.loads(golden_run.GOLDEN.read_text())
-    got = run(tmp_path, "sync_local", STREAM + ["diloco.streaming_delay=0", "diloco.streaming_fragments=1"])
+    got = run(tmp_path, "stream", STREAM + ["diloco.streaming_delay=0", "diloco.streaming_fragments=1"])
+    sync = run(tmp_path, "sync", [])
+    assert got == sync
     assert_matches(got, golden["sync_local"], "streaming τ=0, one fragment")
 
 

@@ -1,10 +1,9 @@
-"""``run_decoupled(cfg, run)``: the supervisor of decoupled mode on one host.
+"""``run_decoupled(cfg, run)``: decoupled mode on one host.
 
-It writes version 0 of every module to the store, starts the synchroniser process(es)
-and N decoupled worker processes (``multiprocessing`` spawn: fork is unsafe after torch/faiss
-started OpenMP threads: docs/design.md, "Processes"), watches them with a bounded timeout, restarts dead
-ones (and, in chaos runs, kills some on purpose with SIGKILL), then, when every path
-has its budget, writes the final module weights as an ordinary checkpoint
+It writes version 0 of every module to the store, has the supervisor
+(:class:`dipaco.decoupled.supervisor.Supervisor`) start and watch the synchroniser
+process(es) and N decoupled worker processes, then, when every path has its budget,
+writes the final module weights as an ordinary checkpoint
 (``checkpoints/round_NNNNNN/modules/*.safetensors`` + manifest) so evaluation and
 ``dipaco-infer`` work unchanged, and returns the same :class:`~dipaco.run.results.RoundsResult`
 as the rounds loop of sync mode.
@@ -16,51 +15,38 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import multiprocessing as mp
-import os
-import random
-import signal
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import OmegaConf
 
-from dipaco.runtime import faults
 from dipaco.plan.build import build_grid
 from dipaco.run.checkpoint import CheckpointManager, save_state
 from dipaco.config import Config, ConfigError
 from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
-from dipaco.decoupled.fsspec_store import open_store
-from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.owner import PLAN_KEY, claim_store
 from dipaco.decoupled.merge import ModuleSynchronizer
 from dipaco.decoupled.metrics import compute_metrics, worker_events
-from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_steps_done, progress_key,
+from dipaco.decoupled.service import (archive, inbox, module_key, path_steps_done, progress_key,
                                       write_module)
 from dipaco.decoupled.store import Store
-from dipaco.decoupled.worker import RESIDUALS, path_state_key, worker_main
+from dipaco.decoupled.supervisor import DecoupledError, Supervisor, sync_main
+from dipaco.decoupled.worker import RESIDUALS, path_state_key
 from dipaco.run.fingerprint import checkpoint_stamp
 from dipaco.rounds.dense import load_dense_state
-from dipaco.runtime.launch import StopSignals
 from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import warmup_steps
-from dipaco.sync.checkpointing import write_module_files
+from dipaco.rounds.checkpointing import checkpoint_state, write_module_files
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.outer import outer_options
-from dipaco.sync.records import round_record
+from dipaco.rounds.round_line import round_record
 from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
-
-
-class DecoupledError(RuntimeError):
-    """The decoupled phase could not finish (timeout, too many restarts)."""
 
 
 def decoupled_config(cfg: Config, override: Optional[DecoupledConfig] = None) -> DecoupledConfig:
@@ -85,14 +71,6 @@ def outer_settings(cfg: Config, dcfg: DecoupledConfig) -> dict[str, Any]:
     make diverge (the chaos test once ended at 7.1 nats against the sync run's 5.3).
     """
     return outer_options(dataclasses.replace(cfg.diloco, decoupled=dcfg, mode="decoupled"))
-
-
-def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int]], rounds: int,
-              dcfg_dict: dict, outer: dict, name: str, inner_steps: int, sharing_rescale: bool = False) -> None:
-    """Entry point of a spawned synchroniser process."""
-    torch.set_num_threads(1)
-    SyncService(open_store(store_url), module_ids, sharing, rounds, DecoupledConfig(**dcfg_dict), outer,
-                name=name, inner_steps=inner_steps, sharing_rescale=sharing_rescale).run()
 
 
 # ------------------------------------------------------------------------ setup
@@ -122,18 +100,9 @@ def init_store(cfg: Config, run: RunDir, store: Store, dcfg: DecoupledConfig) ->
 # ------------------------------------------------------------------- processes
 
 
-class _Slot:
-    """One decoupled worker slot: its current process and how often it was started."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.incarnation = -1
-        self.proc: Optional[mp.process.BaseProcess] = None
-        self.finished = False
-
-
 def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = None) -> RoundsResult:
-    """Train every path for ``trainer.rounds`` phases of H steps, asynchronously.
+    """Train every path for ``trainer.rounds`` phases of H steps, asynchronously: prepare
+    the store → supervise the processes → account → record → checkpoint.
 
     Returns the :class:`~dipaco.run.results.RoundsResult` of sync mode's rounds loop, with
     ``decoupled`` set (the metrics of :mod:`dipaco.decoupled.metrics`).
@@ -151,118 +120,15 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     n_workers = dcfg.num_workers or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
     for key in dcfg.deprecated_keys():
         say(f"{key} is deprecated: the decoupled process is a decoupled worker")
-    cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
-    dcfg_dict = dataclasses.asdict(dcfg)
-    outer = outer_settings(cfg, dcfg)
-    ctx = mp.get_context("spawn")
-
-    def sup_event(obj: dict) -> None:
-        obj.setdefault("t", time.time())
-        store.append_line("events/supervisor.jsonl", json.dumps(obj))
-        store.flush()  # rare events; on object stores, publish each at once
-
-    # modules dealt round-robin to synchroniser processes: exactly one owner per module
-    nsync = min(dcfg.sync_procs, len(plan["module_ids"]))
-    sync_mods = [plan["module_ids"][i::nsync] for i in range(nsync)]
-
-    def start_sync(i: int) -> mp.process.BaseProcess:
-        store.delete(f"done/sync-{i}.json")
-        proc = ctx.Process(target=sync_main, name=f"dipaco-sync-{i}",
-                           args=(store_url, sync_mods[i], {m: plan["sharing"][m] for m in sync_mods[i]},
-                                 R, dcfg_dict, outer, f"sync-{i}", H, cfg.diloco.sharing_rescale))
-        proc.start()
-        return proc
-
-    def start_worker(slot: _Slot) -> None:
-        slot.incarnation += 1
-        slot.proc = ctx.Process(target=worker_main, name=f"dipaco-worker-{slot.index}",
-                                args=(cfg_dict, str(run.root), store_url, slot.index, slot.incarnation, dcfg_dict))
-        slot.proc.start()
-        sup_event({"e": "start", "slot": slot.index, "incarnation": slot.incarnation, "pid": slot.proc.pid})
-
-    say(f"decoupled: {n_workers} workers, {nsync} synchroniser(s), {P} paths x {R} phases of "
+    sup = Supervisor(cfg, run, store, store_url, plan, dcfg, outer_settings(cfg, dcfg), n_workers)
+    say(f"decoupled: {n_workers} workers, {sup.nsync} synchroniser(s), {P} paths x {R} phases of "
         f"{cfg.diloco.inner_steps} steps; store {store_url}")
     t0 = time.time()
-    syncs = [start_sync(i) for i in range(nsync)]
-    slots = [_Slot(i) for i in range(n_workers)]
-    for s in slots:
-        start_worker(s)
-    chaos = faults.worker_chaos()  # DIPACO_FAULT worker_kill (none in real runs)
-    rng = random.Random(chaos.seed)
-    kills = restarts = 0
-    # the chaos clock starts once training does (the first path progress file): kills
-    # during interpreter start-up would test nothing but process spawning
-    next_kill = math.inf
-    chaos_armed = not chaos.kill_every_s or chaos.max_kills <= 0
-    deadline = t0 + dcfg.timeout_s
-    started = False
-    stopped = None
-    try:
-        while True:
-            now = time.time()
-            if StopSignals.received:  # the one stop contract: end now, keep the last complete phase
-                stopped = StopSignals.received
-                sup_event({"e": "stop", "signal": stopped})
-                break
-            if now > deadline:
-                raise DecoupledError(f"decoupled phase exceeded diloco.decoupled.timeout_s={dcfg.timeout_s}s")
-            if not started and len(store.list("control")) >= n_workers:
-                store.put_json("control/start", {"t": now})  # every first worker is built: go
-                started = True
-            if not chaos_armed and store.list("paths"):
-                chaos_armed = True
-                next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
-            # chaos: SIGKILL a random live worker (no clean-up runs in it: the point)
-            if now >= next_kill and kills < chaos.max_kills:
-                alive = [s for s in slots if s.proc is not None and s.proc.is_alive() and not s.finished]
-                # prefer a worker in the middle of a phase (holding a path lease): killing
-                # one that is starting up or idle tests little
-                holders = {Lease.holder(store, f"path_{p}") for p in range(P)}
-                busy = [s for s in alive if any(h and h.startswith(f"L{s.index}.{s.incarnation}-") for h in holders)]
-                if alive:
-                    victim = rng.choice(busy or alive)
-                    os.kill(victim.proc.pid, signal.SIGKILL)
-                    kills += 1
-                    sup_event({"e": "kill", "slot": victim.index, "incarnation": victim.incarnation,
-                               "pid": victim.proc.pid})
-                next_kill = now + chaos.kill_every_s * rng.uniform(0.5, 1.5)
-            for s in slots:
-                if s.finished or s.proc is None or s.proc.is_alive():
-                    continue
-                code = s.proc.exitcode
-                s.proc.join()
-                if code == 0:
-                    s.finished = True
-                    continue
-                sup_event({"e": "died", "slot": s.index, "incarnation": s.incarnation, "exitcode": code})
-                if not dcfg.restart_dead or restarts >= dcfg.max_restarts:
-                    s.proc = None  # slot abandoned; the others take its paths after the lease expires
-                    continue
-                restarts += 1
-                start_worker(s)
-            for i, proc in enumerate(syncs):
-                if not proc.is_alive() and proc.exitcode != 0:
-                    sup_event({"e": "sync_died", "index": i, "exitcode": proc.exitcode})
-                    if restarts >= dcfg.max_restarts:
-                        raise DecoupledError(f"synchroniser {i} died with exit code {proc.exitcode}")
-                    restarts += 1
-                    syncs[i] = start_sync(i)
-            workers_done = all(s.finished or s.proc is None for s in slots)
-            if workers_done and not any(s.finished for s in slots):
-                raise DecoupledError("every decoupled worker slot was abandoned after repeated failures")
-            if workers_done and all(not p.is_alive() and p.exitcode == 0 for p in syncs):
-                break
-            time.sleep(0.05)
-    finally:
-        for proc in [s.proc for s in slots if s.proc is not None] + syncs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
+    sup.start()
+    stopped = sup.watch(deadline=t0 + dcfg.timeout_s)
     train_s = time.time() - t0
-    _account_leftovers(store, plan["module_ids"])
-    metrics = compute_metrics(store, plan["module_ids"], n_workers)
-    metrics.update({"kills": kills, "restarts": restarts, "supervisor_s": train_s})
-    (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    metrics = _account(run, store, plan, n_workers, {"kills": sup.kills, "restarts": sup.restarts,
+                                                     "supervisor_s": train_s})
     _append_round_metrics(cfg, run, store)
     done_rounds = min(_rounds_done(store, p, H) for p in range(P))
     # stopped: the store keeps every finished phase (a resume continues from it); the
@@ -272,9 +138,8 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     say(f"decoupled: done in {train_s:.1f}s, goodput {metrics['goodput']:.2f}, "
          f"versions {metrics['module_versions']}, dropped {metrics['dropped'] or 'none'}, "
          f"ledger {'ok' if metrics['ledger_ok'] else 'VIOLATED'}")
-    lev = worker_events(store)
     per_worker: dict[str, float] = {}
-    for e in lev:
+    for e in worker_events(store):
         if e["e"] == "end":
             per_worker[e["worker"]] = per_worker.get(e["worker"], 0.0) + float(e["seconds"])
     compute_s = max(per_worker.values(), default=0.0)
@@ -291,6 +156,16 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
         checkpoint=str(ckpt) if ckpt is not None else None,
         decoupled={k: v for k, v in metrics.items() if k != "ledger"},
     )
+
+
+def _account(run: RunDir, store: Store, plan: dict, n_workers: int, supervised: dict[str, Any]) -> dict[str, Any]:
+    """Account: every update left in an inbox, then the run's metrics
+    (``decoupled_metrics.json``) with what the supervision saw."""
+    _account_leftovers(store, plan["module_ids"])
+    metrics = compute_metrics(store, plan["module_ids"], n_workers)
+    metrics.update(supervised)
+    (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    return metrics
 
 
 def _rounds_done(store: Store, p: int, inner_steps: int) -> int:
@@ -321,7 +196,7 @@ def _account_leftovers(store: Store, module_ids: list[str]) -> None:
 
 
 def _append_round_metrics(cfg: Config, run: RunDir, store: Store) -> None:
-    """One round record per phase index (:func:`dipaco.sync.records.round_record`) and the
+    """One round record per phase index (:func:`dipaco.rounds.round_line.round_record`) and the
     workers' step records (docs/metrics.md), persisted by sync mode's writer (metrics.jsonl,
     steps.jsonl, TensorBoard, W&B), in step order: W&B drops a step below the last one."""
     by_phase: dict[int, dict[str, dict]] = {}
@@ -371,8 +246,7 @@ def write_checkpoint(cfg: Config, run: Any, store: Store, plan: dict, round_idx:
         core = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         write_module_files(part, grid, m, {**core, **residuals[m]})
         versions[m] = int(state["version"])
-    final = ckpts.commit(R, {"round": R, "num_paths": plan["num_paths"], "module_ids": plan["module_ids"],
-                             "levels": plan["levels"], "mode": "decoupled", "versions": versions,
-                             "worker_groups": plan["num_paths"], "group_size": 1})
+    final = ckpts.commit(R, checkpoint_state(R, grid, mode="decoupled", worker_groups=plan["num_paths"],
+                                             group_size=1, versions=versions))
     ckpts.prune()
     return final

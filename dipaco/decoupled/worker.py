@@ -35,6 +35,7 @@ import os
 import random
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -51,7 +52,7 @@ from dipaco.decoupled.service import inbox, module_key, path_steps_done, progres
 from dipaco.decoupled.store import Store, encode_state
 from dipaco.rounds.dense import load_dense_state
 from dipaco.rounds.health import interval_records
-from dipaco.rounds.learner import PathLearner, make_inner_optimizer
+from dipaco.rounds.learner import InnerStats, PathLearner, make_inner_optimizer
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
@@ -76,6 +77,26 @@ def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
     path's error-feedback ``residual``, or None) exactly as a sync worker group of one
     path encodes it: ``(payload, new residual)``."""
     return encode_with_feedback(contribution(delta, tokens), codec, residual, feedback=residual is not None)
+
+
+@dataclass
+class _Phase:
+    """One phase of a leased path, as its steps hand it on (:meth:`DecoupledWorker.run_phase`)."""
+
+    path: int
+    learner: PathLearner
+    index: int = 0  # phases of the path done before this one
+    steps_done: int = 0  # inner steps of the path done before this one
+    last_ids: dict[str, str] = field(default_factory=dict)  # the path's previous update per module
+    residuals: dict[str, torch.Tensor] = field(default_factory=dict)  # error feedback, per module
+    steps: int = 0  # this phase's inner steps
+    delay_at: int = -1  # chaos: the inner step after which the phase stalls (-1: none)
+    delay: float = 0.0
+    stalled: float = 0.0  # seconds stalled by chaos (not the worker's speed)
+    pulled: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)  # version, weights
+    seconds: float = 0.0
+    ids: dict[str, str] = field(default_factory=dict)  # the update pushed per module
+    nbytes: int = 0
 
 
 class DecoupledWorker(WorkerScheduling):
@@ -172,59 +193,80 @@ class DecoupledWorker(WorkerScheduling):
             lease.renew()
 
     def run_phase(self, lease: Lease) -> bool:
-        """Train one phase of the leased path; True if its update was pushed."""
+        """Train one phase of the leased path: open → pull → train → push → commit, on the
+        same per-module core as the synchronous round; True if its update was pushed."""
+        ph = self._open(lease)
+        if ph is None:
+            return False
+        self._pull_phase(ph, lease)
+        stats = self._train(ph, lease)
+        if stats is None:
+            return False
+        self._push(ph, stats)
+        self._commit(ph, stats)
+        lease.release()
+        self.last_path = ph.path
+        self._publish_speed(ph.seconds - ph.stalled, stats.steps)
+        return True
+
+    def _open(self, lease: Lease) -> Optional[_Phase]:
+        """The leased path's state (inner optimiser, data position, residuals) and its phase
+        length; None (lease released) when the path has trained its budget."""
         p = int(lease.name.split("_")[1])
         H = self.cfg.diloco.inner_steps
         budget = self.cfg.trainer.rounds * H
         pl = self._path_learner(p)
         got = self.store.get_state(path_state_key(p))
-        phase, steps_done, last_ids = 0, 0, {}
-        residuals: dict[str, torch.Tensor] = {}
+        ph = _Phase(p, pl)
         if got is not None:
             state, meta = got
-            phase = int(meta["phases_done"])
-            steps_done = path_steps_done(meta, H)
-            last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
-            residuals = dict(state.pop(RESIDUALS, {}))
+            ph.index = int(meta["phases_done"])
+            ph.steps_done = path_steps_done(meta, H)
+            ph.last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
+            ph.residuals = dict(state.pop(RESIDUALS, {}))
             pl.load_state_dict(state)
         else:  # first phase of p anywhere: fresh inner optimiser, data from batch 0
             pl.optimizer = make_inner_optimizer(pl.model, self.cfg.trainer)
             pl.step = 0
             pl.stream.load_state_dict({"step": 0})
-        if steps_done >= budget:
+        if ph.steps_done >= budget:
             lease.release()
-            return False
-        n = self.phase_steps(budget - steps_done)
+            return None
+        ph.steps = self.phase_steps(budget - ph.steps_done)
         # fault injection: this phase stalls for U(0, s) after a random inner step
-        delay_at, delay = -1, 0.0
         if self.chaos.delay_prob > 0 and self.rng.random() < self.chaos.delay_prob:
-            delay_at, delay = self.rng.randrange(1, n + 1), self.rng.uniform(0, self.chaos.delay_s)
+            ph.delay_at, ph.delay = self.rng.randrange(1, ph.steps + 1), self.rng.uniform(0, self.chaos.delay_s)
         lease.renew()  # set-up above may have taken a while
+        return ph
+
+    def _pull_phase(self, ph: _Phase, lease: Lease) -> None:
+        """Pull: the latest version of each of the path's modules into the live ones."""
         max_wait = self.dcfg.pull_wait_s
         if self.dcfg.pull_wait_fraction is not None and self.sps is not None:
-            max_wait = min(max_wait, self.dcfg.pull_wait_fraction * self.sps * n)
-        pulled = self._pull(p, last_ids if max_wait > 0 else {}, lease, max_wait)
-        base = {}
-        for m, (version, flat) in pulled.items():
+            max_wait = min(max_wait, self.dcfg.pull_wait_fraction * self.sps * ph.steps)
+        ph.pulled = self._pull(ph.path, ph.last_ids if max_wait > 0 else {}, lease, max_wait)
+        for m, (version, flat) in ph.pulled.items():
             load_flat(list(self.grid.module(m).parameters()), flat)
-            base[m] = flat
-        self.event({"e": "begin", "path": p, "phase": phase, "steps": n,
-                    "versions": {m: v for m, (v, _) in pulled.items()}})
+        self.event({"e": "begin", "path": ph.path, "phase": ph.index, "steps": ph.steps,
+                    "versions": {m: v for m, (v, _) in ph.pulled.items()}})
+
+    def _train(self, ph: _Phase, lease: Lease) -> Optional[InnerStats]:
+        """Train: the phase's inner steps, heartbeating; None if the lease was lost."""
+        p, phase, pl = ph.path, ph.index, ph.learner
         t0 = time.time()
         last_beat = [t0]
         last_end = [t0]
         done_steps = [0]
-        stop_at = [n]
-        stalled = [0.0]  # chaos delays: not the worker's speed
+        stop_at = [ph.steps]
 
         def on_step() -> None:
             done_steps[0] += 1
             if self.slow_factor > 1.0:  # benchmark: an artificially slow worker (slow_factor× per step)
                 time.sleep((self.slow_factor - 1.0) * (time.time() - last_end[0]))
-            if done_steps[0] == delay_at:
-                self.event({"e": "chaos_delay", "path": p, "phase": phase, "s": delay})
-                self._sleep_alive(lease, delay)
-                stalled[0] += delay
+            if done_steps[0] == ph.delay_at:
+                self.event({"e": "chaos_delay", "path": p, "phase": phase, "s": ph.delay})
+                self._sleep_alive(lease, ph.delay)
+                ph.stalled += ph.delay  # chaos delays: not the worker's speed
             last_end[0] = time.time()
             # one line per step: a killed phase's wasted steps are known exactly
             self.event({"e": "progress", "path": p, "phase": phase, "steps": done_steps[0]})
@@ -235,53 +277,59 @@ class DecoupledWorker(WorkerScheduling):
                     # Speed is measured during the phase too, so a slow worker finds out
                     # in its FIRST phase (not after it) and ends it early: otherwise the
                     # path it holds falls a whole slow phase behind at the start.
-                    self._publish_speed(time.time() - t0 - stalled[0], done_steps[0])
-                    stop_at[0] = max(done_steps[0], min(stop_at[0], self.phase_steps(n)))
+                    self._publish_speed(time.time() - t0 - ph.stalled, done_steps[0])
+                    stop_at[0] = max(done_steps[0], min(stop_at[0], self.phase_steps(ph.steps)))
 
         pl.take_intervals()  # an abandoned phase's intervals are not this phase's
         try:
-            stats = pl.train_steps(n, on_step=on_step, should_stop=lambda: done_steps[0] >= stop_at[0])
+            stats = pl.train_steps(ph.steps, on_step=on_step, should_stop=lambda: done_steps[0] >= stop_at[0])
             lease.check()  # narrow (not close) the window for a zombie push
         except LeaseLost as e:
             self.event({"e": "abort", "path": p, "phase": phase, "steps": done_steps[0], "why": str(e)})
-            return False
-        seconds = time.time() - t0
-        ids, nbytes = {}, 0
+            return None
+        ph.seconds = time.time() - t0
+        return stats
+
+    def _push(self, ph: _Phase, stats: InnerStats) -> None:
+        """Push: each module's α·Δ against the version it pulled, encoded with the path's
+        error-feedback residual, into the module's inbox (written once, never replaced)."""
+        p, phase = ph.path, ph.index
         for m in self.grid.module_ids_of_path(p):
-            delta = pseudo_gradient(base[m], flatten_params(list(self.grid.module(m).parameters())))
+            base = ph.pulled[m][1]
+            delta = pseudo_gradient(base, flatten_params(list(self.grid.module(m).parameters())))
             codec = self.codecs[m]
-            res = residuals.get(m, torch.zeros_like(delta)) if self.feedback[m] else None
+            res = ph.residuals.get(m, torch.zeros_like(delta)) if self.feedback[m] else None
             payload, res = encode_contribution(delta, self.alpha(p, stats.tokens), codec, res)
             if res is not None:
-                residuals[m] = res
+                ph.residuals[m] = res
             uid = f"{m}.p{p}.ph{phase}.{self.id}"
             meta = {"update_id": uid, "module_id": m, "path_id": p, "phase": phase,
-                    "base_version": pulled[m][0], "tokens": self.alpha(p, stats.tokens),
+                    "base_version": ph.pulled[m][0], "tokens": self.alpha(p, stats.tokens),
                     "trained_tokens": stats.tokens, "codec": codec.name,
                     "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,
                     "worker": self.id, "inner_steps": stats.steps, "created_at": time.time()}
             # put_new: an id is written once; a file name is never reused for other content
             self.store.put_new(f"{inbox(m)}/{uid}.st", encode_state({"payload": list(payload)}, meta))
-            ids[m] = uid
-            nbytes += codec.payload_nbytes(payload)
-        # The path state goes AFTER the pushes: "phases_done = k+1" implies the updates of
-        # phase k exist (the synchronisers' end-of-run drain relies on this order).
-        steps_done += stats.steps + stats.skipped  # skipped (non-finite) steps consumed data too
+            ph.ids[m] = uid
+            ph.nbytes += codec.payload_nbytes(payload)
+
+    def _commit(self, ph: _Phase, stats: InnerStats) -> None:
+        """Commit: the path's state and progress, AFTER the pushes: "phases_done = k+1"
+        implies the updates of phase k exist (the synchronisers' end-of-run drain relies
+        on this order)."""
+        p, phase, pl = ph.path, ph.index, ph.learner
+        ph.steps_done += stats.steps + stats.skipped  # skipped (non-finite) steps consumed data too
         # the residuals travel with the path (in the same atomic put as its inner state)
-        self.store.put_state(path_state_key(p), {**pl.state_dict(), RESIDUALS: residuals},
-                             meta={"phases_done": phase + 1, "steps_done": steps_done, "last_ids": ids,
-                                   "base_versions": {m: v for m, (v, _) in pulled.items()}, "worker": self.id})
-        self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": steps_done,
+        self.store.put_state(path_state_key(p), {**pl.state_dict(), RESIDUALS: ph.residuals},
+                             meta={"phases_done": phase + 1, "steps_done": ph.steps_done, "last_ids": ph.ids,
+                                   "base_versions": {m: v for m, (v, _) in ph.pulled.items()}, "worker": self.id})
+        self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": ph.steps_done,
                                               "worker": self.id})
-        self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": seconds,
-                    "tokens": stats.tokens, "loss": stats.loss, "ids": ids, "bytes": nbytes,
+        self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": ph.seconds,
+                    "tokens": stats.tokens, "loss": stats.loss, "ids": ph.ids, "bytes": ph.nbytes,
                     # per-step health metrics (logging.every_steps), persisted by the job at the end
                     "step_records": interval_records(self.cfg, self.grid, pl.device, phase + 1, p,
                                                      pl.take_intervals())})
-        lease.release()
-        self.last_path = p
-        self._publish_speed(seconds - stalled[0], stats.steps)
-        return True
 
     def _sleep_alive(self, lease: Lease, seconds: float) -> None:
         end = time.time() + seconds

@@ -14,6 +14,7 @@ from dipaco.plan.comm_plan import CommPlan, module_bytes_per_rank, plan_round
 from dipaco.config import Config, codec_kwargs
 from dipaco.runtime.placement import placement_of
 from dipaco.plan.codecs import make_codec
+from dipaco.plan.schedule import RoundSchedule
 from dipaco.plan.stagger import Points, format_stagger, streaming_points
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
@@ -77,6 +78,16 @@ def build_streaming_points(cfg: Config, grid: ModuleGrid) -> Points:
     sizes = {m: codec.nbytes_for(grid.param_count(m)) for m in grid.module_ids}
     return streaming_points(grid.module_ids, d.inner_steps, d.streaming_delay, fragments=d.streaming_fragments,
                             spread=d.streaming_spread, sizes=sizes)
+
+
+def build_schedule(cfg: Config, grid: ModuleGrid) -> RoundSchedule:
+    """The run's round schedule, the one place it is built: synchronous (every module
+    launches and lands after step H), or with ``diloco.streaming`` the staggered points of
+    :func:`build_streaming_points` (the run's last round synchronous:
+    :meth:`RoundSchedule.of_round`)."""
+    if not cfg.diloco.streaming:
+        return RoundSchedule.synchronous(grid.module_ids, cfg.diloco.inner_steps)
+    return RoundSchedule.staggered(build_streaming_points(cfg, grid), cfg.diloco.inner_steps)
 
 
 def format_streaming_plan(cfg: Config, world_size: int) -> str:

@@ -6,8 +6,8 @@ its device, the grid, the topology, the modules of its paths (FSDP2-sharded over
 worker group with ``launcher.group_parallel=fsdp``), the per-module sync driver
 (:class:`dipaco.sync.diloco.DiLoCoSync`), one path learner per path it trains (its own
 AdamW state and data stream, docs/design.md contract 3), the α rule and the checkpoint
-manager; with ``diloco.streaming`` the staggered driver over the sync
-(:class:`dipaco.sync.streaming.StreamingSync`).
+manager; and the round driver over the sync by the run's schedule
+(:class:`dipaco.sync.round_driver.RoundDriver`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dipaco.plan.build import build_grid, build_streaming_points, build_topology
+from dipaco.plan.build import build_grid, build_schedule, build_topology
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.data import Tokenizer, TokenStream
@@ -29,12 +29,12 @@ from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import total_inner_steps, warmup_steps
 from dipaco.sync.alpha import PathAlpha
-from dipaco.sync.checkpointing import load_checkpoint
+from dipaco.rounds.checkpointing import load_checkpoint
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import apply_fsdp, worker_mesh
 from dipaco.sync.groups import ProcessGroups
-from dipaco.sync.streaming import StreamingSync
+from dipaco.sync.round_driver import RoundDriver
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid, PathModel, init_grid_from_dense
 
@@ -60,7 +60,7 @@ class RankState:
     alpha: PathAlpha
     warmup_steps: int  # dense warm-up steps before the paths fork (the schedule continues them)
     ckpts: CheckpointManager
-    stream: Optional[StreamingSync] = None  # diloco.streaming: the staggered driver over ``sync``
+    driver: RoundDriver  # the rounds of ``sync`` by the run's schedule (synchronous or staggered)
 
     @property
     def distributed(self) -> bool:
@@ -107,9 +107,7 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
     if fsdp:
         apply_fsdp(modules, worker_mesh(worker_pg, device))
     sync = DiLoCoSync.from_config(cfg.diloco, topo, modules, rank=rank, process_groups=pgroups, sharded=fsdp)
-    streaming = None
-    if cfg.diloco.streaming:
-        streaming = StreamingSync.from_config(sync, cfg.diloco, cfg.trainer.rounds, build_streaming_points(cfg, grid))
+    driver = RoundDriver.from_config(sync, cfg.diloco, cfg.trainer.rounds, build_schedule(cfg, grid))
 
     G = topo.group_size if distributed else 1
     eos = Tokenizer.load(run.tokenizer).eos_id
@@ -129,7 +127,7 @@ def build_rank(cfg: Config, run: RunDir, rank: Optional[int], world_size: int) -
                      local_rank=local_rank, paths=my_paths, modules=my_modules, sync=sync, learners=learners,
                      alpha=PathAlpha.from_config(cfg.diloco.alpha, run.shards), warmup_steps=n_warm,
                      ckpts=CheckpointManager(run.checkpoints, keep_last=cfg.trainer.keep_last,
-                                             stamp=checkpoint_stamp(run)), stream=streaming)
+                                             stamp=checkpoint_stamp(run)), driver=driver)
 
 
 def resume(rs: RankState) -> int:
@@ -142,7 +140,8 @@ def resume(rs: RankState) -> int:
     if rs.cfg.resume:
         latest = rs.ckpts.latest_valid(log=lambda m: say(m, rs.rank))
         if latest is not None:
-            start_round = load_checkpoint(latest, rs.grid, rs.sync, rs.learners, rs.modules, rs.topo, rs.rank)
+            start_round = load_checkpoint(latest, rs.grid, rs.sync, rs.learners, rs.modules, rs.topo, rs.rank,
+                                          driver=rs.driver)
             say(f"resumed from {latest.name} (round {start_round})", rs.rank)
     if start_round == 0:
         # docs/design.md contract 4: all copies of a module start from the same weights.

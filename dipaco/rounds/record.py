@@ -5,7 +5,7 @@ progress bar, per-path early stopping, the per-step health records of every path
 (``logging.every_steps``) and one round record per round with the sample's validation
 loss (``logging.val_documents``; rank 0 writes all ranks' records merged through the
 job's writer, :mod:`dipaco.runtime.tracking`; docs/metrics.md), a checkpoint at round
-boundaries (:mod:`dipaco.sync.checkpointing`) and, at the end, the
+boundaries (:mod:`dipaco.rounds.checkpointing`) and, at the end, the
 :class:`~dipaco.run.results.RoundsResult` of every rank's totals.
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from dipaco.runtime.progress import progress_bar, say
 from dipaco.run.results import RoundsResult
 from dipaco.rounds.rank import RankState
 from dipaco.run.run_dir import RunDir
-from dipaco.sync.checkpointing import save_checkpoint
+from dipaco.rounds.checkpointing import save_checkpoint
 from dipaco.sync.module_sync import RoundStats
-from dipaco.sync.records import round_record
+from dipaco.rounds.round_line import round_record
 from dipaco.runtime.tracking import MetricsWriter
 
 __all__ = ["RoundOutcome", "RoundRecorder"]
@@ -126,7 +126,7 @@ class RoundRecorder:
         record = {"paths": out.paths, "modules": modules, "bytes_sent": sent,
                   "tokens": sum(v["tokens"] for v in out.paths.values()),
                   "compute_s": out.compute_s, "wait_s": out.wait_s, "sync_s": out.sync_s,
-                  # streaming (dipaco/sync/streaming.py): bytes per rank one path had in
+                  # streaming (dipaco/sync/round_driver.py): bytes per rank one path had in
                   # flight at once, and the time the inner steps stood waiting for exchanges
                   "inflight_peak_bytes": out.sync.inflight_peak_bytes, "blocked_s": out.sync.blocked_s,
                   # the turns' logging intervals: read from the device with the turn's totals
@@ -148,7 +148,7 @@ class RoundRecorder:
         """A checkpoint after ``round_idx`` rounds (a collective in the torch backend)."""
         rs = self.rs
         self.last_checkpoint = save_checkpoint(rs.ckpts, round_idx, rs.grid, rs.sync, rs.learners, rs.topo,
-                                               rs.rank, rs.distributed, rs.modules)
+                                               rs.rank, rs.distributed, rs.modules, rs.driver)
 
     def result(self) -> RoundsResult:
         """Close the writer and bar; every rank's totals (a collective in the torch backend)."""

@@ -31,7 +31,7 @@ own worker group's payloads and counts the bytes THIS rank sends. Byte formulas 
 
 An exchange is *started* (:meth:`Communicator.start`, from
 :meth:`dipaco.sync.module_sync.ModuleSync.launch`) and *waited for*
-(:meth:`Pending.wait`, from ``ModuleSync.finish``). :class:`LocalComm` completes it at
+(:meth:`Pending.wait`, from ``ModuleSync.land``). :class:`LocalComm` completes it at
 once; ``TorchComm`` does too, or, with ``overlap``, runs it on its communication thread
 while the caller goes on (:mod:`dipaco.sync.torch_comm`).
 """

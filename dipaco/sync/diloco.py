@@ -1,7 +1,8 @@
-"""The round's sync points: :class:`RoundSchedule` says when each module syncs, and
-:class:`DiLoCoSync` drives the per-module syncs of the modules a process holds by it.
+"""The per-module syncs of the modules a process holds, and the round's one event loop
+(:meth:`DiLoCoSync.sync_point`).
 
-How the rounds loop (:mod:`dipaco.rounds.loop`) drives a round (the same code in both backends)::
+A synchronous round driven by hand (tests, benchmarks; the same code in both backends;
+the rounds loop drives it through :class:`dipaco.sync.round_driver.RoundDriver`)::
 
     sync = DiLoCoSync.from_config(cfg.diloco, topology, modules, rank=None or rank)
     sync.check_identical_start()                 # once, before round 0 (collective in torch)
@@ -10,14 +11,15 @@ How the rounds loop (:mod:`dipaco.rounds.loop`) drives a round (the same code in
             sync.begin_path(p)                   # live modules of p ← θ_global
             ...H inner AdamW steps of path p...
             sync.end_path(p, alpha)              # contribute α·Δ, α = tokens of p this round (sync/alpha.py)
-        stats = sync.finish_round()              # the schedule's sync points: collectives in torch
+        stats = sync.finish_round()              # the sync point of step H: collectives in torch
 
 A sync point of module m is two calls, :meth:`DiLoCoSync.launch` (encode, start the
-exchange) and :meth:`DiLoCoSync.finish` (wait, average, outer step, put the new global
-weights into the live module). In the synchronous schedule (:meth:`RoundSchedule.synchronous`,
-DiLoCo's round) every module launches after the round's H-th inner step and finishes at
-once; the modules of one sync point are launched in the global module order on every
-rank (docs/design.md contract 2).
+exchange) and :meth:`DiLoCoSync.land` (wait, average, outer step, put the new global
+weights into the live module), run by the one event loop :meth:`DiLoCoSync.sync_point`
+at the steps of a :class:`dipaco.plan.schedule.RoundSchedule`. In the synchronous
+schedule (DiLoCo's round) every module launches after the round's H-th inner step and
+lands at once; the modules of one sync point are launched in the global module order on
+every rank (docs/design.md contract 2).
 
 In the ``local`` backend (``rank=None``) this process plays every worker group: it holds
 every module and trains every path in turn. In the ``torch`` backend it is one rank of
@@ -25,12 +27,12 @@ worker group ``g`` and holds ``topology.modules_of_group(g)``.
 
 Cosine similarity between contributions is computed from the pseudo-gradients this
 process saw (local: all; torch: its group's; None under 2): exchanging them costs traffic.
-Staggered sync points inside the turns (streaming) are :mod:`dipaco.sync.streaming`'s.
+The rounds loop drives it through :class:`dipaco.sync.round_driver.RoundDriver`, which
+cuts the turns at the schedule's steps (streaming's staggered ones, or just H).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,73 +48,14 @@ from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync, RoundStats
 from dipaco.sync.outer import outer_options
 from dipaco.sync.sharded import ShardedModuleSync
 from dipaco.sync.torch_comm import TorchComm
+from dipaco.plan.schedule import RoundSchedule
 from dipaco.plan.topology import Topology
 
-__all__ = ["DiLoCoSync", "OUTER_DEVICES", "RoundSchedule", "RoundStats", "SyncEvent", "SyncPoint"]
+__all__ = ["DiLoCoSync", "OUTER_DEVICES", "RoundStats"]
 
 #: diloco.outer_device choices (see DiLoCoSync._state_device)
 OUTER_DEVICES = ("auto", "cpu")
 _DEFAULTS = DiLoCoConfig()  # one source of the defaults: the config schema
-
-
-# ----------------------------------------------------------------- the schedule
-@dataclass(frozen=True)
-class SyncPoint:
-    """When one module syncs within a round of H inner steps."""
-
-    launch: int  # after this inner step of the round (1..H) the module's exchange starts
-    finish: int  # after this inner step its outer step lands (launch ≤ finish ≤ H)
-
-
-@dataclass(frozen=True)
-class SyncEvent:
-    """What happens after one inner step: modules launched, then modules finished."""
-
-    step: int
-    launch: tuple[str, ...]
-    finish: tuple[str, ...]
-
-
-class RoundSchedule:
-    """At which inner step of a round each module launches its exchange and finishes it.
-
-    Args:
-        inner_steps: H, the inner steps of a round.
-        points: the sync point of every module, in the global module order (the order
-            modules are launched in at one step).
-    """
-
-    def __init__(self, inner_steps: int, points: dict[str, SyncPoint]) -> None:
-        self.inner_steps = int(inner_steps)
-        if self.inner_steps < 1:
-            raise ValueError(f"a round has H >= 1 inner steps, got {inner_steps}")
-        for m, pt in points.items():
-            if not 1 <= pt.launch <= pt.finish <= self.inner_steps:
-                raise ValueError(f"module {m!r}: sync point {pt} must have 1 <= launch <= finish <= H = {self.inner_steps}")
-        self.points = dict(points)
-
-    @classmethod
-    def synchronous(cls, module_ids: Sequence[str], inner_steps: int) -> "RoundSchedule":
-        """DiLoCo's round: every module launches after step H and finishes at once."""
-        H = int(inner_steps)
-        return cls(H, {m: SyncPoint(H, H) for m in module_ids})
-
-    @property
-    def is_synchronous(self) -> bool:
-        """Whether every module launches and finishes after the round's last inner step."""
-        H = self.inner_steps
-        return all(pt.launch == pt.finish == H for pt in self.points.values())
-
-    def restrict(self, module_ids: Iterable[str]) -> "RoundSchedule":
-        """The same schedule for the modules of ``module_ids`` only (kept in this order)."""
-        keep = set(module_ids)
-        return RoundSchedule(self.inner_steps, {m: pt for m, pt in self.points.items() if m in keep})
-
-    def events(self) -> list[SyncEvent]:
-        """The sync points of a round in step order; each lists modules in the global order."""
-        steps = sorted({s for pt in self.points.values() for s in (pt.launch, pt.finish)})
-        return [SyncEvent(s, tuple(m for m, pt in self.points.items() if pt.launch == s),
-                          tuple(m for m, pt in self.points.items() if pt.finish == s)) for s in steps]
 
 
 # ----------------------------------------------------------------- the driver
@@ -143,7 +86,6 @@ class DiLoCoSync:
             worker group (:func:`dipaco.sync.fsdp.apply_fsdp`) and each rank synchronises its
             shard (:class:`dipaco.sync.sharded.ShardedModuleSync`); torch backend only.
         outer_device: ``diloco.outer_device`` (default ``auto``, as the schema).
-        schedule: the round's sync points (default: the synchronous schedule).
         overlap: torch backend: run each launched exchange on a communication thread, so
             the outer steps of finished modules overlap the exchanges of later ones
             (:mod:`dipaco.sync.torch_comm`); same numbers. Call :meth:`close` at the end.
@@ -155,7 +97,7 @@ class DiLoCoSync:
                  sharing_rescale: bool = _DEFAULTS.sharing_rescale, process_groups: Any = None,
                  backend: str = "auto", track_cosine: bool = True, lossy_exchange: str = _DEFAULTS.lossy_exchange,
                  sharded: bool = False, outer_device: str = _DEFAULTS.outer_device,
-                 schedule: RoundSchedule | None = None, overlap: bool = False) -> None:
+                 overlap: bool = False) -> None:
         self.topology = topology
         self.sharded = bool(sharded)
         self.rank = rank
@@ -163,12 +105,6 @@ class DiLoCoSync:
         if lossy_exchange not in LOSSY_EXCHANGES:  # before any collective (process groups)
             raise ValueError(f"lossy_exchange={lossy_exchange!r} must be one of {list(LOSSY_EXCHANGES)}")
         self.lossy_exchange = lossy_exchange
-        # without a config (tests, benchmarks) the round's length does not matter: H = 1
-        schedule = schedule or RoundSchedule.synchronous(topology.module_ids, 1)
-        if not schedule.is_synchronous:  # before any collective, too
-            raise ValueError("finish_round() runs synchronous schedules (every module launches and finishes after "
-                             "the round's last inner step); sync points inside a path's turn are driven by "
-                             "dipaco.sync.streaming.StreamingSync")
         self.overlap = bool(overlap) and rank is not None
         if rank is None:
             self.comm: LocalComm | TorchComm = LocalComm(topology, lossy_exchange)
@@ -188,7 +124,8 @@ class DiLoCoSync:
             raise ValueError(f"{where} must hold modules {missing} but they were not passed to DiLoCoSync")
         self.modules = {m: modules[m] for m in held}
         check_disjoint_parameters(self.modules)
-        self.schedule = schedule.restrict(held)
+        # the synchronous round of finish_round(); its length does not matter there: H = 1
+        self.schedule = RoundSchedule.synchronous(held, 1)
         kind = ShardedModuleSync if self.sharded else ModuleSync
         extra = {} if self.sharded else {"state_device": self._state_device(outer_device, modules, held)}
         self.syncs: dict[str, ModuleSync] = {
@@ -199,7 +136,6 @@ class DiLoCoSync:
         self.round = 0
         self._active: int | None = None
         self._ended: set[int] = set()
-        self.streaming: Any = None  # the StreamingSync driving this one (diloco.streaming), if any
 
     def _state_device(self, outer_device: str, modules: dict[str, nn.Module], held: list[str]) -> torch.device:
         """``diloco.outer_device``: ``auto`` keeps the outer state on the modules' device
@@ -216,14 +152,13 @@ class DiLoCoSync:
                     rank: int | None = None, process_groups: Any = None, backend: str = "auto",
                     track_cosine: bool = True, sharded: bool = False) -> "DiLoCoSync":
         """Build it from ``cfg.diloco``: codec and its options, error feedback, the outer
-        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange, the
-        synchronous schedule of H = ``inner_steps``, and with ``streaming`` the exchanges
-        on the communication thread (``overlap``)."""
+        optimiser (:func:`dipaco.sync.outer.outer_options`), √P rescale, lossy exchange, and
+        with ``streaming`` the exchanges on the communication thread (``overlap``)."""
         return cls(topology, modules, rank=rank, codec=d.codec, codec_kw=codec_kwargs(d),
                    error_feedback=d.error_feedback, outer=outer_options(d), sharing_rescale=d.sharing_rescale,
                    process_groups=process_groups, backend=backend, track_cosine=track_cosine,
                    lossy_exchange=d.lossy_exchange, sharded=sharded, outer_device=d.outer_device,
-                   schedule=RoundSchedule.synchronous(topology.module_ids, d.inner_steps), overlap=d.streaming)
+                   overlap=d.streaming)
 
     def close(self) -> None:
         """Stop the communication thread (``overlap``); nothing to do otherwise."""
@@ -296,36 +231,48 @@ class DiLoCoSync:
         for m in self._ordered(modules):
             self.syncs[m].launch()
 
-    def finish(self, modules: Iterable[str], mix: float = 1.0) -> dict[str, ModuleRoundStats]:
+    def land(self, modules: Iterable[str], mix: float = 1.0) -> dict[str, ModuleRoundStats]:
         """Wait for each module's exchange, take its outer step and put the new global
         weights into the live module: replace them (``mix=1``, the synchronous round) or
         mix them in, ``live ← live + mix·(θ_global − live)``."""
         out = {}
         for m in self._ordered(modules):
             s = self.syncs[m]
-            out[m] = s.finish()
+            out[m] = s.land()
             s.mix(mix)
         return out
 
-    def run_event(self, event: SyncEvent) -> dict[str, ModuleRoundStats]:
-        """One sync point of the schedule: its launches, then its finishes.
+    def sync_point(self, step: int, schedule: RoundSchedule,
+                   land: Optional[Callable[[str], ModuleRoundStats]] = None) -> dict[str, ModuleRoundStats]:
+        """The round's one event loop: the sync point after inner step ``step`` of ``schedule``.
 
-        A module launched and finished at the same point is finished right after its own
-        launch (one exchange in flight, as little memory as one module's sums), unless the
-        exchanges overlap: then every launch is queued first and the outer steps run while
-        later modules are still being exchanged.
+        Always in this order, on every rank: the modules launched earlier that land at
+        ``step``; the modules launching at ``step``, in the global module order (encode,
+        start; on the communication thread with ``overlap``); those of them that land at
+        once (launch = land), each right after its own launch (one exchange in flight, as
+        little memory as one module's sums) unless the exchanges overlap: then after every
+        launch, so the outer steps run while later modules are still being exchanged.
+        ``land(m)`` lands one module (default: :meth:`land` replacing the live weights; the
+        round driver's mixes into each path's copy).
         """
-        done: dict[str, ModuleRoundStats] = {}
-        now = set(event.finish)
-        for m in self._ordered(event.launch):
-            self.launch([m])
-            if m in now and not self.overlap:
-                done.update(self.finish([m]))
-        done.update(self.finish(m for m in event.finish if m not in done))
-        return {m: done[m] for m in self._ordered(done)}
+        land = land or (lambda m: self.land([m])[m])
+        pts = schedule.points
+        ordered = [m for m in self.syncs if m in pts]  # the global module order, on every rank
+        done = {m: land(m) for m in ordered if pts[m].land == step and pts[m].launch < step}
+        now = [m for m in ordered if pts[m].launch == step]
+        for m in now:
+            self.syncs[m].launch()
+            if pts[m].land == step and not self.overlap:
+                done[m] = land(m)
+        for m in now:
+            if pts[m].land == step and m not in done:
+                done[m] = land(m)
+        return done
 
     def finish_round(self) -> RoundStats:
-        """Run the round's sync points (:meth:`RoundSchedule.events`) and end the round.
+        """The synchronous round's sync point for the turns of :meth:`begin_path` /
+        :meth:`end_path` (tests, benchmarks; the rounds loop drives
+        :class:`dipaco.sync.round_driver.RoundDriver`), and the round's end.
 
         Torch backend: a collective. Every rank calls it once per round; modules are
         visited in the global module order on every rank (see :mod:`dipaco.sync.torch_comm`).
@@ -333,9 +280,7 @@ class DiLoCoSync:
         if self._active is not None:
             raise ValueError(f"finish_round() while path {self._active} has begun but not ended")
         stats = RoundStats(round=self.round)
-        for event in self.schedule.events():
-            stats.modules.update(self.run_event(event))
-        stats.modules = {m: stats.modules[m] for m in self._ordered(stats.modules)}
+        stats.modules = self.sync_point(self.schedule.inner_steps, self.schedule)
         self.round += 1
         self._ended.clear()
         return stats

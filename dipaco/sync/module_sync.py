@@ -10,7 +10,7 @@ Per round (the driver is :class:`dipaco.sync.diloco.DiLoCoSync`, its schedule sa
 3. :meth:`ModuleSync.launch` encodes each buffer (with its error-feedback residual) and
    starts the exchange over the module group; contributions made after it go to the
    next round's buffers;
-4. :meth:`ModuleSync.finish` waits for the exchange, sets the outer gradient to
+4. :meth:`ModuleSync.land` waits for the exchange, sets the outer gradient to
    ``Σα·Δ / Σα`` and steps the outer optimiser (:meth:`ModuleCore.step`). The new global
    weights are then the caller's to put into the live module: replaced
    (:meth:`restore`, the synchronous round) or mixed (:meth:`ModuleCore.mix_into`).
@@ -69,7 +69,7 @@ class RoundStats:
 
     round: int
     modules: dict[str, ModuleRoundStats] = field(default_factory=dict)
-    # streaming sync (dipaco/sync/streaming.py), bytes per rank: the most one path had in
+    # streaming sync (dipaco/sync/round_driver.py), bytes per rank: the most one path had in
     # flight at once by the schedule as run, and by wall time on this process (exchanges
     # from launch until their collectives completed); 0 in the synchronous round
     inflight_peak_bytes: int = 0
@@ -96,7 +96,7 @@ class RoundStats:
 
 @dataclass
 class _InFlight:
-    """A launched exchange and what its finish needs."""
+    """A launched exchange and what its landing needs."""
 
     pending: Pending
     round: Contributions
@@ -178,7 +178,7 @@ class ModuleSync:
     @property
     def pending(self) -> Optional[Pending]:
         """The launched exchange not yet finished (None: none): its ``wait()`` blocks until
-        the collectives complete, after which :meth:`finish` does not block."""
+        the collectives complete, after which :meth:`land` does not block."""
         return None if self._inflight is None else self._inflight.pending
 
     def _new_round(self) -> Contributions:
@@ -310,7 +310,7 @@ class ModuleSync:
         self._inflight = _InFlight(self.comm.start(job), round_, owner, kept)
 
     @torch.no_grad()
-    def finish(self) -> ModuleRoundStats:
+    def land(self) -> ModuleRoundStats:
         """Wait for the launched exchange, average with weights α and take the outer step.
 
         If nobody contributed (or Σα = 0), θ_global is left unchanged, no outer step (so no
@@ -319,7 +319,7 @@ class ModuleSync:
         """
         inflight, self._inflight = self._inflight, None
         if inflight is None:
-            raise RuntimeError(f"module {self.module_id!r}: finish() without launch()")
+            raise RuntimeError(f"module {self.module_id!r}: land() without launch()")
         total, meta, nbytes = inflight.pending.wait()
         alpha_sum, count, dropped = float(meta[0]), int(round(float(meta[1]))), int(round(float(meta[2])))
         update = self.core.step(total, alpha_sum, count, rescale=self.sharing_rescale)

@@ -1,4 +1,4 @@
-"""Checkpoints of the synchronous rounds: per-module and per-path files of one round.
+"""Checkpoints of the rounds: per-module and per-path files of one round boundary.
 
 Layout of ``checkpoints/round_NNNNNN/`` (both sync modes; decoupled mode writes the same
 files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
@@ -10,10 +10,13 @@ files at its end, :func:`dipaco.decoupled.run.write_checkpoint`):
 * ``paths/path_<p>.safetensors``: each path's inner state (AdamW, step, data position);
 * ``streams/path_<p>.safetensors`` (``diloco.streaming``): each path's own copy of its
   modules and its tokens since each module's last launch
-  (:meth:`dipaco.sync.streaming.StreamingSync.path_state`). No exchange is in flight at a
+  (:meth:`dipaco.sync.round_driver.RoundDriver.path_state`). No exchange is in flight at a
   round boundary (the staggered schedule lands every one in its round), so nothing else
   of the stream needs saving: none is lost or applied twice on resume;
-* ``state.json``: round, grid, and the worker grouping the residuals are keyed by.
+* ``state.json`` (:func:`checkpoint_state`, one layout for both modes): round, mode,
+  grid, and the worker grouping the residuals are keyed by (``residual.<group>``; in
+  decoupled mode every path is a group of its own); decoupled mode adds each module's
+  version. Checkpoints written before ``mode`` existed read as sync mode's.
 
 Files hold whole tensors in every case: with ``launcher.group_parallel=fsdp`` the shards
 of the weights, of θ_global and its outer state and of the AdamW moments are gathered
@@ -32,11 +35,12 @@ import torch.distributed as dist
 from dipaco.run.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
 from dipaco.runtime.progress import say
 from dipaco.sync.diloco import DiLoCoSync
+from dipaco.sync.round_driver import RoundDriver
 from dipaco.sync.fsdp import full_module_state, load_module_state
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
 
-__all__ = ["save_checkpoint", "load_checkpoint", "write_module_files"]
+__all__ = ["checkpoint_state", "save_checkpoint", "load_checkpoint", "write_module_files"]
 
 
 def _barrier(distributed: bool) -> None:
@@ -53,10 +57,23 @@ def write_module_files(part: Path, grid: ModuleGrid, module_id: str, outer: dict
     save_state(part / "outer" / f"{module_id}.safetensors", outer)
 
 
+def checkpoint_state(round_idx: int, grid: ModuleGrid, *, mode: str, worker_groups: int, group_size: int,
+                     versions: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """``state.json`` of a checkpoint, either mode: the round, the grid, and the worker
+    grouping error-feedback residuals are keyed by (resume needs to know which grouping
+    they belong to); ``versions``: decoupled mode's module versions."""
+    out = {"round": int(round_idx), "mode": mode, "num_paths": grid.num_paths, "module_ids": list(grid.module_ids),
+           "levels": list(grid.levels), "worker_groups": int(worker_groups), "group_size": int(group_size)}
+    return out if versions is None else {**out, "versions": dict(versions)}
+
+
 def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, sync: DiLoCoSync,
                     learners: dict[int, Any], topo: Topology, rank: Optional[int],
-                    distributed: bool, my_modules: list[str]) -> Path:
+                    distributed: bool, my_modules: list[str], driver: Optional[RoundDriver] = None) -> Path:
     """Every rank writes only its own files into the partial directory; rank 0 commits.
+
+    ``driver``: the round driver; under a staggered schedule each path's copies are
+    written beside its inner state.
 
     A module is written by the lowest rank that holds it; a path's inner state by local
     rank 0 of the worker group that trains it. Barriers order mkdir → writes → commit.
@@ -83,24 +100,23 @@ def save_checkpoint(ckpts: CheckpointManager, round_idx: int, grid: ModuleGrid, 
         state = learner.state_dict()  # every rank: a collective when sharded
         if not distributed or topo.local_rank(rank) == 0:
             save_state(part / "paths" / f"path_{p}.safetensors", state)
-            if sync.streaming is not None:
-                save_state(part / "streams" / f"path_{p}.safetensors", sync.streaming.path_state(p))
+            if driver is not None and driver.holds_path_state:
+                save_state(part / "streams" / f"path_{p}.safetensors", driver.path_state(p))
     _barrier(distributed)
     final = ckpts.final_dir(round_idx)
     if rank is None or rank == 0:
-        ckpts.commit(round_idx, {"round": round_idx, "num_paths": grid.num_paths,
-                                 "module_ids": list(grid.module_ids), "levels": list(grid.levels),
-                                 # error-feedback residuals are keyed by worker group: resume
-                                 # needs to know which grouping they belong to
-                                 "worker_groups": topo.num_groups, "group_size": topo.group_size})
+        ckpts.commit(round_idx, checkpoint_state(round_idx, grid, mode="sync", worker_groups=topo.num_groups,
+                                                 group_size=topo.group_size))
         ckpts.prune()
     _barrier(distributed)
     return final
 
 
 def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: dict[int, Any],
-                    my_modules: list[str], topo: Topology, rank: Optional[int] = None) -> int:
-    """Load this rank's modules, outer states and paths; return the round to start from.
+                    my_modules: list[str], topo: Topology, rank: Optional[int] = None,
+                    driver: Optional[RoundDriver] = None) -> int:
+    """Load this rank's modules, outer states and paths (under a staggered schedule each
+    path's copies too: ``driver``); return the round to start from.
 
     The worker grouping may differ from the checkpoint's (compute joined or left between
     rounds): module weights, outer optimiser states and per-path states do not depend on
@@ -134,8 +150,8 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
         sync.syncs[mid].load_state_dict(outer)
     for p, learner in learners.items():
         learner.load_state_dict(load_state(path / "paths" / f"path_{p}.safetensors"))
-        if sync.streaming is not None:  # a checkpoint of synchronous rounds has none: θ_global
+        if driver is not None and driver.holds_path_state:  # synchronous rounds wrote none: θ_global
             own = path / "streams" / f"path_{p}.safetensors"
-            sync.streaming.load_path_state(p, load_state(own) if own.exists() else None)
+            driver.load_path_state(p, load_state(own) if own.exists() else None)
     sync.round = int(state["round"])
     return int(state["round"])

@@ -1,44 +1,39 @@
-"""Streaming DiLoCo over the per-module syncs (arXiv 2501.18512): each module launches its
-exchange at its own inner step, the paths keep training while it travels, and τ steps
-later the new global weights are mixed into the live ones.
+"""The round driver: the per-module syncs of a :class:`~dipaco.sync.diloco.DiLoCoSync` run
+by a :class:`~dipaco.plan.schedule.RoundSchedule`, for every round of both sync schedules.
 
-:class:`StreamingSync` drives a :class:`~dipaco.sync.diloco.DiLoCoSync` (its
-``ModuleSync`` per module, its communicator) by the staggered points of
-:mod:`dipaco.plan.stagger`; the rounds loop (:mod:`dipaco.rounds.stream`) cuts every
-path's turn into segments that end at those points::
+The rounds loop (:func:`dipaco.rounds.loop.run_round`) cuts every path's turn into
+segments that end at the schedule's boundaries (one segment of H steps when synchronous)::
 
-    for step in stream.boundaries(r):            # the round's sync steps, then H
+    schedule = driver.begin_round(r)             # round r's schedule (the last synchronous)
+    for step in schedule.boundaries():           # the launch and landing steps, then H
         for p in paths:                          # local: every path; torch: my group's
-            stream.activate(p)                   # p's own copy of its modules goes live
+            driver.activate(p)                   # p's own copy of its modules goes live
             ...inner steps up to `step`...
-            stream.contribute(p, step, tokens)   # α·Δ of p's modules launching at `step`
-        stream.sync_point(step)                  # land, launch, land (below)
-    stats = stream.end_round()                   # park: the live modules hold θ_global
+            driver.contribute(p, step, tokens)   # α·Δ of p's modules launching at `step`
+        driver.sync_point(step)                  # land, launch, land (DiLoCoSync.sync_point)
+    stats = driver.end_round()                   # the live modules hold θ_global
 
-Per-path copies. In synchronous DiLoCo every path starts its turn from θ_global, so the
-paths of one process can share module objects. Under streaming a path keeps what it
-learnt while a module was in flight (the landing *mixes*), so each path has its own copy
-of each of its modules: the one in the live module (*resident*) or a flat fp32 copy
-beside it; :meth:`activate` swaps copies in and out only when another path used the
-module since (never, with one path per worker group). Between rounds every copy is set
-aside and the live modules hold θ_global (:meth:`end_round`), so checkpoints, early
-stopping and the final evaluation read the global weights, as after a synchronous round.
+Per-path copies. A landing that *replaces* (launch = land, τ = 0: DiLoCo's synchronous
+round, streaming's final round) puts θ_global in every path's copy, so a path's copy is
+dead once it has contributed: nothing is kept, and each turn begins from θ_global exactly
+as in DiLoCo (no per-path copy, no extra memory or time). Under streaming with τ > 0 a
+path keeps what it learnt while a module was in flight (the landing *mixes*), so each
+path has its own copy of each of its modules: the one in the live module (*resident*) or
+a flat fp32 copy beside it; :meth:`activate` swaps copies in and out only when another
+path used the module since (never, with one path per worker group). Between rounds every
+copy is set aside and the live modules hold θ_global (:meth:`end_round`), so checkpoints,
+early stopping and the final evaluation read the global weights.
 
-A sync point of step ``s``, always in this order on every rank: the modules launched
-earlier that land at ``s`` (wait, outer step, mix); the modules launching at ``s``, in the
-global module order (encode, start: on the communication thread with ``overlap``); those
-of them whose delay is 0 land at once. Landing mixes the new global weights into every
-copy of the module this process holds, ``copy ← keep·copy + (1 − keep)·θ_global``
-(``keep`` = ``diloco.streaming_mix``, the paper's α), or replaces the copy when the
-exchange overlapped no inner step (τ = 0: nothing was learnt meanwhile; the synchronous
-round, and streaming's final round). α of a contribution is the path's tokens since that
-module's previous launch (``diloco.alpha`` applied to them).
+A landing mixes the new global weights into every copy of the module this process
+holds, ``copy ← keep·copy + (1 − keep)·θ_global`` (``keep`` = ``diloco.streaming_mix``,
+the paper's α), or replaces them. α of a contribution is the path's tokens since that
+module's previous launch (``diloco.alpha`` applied to them): the turn's, when synchronous.
 
-Checkpoints: every exchange lands in the round it was launched in (the last launch is
-at H − τ), so a round boundary never has one in flight: none is lost or applied twice
-on resume. What a round boundary does hold is each path's copies and its tokens since
-each module's last launch: :meth:`path_state` / :meth:`load_path_state`
-(``streams/path_<p>.safetensors``).
+Checkpoints (:mod:`dipaco.rounds.checkpointing`, given this driver): every exchange lands
+in the round it was launched in (the last launch is at H − τ), so a round boundary never
+has one in flight: none is lost or applied twice on resume. What a round boundary holds
+under streaming is each path's copies and its tokens since each module's last launch:
+:meth:`path_state` / :meth:`load_path_state` (``streams/path_<p>.safetensors``).
 """
 from __future__ import annotations
 
@@ -47,12 +42,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dipaco.plan.stagger import Points, inflight_peak, synchronous_points
+from dipaco.plan.schedule import RoundSchedule
+from dipaco.plan.stagger import inflight_peak
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.module_core import flatten_params, load_flat
 from dipaco.sync.module_sync import ModuleRoundStats, RoundStats
 
-__all__ = ["StreamingSync", "wall_peak"]
+__all__ = ["RoundDriver", "wall_peak"]
 
 TOKENS = ".tokens"
 
@@ -68,58 +64,60 @@ def wall_peak(intervals: Sequence[tuple[float, float, int]]) -> int:
     return peak
 
 
-class StreamingSync:
-    """Streaming DiLoCo over ``sync``'s modules (module doc).
+class RoundDriver:
+    """The rounds of ``sync``'s modules by ``schedule`` (module doc).
 
     Args:
         sync: the per-module syncs of this process (``rank=None``: every worker group).
-        points: every module's ``(launch, land)`` steps in a round
-            (:func:`dipaco.plan.stagger.streaming_points`); the same on every rank.
-        rounds: the run's rounds; the last is synchronous (every module at step H), so
-            the final θ_global has every inner step in it.
-        keep: ``diloco.streaming_mix``, the share of the live weights kept on landing.
+        schedule: the run's round schedule (:func:`dipaco.plan.build.build_schedule`);
+            the same on every rank.
+        rounds: the run's rounds; the last is synchronous (:meth:`RoundSchedule.of_round`).
+        keep: ``diloco.streaming_mix``, the share of the live weights a mixing landing keeps.
+        measure: report the bytes in flight and the time blocked on exchanges
+            (``diloco.streaming``'s records; the synchronous run's say 0).
     """
 
-    def __init__(self, sync: DiLoCoSync, points: Points, rounds: int, keep: float = 0.5) -> None:
-        if sync.sharded:
+    def __init__(self, sync: DiLoCoSync, schedule: RoundSchedule, rounds: int, keep: float = 0.5,
+                 measure: bool = False) -> None:
+        missing = [m for m in sync.syncs if m not in schedule.points]
+        if missing:
+            raise ValueError(f"no sync point for modules {missing}")
+        self.schedule = schedule.restrict(sync.syncs)
+        self.streams = not self.schedule.replaces_only  # paths keep copies of their own
+        if sync.sharded and self.streams:
             raise ValueError("streaming sync keeps per-path copies of unsharded modules; "
                              "launcher.group_parallel=fsdp is not supported")
-        missing = [m for m in sync.syncs if m not in points]
-        if missing:
-            raise ValueError(f"no streaming sync point for modules {missing}")
         self.sync, self.rounds, self.keep = sync, int(rounds), float(keep)
-        self.H = max(b for _, b in points.values())
-        self.points = {m: points[m] for m in sync.syncs}
-        self.final = {m: pt for m, pt in synchronous_points(list(sync.syncs), self.H).items()}
+        self.measure = bool(measure)
         topo = sync.topology
         self.paths = sync.paths_to_train()
         self.path_modules = {p: [m for m in sync.syncs if m in topo.path_modules[p]] for p in self.paths}
         self.holders = {m: [p for p in self.paths if m in self.path_modules[p]] for m in sync.syncs}
         self.copies: dict[tuple[int, str], torch.Tensor] = {}  # absent: the path's copy is θ_global
         self.since = {(p, m): 0 for p in self.paths for m in self.path_modules[p]}
-        self.resident: dict[str, Optional[int]] = {m: None for m in sync.syncs}  # None: θ_global is live
-        self._round_points: Points = self.points
+        # the path whose copy the live module holds; None: θ_global, or a copy no path needs
+        self.resident: dict[str, Optional[int]] = {m: None for m in sync.syncs}
+        self.current = self.schedule
         self._landed: dict[str, ModuleRoundStats] = {}
         self._intervals: list[tuple[float, float, int]] = []
         self._bytes: dict[str, int] = {}
         self.blocked_s = 0.0  # time this round waited on exchanges not yet complete
-        sync.streaming = self
 
     @classmethod
-    def from_config(cls, sync: DiLoCoSync, d: Any, rounds: int, points: Points) -> "StreamingSync":
-        """From ``cfg.diloco`` (``d``: its ``streaming_mix``) and the run's staggered points
-        (:func:`dipaco.plan.build.build_streaming_points`: the same on every rank)."""
-        return cls(sync, points, rounds, keep=d.streaming_mix)
+    def from_config(cls, sync: DiLoCoSync, d: Any, rounds: int, schedule: RoundSchedule) -> "RoundDriver":
+        """From ``cfg.diloco`` (``d``: ``streaming_mix``, ``streaming``) and the run's schedule
+        (:func:`dipaco.plan.build.build_schedule`: the same on every rank)."""
+        return cls(sync, schedule, rounds, keep=d.streaming_mix, measure=d.streaming)
 
     # ----------------------------------------------------------------- the round
-    def points_of(self, r: int) -> Points:
-        """Round ``r``'s sync points (0-based): staggered, the last round synchronous."""
-        return self.final if r == self.rounds - 1 else self.points
+    def begin_round(self, r: int) -> RoundSchedule:
+        """Round ``r``'s schedule (0-based): the run's, the last round synchronous."""
+        self.current = self.schedule.of_round(r, self.rounds)
+        return self.current
 
-    def boundaries(self, r: int) -> list[int]:
-        """The steps round ``r``'s turns are cut at: its sync steps and H, ascending."""
-        self._round_points = self.points_of(r)
-        return sorted({s for pt in self._round_points.values() for s in pt} | {self.H})
+    def in_flight(self) -> bool:
+        """Whether an exchange of this process is launched and not landed."""
+        return any(s.in_flight for s in self.sync.syncs.values())
 
     def activate(self, p: int) -> None:
         """Put path ``p``'s copy of each of its modules into the live module."""
@@ -143,7 +141,7 @@ class StreamingSync:
         mods = self.path_modules[p]
         for m in mods:
             self.since[(p, m)] += int(tokens)
-        now = [m for m in mods if self._round_points[m][0] == step]
+        now = self.current.launching(step, mods)
         if not now:
             return {}
         deltas = [self.sync.syncs[m].pseudo_gradient() for m in now]
@@ -154,23 +152,15 @@ class StreamingSync:
             a = alpha(p, self.since[(p, m)])
             self.since[(p, m)] = 0
             out[m] = self.sync.syncs[m].contribute(p, a, group, d, ok)
-            if not out[m]:  # a non-finite copy would poison every later step: start over from θ_global
+            if self.current.points[m].replaces:
+                self.resident[m] = None  # the landing replaces p's copy: nobody needs it now
+            elif not out[m]:  # a non-finite copy would poison every later step: start over from θ_global
                 self.sync.syncs[m].restore()
         return out
 
     def sync_point(self, step: int) -> dict[str, ModuleRoundStats]:
-        """The sync point after ``step``: land, launch (global order), land the τ = 0 ones."""
-        pts = self._round_points
-        ordered = list(self.sync.syncs)  # the global module order, on every rank
-        done = {m: self._land(m) for m in ordered if pts[m][1] == step and pts[m][0] < step}
-        now = [m for m in ordered if pts[m][0] == step]
-        for m in now:
-            self.sync.launch([m])
-            if pts[m][1] == step and not self.sync.overlap:  # one exchange at a time, as run_event
-                done[m] = self._land(m)
-        for m in now:
-            if pts[m][1] == step and m not in done:
-                done[m] = self._land(m)
+        """The sync point after ``step`` (:meth:`DiLoCoSync.sync_point`, landing by :meth:`_land`)."""
+        done = self.sync.sync_point(step, self.current, self._land)
         self._landed.update(done)
         return done
 
@@ -180,20 +170,23 @@ class StreamingSync:
         t0 = time.perf_counter()
         pending.wait()  # the part of the exchange the inner steps did not hide
         self.blocked_s += time.perf_counter() - t0
-        a, b = self._round_points[m]
-        weight = 1.0 if a == b else 1.0 - self.keep
-        if weight != 1.0:  # a path whose copy is still θ_global keeps the one before this step
+        if self.current.points[m].replaces:
+            stats = s.land()
+            s.mix(1.0)  # every path's copy is θ_global now: the live module holds it
+            for p in self.holders[m]:
+                self.copies.pop((p, m), None)
+            self.resident[m] = None
+        else:
+            # a path whose copy is still θ_global keeps the one before this step
             for p in self.holders[m]:
                 if self.resident[m] != p and (p, m) not in self.copies:
                     self.copies[(p, m)] = s.core.weights.to(s.params[0].device, copy=True)
-        stats = s.finish()
-        for p in self.holders[m]:
-            if self.resident[m] == p:
-                s.mix(weight)
-            elif weight == 1.0:
-                self.copies.pop((p, m), None)  # absent: θ_global
-            else:
-                s.core.mix_into([self.copies[(p, m)]], weight)
+            stats = s.land()
+            for p in self.holders[m]:
+                if self.resident[m] == p:
+                    s.mix(1.0 - self.keep)
+                else:
+                    s.core.mix_into([self.copies[(p, m)]], 1.0 - self.keep)
         self._bytes[m] = self._per_rank(m, stats.bytes_sent)
         self._intervals.append((pending.started_at, pending.done_at or pending.started_at, self._bytes[m]))
         return stats
@@ -215,18 +208,25 @@ class StreamingSync:
                 self.copies[(p, m)] = flatten_params(params, params[0].device)
                 self.sync.syncs[m].restore()
                 self.resident[m] = None
-        pts = self._round_points
-        peak = max((inflight_peak(pts, self.path_modules[p], self._bytes) for p in self.paths
-                    if all(m in self._bytes for m in self.path_modules[p])), default=0)
         stats = RoundStats(round=self.sync.round, modules={m: self._landed[m] for m in self.sync.syncs
-                                                           if m in self._landed},
-                           inflight_peak_bytes=peak, inflight_peak_wall_bytes=wall_peak(self._intervals),
-                           blocked_s=self.blocked_s)
+                                                           if m in self._landed})
+        if self.measure:
+            pts = self.current.as_points()
+            stats.inflight_peak_bytes = max((inflight_peak(pts, self.path_modules[p], self._bytes) for p in self.paths
+                                             if all(m in self._bytes for m in self.path_modules[p])), default=0)
+            stats.inflight_peak_wall_bytes = wall_peak(self._intervals)
+            stats.blocked_s = self.blocked_s
         self._landed, self._intervals, self._bytes, self.blocked_s = {}, [], {}, 0.0
         self.sync.round += 1
         return stats
 
     # ----------------------------------------------------------------- state
+    @property
+    def holds_path_state(self) -> bool:
+        """Whether a round boundary can hold more than θ_global: each path's copies and its
+        tokens since a launch before H (any schedule but the synchronous one)."""
+        return not self.schedule.is_synchronous
+
     def path_state(self, p: int) -> dict[str, torch.Tensor]:
         """Path ``p``'s copies and tokens since each module's last launch (a round boundary)."""
         out: dict[str, torch.Tensor] = {}
