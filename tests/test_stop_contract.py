@@ -7,7 +7,8 @@ write of a periodic checkpoint, the round just before a re-shard). The signal is
 (``os.kill`` of this process, caught by :class:`dipaco.runtime.launch.StopSignals`); the
 phase is reached by wrapping the function that runs it. The ranks of ``spawn`` and
 elastic launches take the same decision in the same loop (:func:`dipaco.rounds.loop.run_rank`,
-one all-reduce per round), covered by tests/test_preempt.py and tests/test_elastic.py.
+one all-reduce per round); their rows send SIGTERM to the launching process once rank 0 has
+recorded a round (SIGUSR2 under SLURM: tests/test_preempt.py; a lost group: tests/test_elastic.py).
 """
 from __future__ import annotations
 
