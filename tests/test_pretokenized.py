@@ -11,6 +11,7 @@ import pytest
 
 from dipaco.config import DataConfig
 from dipaco.data import DataError, Tokenizer, load_token_corpus
+from dipaco.data.pretokenized import write_token_header
 
 TEXTS = [f"def function_{i}(x):\n    return x * {i} + {i % 7}\n" * 3 for i in range(120)]
 
@@ -24,19 +25,22 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.train(TEXTS, 300)
 
 
-def write_shard(directory: Path, docs: list, dtype: str = "<u2") -> Path:
-    """A token directory as docs/data.md describes it."""
+def write_shard(directory: Path, docs: list, dtype: str = "<u2", tokenizer: Tokenizer | None = None) -> Path:
+    """A token directory as docs/data.md describes it (its header names ``tokenizer``)."""
     directory.mkdir(parents=True, exist_ok=True)
     lengths = [len(d) for d in docs]
     np.concatenate([np.asarray(d, dtype) for d in docs]).tofile(directory / "tokens.bin")
     np.save(directory / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    (directory / "tokens.json").write_text(json.dumps({"dtype": np.dtype(dtype).name}))
+    if tokenizer is not None:
+        write_token_header(directory, dtype, tokenizer)
+    else:
+        (directory / "tokens.json").write_text(json.dumps({"dtype": np.dtype(dtype).name}))
     return directory
 
 
 def test_a_token_directory_is_read_in_place_and_copied_per_split(tmp_path, tokenizer) -> None:
     docs = [tokenizer.encode(t) for t in TEXTS]
-    write_shard(tmp_path / "tok", docs, "<u2")
+    write_shard(tmp_path / "tok", docs, "<u2", tokenizer)
     tokenizer.save(str(tmp_path / "tok"))
     c = load_token_corpus(_cfg(path=str(tmp_path / "tok")), progress=False)
     assert c.num_documents == 120 and c.skipped == {} and c.own_splits == ()
@@ -101,7 +105,7 @@ def test_a_pre_tokenized_corpus_trains_and_infers(tmp_path: Path, capsys) -> Non
     with load_corpus(text_cfg, progress=False) as corpus:
         texts = corpus.dataset["text"]
     tok = Tokenizer.train(texts, 512)
-    write_shard(tmp_path / "tokens", [tok.encode(t) for t in texts])
+    write_shard(tmp_path / "tokens", [tok.encode(t) for t in texts], tokenizer=tok)
     tok.save(str(tmp_path / "tokens"))
     run_dir = tmp_path / "run"
     cfg = compose_config(["experiment=smoke", "data=tokens", f"data.path={tmp_path / 'tokens'}",

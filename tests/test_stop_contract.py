@@ -7,7 +7,8 @@ write of a periodic checkpoint, the round just before a re-shard). The signal is
 (``os.kill`` of this process, caught by :class:`dipaco.runtime.launch.StopSignals`); the
 phase is reached by wrapping the function that runs it. The ranks of ``spawn`` and
 elastic launches take the same decision in the same loop (:func:`dipaco.rounds.loop.run_rank`,
-one all-reduce per round), covered by tests/test_preempt.py and tests/test_elastic.py.
+one all-reduce per round); their rows send SIGTERM to the launching process once rank 0 has
+recorded a round (SIGUSR2 under SLURM: tests/test_preempt.py; a lost group: tests/test_elastic.py).
 """
 from __future__ import annotations
 
@@ -90,3 +91,34 @@ def test_a_stop_checkpoints_the_last_complete_round_and_exits_within_one(
     where = f"round_{max(done):06d}" if done else "before the first checkpoint"
     assert where in str(stop.value) and "resume=true" in str(stop.value)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+LAUNCHERS = {"spawn": ["launcher=spawn", "launcher.nproc=2", "launcher.backend=gloo"],
+             "elastic": ["launcher=spawn", "launcher.nproc=2", "launcher.backend=gloo", "launcher.elastic=true"]}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_a_stop_of_a_spawned_launch_checkpoints_the_last_complete_round_and_exits_within_one(
+        launcher: str, tmp_path: Path) -> None:
+    """The rows for ``launcher=spawn`` and the elastic launcher: the ranks are other
+    processes, so the phase is found from the outside: SIGTERM to the launching process
+    once rank 0 has recorded round 1 (round 2 in flight). RunStopped naming the last
+    complete checkpoint, round 1 or 2, never round 3 (the last) and no summary."""
+    run = tmp_path / "run"
+
+    def watch() -> None:
+        metrics = run / "metrics.jsonl"
+        while not (metrics.is_file() and '"round": 1' in metrics.read_text(encoding="utf-8")):
+            time.sleep(0.05)
+        _term()
+
+    threading.Thread(target=watch, daemon=True).start()
+    with pytest.raises(RunStopped) as stop:
+        train(compose_config(BASE + LAUNCHERS[launcher], str(run)))
+    done = _rounds(run)
+    assert done and max(done) in (1, 2), done
+    assert f"round_{max(done):06d}" in str(stop.value) and "resume=true" in str(stop.value)
+    assert not (run / "summary.json").exists()

@@ -102,7 +102,7 @@ def cmd_route(args: argparse.Namespace) -> None:
     run = open_run(args, need_weights=False)
     texts, _ = texts_of(args)
     if args.top_k is not None and args.top_k > run.num_paths:
-        fail(f"--top-k {args.top_k} exceeds the number of paths ({run.num_paths})")
+        fail(f"--top-k {args.top_k} exceeds the number of paths ({run.num_paths}): use --top-k {run.num_paths}")
     docs = [run.encode(t) for t in texts]
     paths = run.router.route_batch(docs)
     if args.top_k:
@@ -137,7 +137,8 @@ def cmd_score(args: argparse.Namespace) -> None:
     from_corpus = args.validation or args.split is not None
     texts, skipped = ([], 0) if from_corpus else texts_of(args)
     if args.seq_len is not None and args.seq_len > run.cfg.model.max_seq_len:
-        fail(f"--seq-len {args.seq_len} exceeds model.max_seq_len {run.cfg.model.max_seq_len}")
+        fail(f"--seq-len {args.seq_len} exceeds model.max_seq_len {run.cfg.model.max_seq_len}: "
+             f"use --seq-len {run.cfg.model.max_seq_len}")
     if from_corpus:
         docs = validation_ids(run.cfg, run.run, split=args.split)
     else:

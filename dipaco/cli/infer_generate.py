@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> None:
         return run_file(args)
     for flag in ("out", "resume", "fast"):
         if getattr(args, flag):
-            fail(f"--{flag} goes with --file (one prompt streams its text to stdout)")
+            fail(f"--{flag} goes with --file (one prompt streams its text to stdout): drop --{flag}, or add --file F")
     if not args.prompt.strip():
         fail("--prompt is empty: give some text to continue")
     inf = open_run(args)
@@ -178,7 +178,7 @@ def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], int]:
     """``--out`` checked before any work, and how many prompts an earlier run finished."""
     if args.out is None:
         if args.resume:
-            fail("--resume needs --out F (the file an earlier run wrote)")
+            fail("--resume needs --out F (the file an earlier run wrote): add --out F")
         return None, 0
     out = check_target(args.out, "generate --out", fix="choose a --out outside every run directory")
     if out.is_dir():

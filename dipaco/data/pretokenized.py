@@ -4,10 +4,12 @@
 
 * a **token directory** (the layout of the project's own token store, ``router.tokens``)::
 
-      tokens.bin    every document's token ids end to end, little-endian uint16 or
-                    uint32 (int32 reads the same): the width is the file's size divided
-                    by the last offset
+      tokens.bin    every document's token ids end to end, little-endian uint16,
+                    uint32 or int32
       offsets.npy   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+      tokens.json   the header: the id width and the sha256 of the tokenizer the ids
+                    were made with, {"dtype": "uint16", "tokenizer": "<sha256>"}
+                    (:func:`write_token_header` writes it)
 
   or a directory of them (each subdirectory holding ``tokens.bin`` is a shard, read in
   sorted order; with ``data.splits=auto`` one named ``train*`` / ``validation*`` /
@@ -22,6 +24,9 @@ with gives the end-of-sequence id that separates documents and decodes for infer
 export: ``data.tokenizer``, or a ``tokenizer.json`` beside the data (in ``data.path``, or
 beside the file it names). Each split is copied into the token cache, checked against
 the tokenizer's vocabulary on the way (an id outside it is one :class:`DataError`).
+A token directory's header names the tokenizer its ids were made with (another BPE's ids
+fit this vocabulary and would train silently on the wrong text): another tokenizer, or
+none named (an older store), is refused in one line. Records of ids have no header.
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ from router.tokens import OFFSETS_FILE, TOKENS_FILE, TokenDocs, TokenDocsWriter,
 if TYPE_CHECKING:
     from dipaco.config import DataConfig
 
-__all__ = ["TokenCorpus", "TokenView", "load_token_corpus", "open_token_shard"]
+__all__ = ["TokenCorpus", "TokenView", "load_token_corpus", "open_token_shard", "write_token_header"]
 
 # the id types a token directory's header (tokens.json) may name
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "int32": np.dtype("<i4")}
@@ -79,11 +84,40 @@ def _id_dtype(directory: Path, fix: str) -> np.dtype:
     return _DTYPES[dtype]
 
 
-def open_token_shard(directory: Path) -> TokenDocs:
+def write_token_header(directory: str | os.PathLike, dtype: Any, tokenizer: Tokenizer) -> None:
+    """Write ``directory``'s header: the id type of its ``tokens.bin`` and the sha256 of
+    the tokenizer its ids were made with (what :func:`open_token_shard` checks)."""
+    header = {"dtype": np.dtype(dtype).name, "tokenizer": tokenizer.sha256}
+    Path(directory, HEADER_FILE).write_text(json.dumps(header) + "\n", encoding="utf-8")
+
+
+def _check_tokenizer(directory: Path, tokenizer_sha256: str) -> None:
+    """Refuse ids made with another tokenizer, or whose header does not say which."""
+    header = directory / HEADER_FILE
+    try:
+        made_with = json.loads(header.read_text(encoding="utf-8")).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        made_with = None
+    line = json.dumps({"tokenizer": tokenizer_sha256})[1:-1]
+    if made_with is None:
+        raise DataError(f"data.path: {header} does not name the tokenizer its ids were made with, so they cannot "
+                        f"be checked against this run's tokenizer (sha256 {tokenizer_sha256[:12]}...). Fix: if "
+                        f"they were made with it, add {line} to {HEADER_FILE}; otherwise pass the tokenizer they "
+                        f"were made with (data.tokenizer=PATH)")
+    if made_with != tokenizer_sha256:
+        raise DataError(f"data.path: the ids in {directory} were made with another tokenizer (sha256 "
+                        f"{str(made_with)[:12]}..., {HEADER_FILE}) than this run's ({tokenizer_sha256[:12]}...). "
+                        f"Fix: pass the tokenizer they were made with (data.tokenizer=PATH or tokenizer.json "
+                        f"beside them)")
+
+
+def open_token_shard(directory: Path, tokenizer_sha256: Optional[str] = None) -> TokenDocs:
     """A token directory of uint16 / uint32 / int32 ids (its header says which),
     memory-mapped; one :class:`DataError` line naming the file when it is incomplete or
-    inconsistent."""
+    inconsistent, or (``tokenizer_sha256`` given) made with another tokenizer."""
     fix = "write tokens.bin, offsets.npy and tokens.json as docs/data.md describes"
+    if tokenizer_sha256 is not None:
+        _check_tokenizer(directory, tokenizer_sha256)
     tokens_path, offsets_path = directory / TOKENS_FILE, directory / OFFSETS_FILE
     try:
         offsets = np.load(offsets_path, allow_pickle=False)
@@ -232,10 +266,14 @@ def _token_batches(docs: TokenDocs) -> Iterator[Tuple[int, int]]:
 
 
 def load_token_corpus(cfg: "DataConfig", *, progress: bool = True, work_dir: Optional[str] = None) -> TokenCorpus:
-    """Read pre-tokenized input (see the module docstring) into a :class:`TokenCorpus`."""
+    """Read pre-tokenized input (see the module docstring) into a :class:`TokenCorpus`.
+    Token directories are checked against the tokenizer of ``data.tokenizer`` or beside
+    the data (none found: the run is refused later, naming where to put one)."""
     if not cfg.path:
         raise DataError("data.path is not set for data.source=tokens. Fix: pass data.path=<a directory of token "
                         "shards, or files / a dataset with an input_ids column>")
+    tokenizer_path = getattr(cfg, "tokenizer", None) or tokenizer_beside(cfg)
+    tokenizer_sha256 = Tokenizer.load(tokenizer_path).sha256 if tokenizer_path else None
     own = str(getattr(cfg, "splits", "auto")) == "auto"
     fractions = (float(cfg.val_fraction), float(cfg.test_fraction))
     directory = new_store_dir(work_dir)
@@ -244,7 +282,7 @@ def load_token_corpus(cfg: "DataConfig", *, progress: bool = True, work_dir: Opt
     try:
         shards = _token_shards(str(cfg.path))
         if shards is not None:
-            tokens, own_splits = _from_shards(shards, own, directory, meta, fractions)
+            tokens, own_splits = _from_shards(shards, own, directory, meta, fractions, tokenizer_sha256)
         else:
             tokens, own_splits = _from_records(cfg, own, directory, meta, fractions, skipped)
         store = meta.close()
@@ -290,8 +328,9 @@ def _own(splits: List[Optional[str]]) -> Tuple[str, ...]:
 
 
 def _from_shards(shards: List[Tuple[str, Path]], own: bool, directory: Path, meta_writer: TextStoreWriter,
-                 fractions: Tuple[float, float]) -> Tuple[TokenDocs, Tuple[str, ...]]:
-    opened = [(name, open_token_shard(d), file_split(name) if own and name else None) for name, d in shards]
+                 fractions: Tuple[float, float], tokenizer_sha256: Optional[str]) -> Tuple[TokenDocs, Tuple[str, ...]]:
+    opened = [(name, open_token_shard(d, tokenizer_sha256), file_split(name) if own and name else None)
+              for name, d in shards]
     meta = _Meta(meta_writer, fractions, _own([s for _, _, s in opened]))
     for name, docs, split in opened:
         for lo in range(0, len(docs), 65536):

@@ -21,6 +21,7 @@ from dipaco.rounds.dense import WARMUP_STREAM_ID, load_dense_grid, save_dense, t
 from dipaco.runtime.device import model_device, to_device
 from dipaco.rounds.early_stopping import write_validation_shards
 from dipaco.run.fingerprint import Fingerprints
+from dipaco.job.token_record import save_record
 from dipaco.job.prepare_tokens import (_require_documents_per_path, evaluated_rows,  # noqa: F401 - re-exported
                                    peak_rss_mib, prepare_tokens, release_free_memory, split_tokens)
 from dipaco.runtime.progress import bars_enabled, log
@@ -177,10 +178,13 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
             write_shards(train_ids, expand_replicas(assignments, cfg.grid.replicas, cfg.seed),
                          router.num_paths * cfg.grid.replicas, run.shards)
         release_free_memory()
-    best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, dtype=np.int64)
+    val_shards = t.path_early_stopping or cfg.logging.val_documents
+    best = None  # each validation document's best path: routed only where something needs it
+    if val_shards or not reuse_shards:
+        best = router.route_batch(val_ids.prefixes(r.prefix_tokens)) if len(val_ids) else np.zeros(0, np.int64)
     # each path's own validation shard (cheap and deterministic: rewritten), for early
     # stopping and the per-round validation sample (logging.val_documents)
-    if t.path_early_stopping or cfg.logging.val_documents:
+    if val_shards:
         write_validation_shards(run, best, val_ids, router.num_paths)
     val_labels = data.val_labels
     labels = val_labels if any(lab is not None for lab in val_labels) else None
@@ -200,6 +204,8 @@ def prepare(cfg: Config, run: RunDir) -> Prepared:
     if not fps.reusable("checkpoints", want, run.checkpoints.is_dir() and any(run.checkpoints.iterdir()),
                         "checkpoints/"):
         fps.record("checkpoints", want)
+    if data.record:  # everything was accepted: a later resume may take the token splits from the record
+        save_record(fps, cfg.data.cache_dir or str(run.cache), data.record, val_labels, train_labels)
     timings["route_s"] = time.perf_counter() - t0
     timings.setdefault("peak_rss_mib", {})["route"] = round(peak_rss_mib(), 1)
     nmi = ""

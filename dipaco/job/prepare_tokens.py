@@ -22,6 +22,7 @@ from dipaco.config import Config, ConfigError, require
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, tokenize_to_docs
 from dipaco.data.pretokenized import load_token_corpus
 from dipaco.data.tokenizer import tokenizer_beside
+from dipaco.job.token_record import describe_split, reuse_splits
 from dipaco.run.fingerprint import Fingerprints
 from dipaco.runtime.progress import bars_enabled
 from dipaco.run.run_dir import RunDir, RunDirError
@@ -42,6 +43,9 @@ class TokenSplits:
     train_labels: Optional[np.ndarray]  # int label code of each training document; None: unlabelled data
     data_fp: str
     timings: dict = field(default_factory=dict)
+    # what fingerprints.json's token record should say (dipaco/job/token_record.py); the
+    # caller saves it once preparation has accepted everything
+    record: dict = field(default_factory=dict)
 
 
 def peak_rss_mib() -> float:
@@ -92,6 +96,12 @@ def prepare_tokens(cfg: Config, run: RunDir, fps: Fingerprints, log: Callable[[s
     cache_dir = d.cache_dir or str(run.cache)
     timings: dict = {}
     t0 = time.perf_counter()
+    reused = reuse_splits(cfg, run, fps, cache_dir, log)  # a resume: what the run recorded, no corpus
+    if reused is not None:
+        seconds = reused.pop("seconds")
+        _stage(timings, "load", t0)
+        timings.update(tokenizer_s=0.0, tokenize_s=seconds)
+        return TokenSplits(**reused, timings=timings)  # the record stands as it is
     if d.source == "tokens":
         corpus: Any = load_token_corpus(d, progress=bars_enabled(t.progress), work_dir=cache_dir)
     else:
@@ -124,8 +134,10 @@ def prepare_tokens(cfg: Config, run: RunDir, fps: Fingerprints, log: Callable[[s
         if t.eval_split != "validation":
             require(len(corpus.split(t.eval_split)) > 0, "trainer.eval_split", f"the {t.eval_split} split is empty",
                     "raise data.test_fraction or data.max_documents")
-            split = split_tokens(corpus, t.eval_split, tokenizer, cache_dir, t.progress)
-            eval_ids = split.select(evaluated_rows(len(split), t.eval_max_documents))
+            hashes[t.eval_split] = dataset_content_hash(corpus.split(t.eval_split))
+            ids[t.eval_split] = split_tokens(corpus, t.eval_split, tokenizer, cache_dir, t.progress,
+                                             hashes[t.eval_split])
+            eval_ids = ids[t.eval_split].select(evaluated_rows(len(ids[t.eval_split]), t.eval_max_documents))
         labelled = any(lab is not None for lab in val_labels)
         train_labels = train_docs.label_codes() if labelled else None
         _stage(timings, "tokenize", t1)
@@ -133,9 +145,11 @@ def prepare_tokens(cfg: Config, run: RunDir, fps: Fingerprints, log: Callable[[s
     finally:
         corpus.close()
     log(f"tokens: {ids['train'].num_tokens:,} train, vocabulary {tokenizer.vocab_size}")
+    record = {"data": data_fp, "tokenizer": tokenizer.sha256, "label_field": d.label_field,
+              "splits": {s: describe_split(cache_dir, hashes[s], tokenizer, docs) for s, docs in ids.items()}}
     return TokenSplits(tokenizer=tokenizer, train_ids=ids["train"], val_ids=ids["validation"].select(rows),
                        val_labels=val_labels, eval_ids=eval_ids, train_labels=train_labels, data_fp=data_fp,
-                       timings=timings)
+                       timings=timings, record=record)
 
 
 def split_tokens(corpus: Any, split: str, tokenizer: Tokenizer, cache_dir: str, progress: bool,

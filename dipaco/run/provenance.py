@@ -22,6 +22,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+from dipaco.run.jsonl import read_json_lines
+
 PROVENANCE = "provenance.jsonl"
 # the libraries whose versions change what a run computes or how fast
 LIBRARIES = ("torch", "numpy", "faiss-cpu", "faiss-gpu", "tokenizers", "safetensors", "transformers", "hydra-core")
@@ -119,20 +121,7 @@ def record(run_root: str | os.PathLike, event: str) -> dict[str, Any]:
 
 def read(run_root: str | os.PathLike) -> list[dict[str, Any]]:
     """The run's records, oldest first (an unreadable line is skipped; none: ``[]``)."""
-    path = Path(run_root) / PROVENANCE
-    out = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    return read_json_lines(Path(run_root) / PROVENANCE)
 
 
 def one_line(rec: dict[str, Any]) -> str:

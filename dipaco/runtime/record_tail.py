@@ -15,30 +15,18 @@ when the tail starts (a resumed run's) are not sent again.
 """
 from __future__ import annotations
 
-import json
 import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
+from dipaco.run.jsonl import read_json_lines
 from dipaco.runtime.tracking import MetricsWriter, round_scalars, step_scalars
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of ``path`` (a line still being written is left for later)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return []
-    out = []
-    for line in text[: text.rfind("\n") + 1].splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
+    return read_json_lines(path, complete_only=True)
 
 
 class RecordTail:

@@ -1,0 +1,168 @@
+"""The token splits a run was prepared with, recorded so that a resume needs no corpus.
+
+Preparing a run reads the raw corpus, hashes every split and tokenizes it into the token
+cache. A resume (or a requeued SLURM job) used to do all of that again, only to find the
+cache entries it had written: seconds on a smoke run, growing with the corpus. So the
+first preparation records, under ``tokens`` in ``fingerprints.json``, what each split's
+cache entry is (its name, which is a hash of the split's content and the tokenizer, its
+document and token counts and the sha256 of its offsets), plus the labels the routing
+reports need (``labels-<key>.npz`` beside the entries). A later preparation of the same
+run takes the splits from there when every recorded piece is on disk as recorded: the
+corpus is not read and no document is tokenized (or routed: :mod:`dipaco.job.prepare`
+reuses the shards the same way). The run's data is then what the run was made from,
+even if ``data.path`` has changed or gone since: the saved config is the truth on resume.
+
+A recorded piece that is missing or does not match (a cache entry deleted, the cache
+moved with ``data.cache_dir``, an offsets file that is not the one recorded) is never a
+pass: one log line names it and the corpus is read again, which recomputes the entry and
+checks the data against the tokenizer's record (a resume whose data changed is refused
+there). A run recorded before this record has none: its corpus is read, as before.
+What is not checked: a ``tokens.bin`` rewritten in place with the same length (hashing
+it would read as much as the corpus; entries are written once, under a temporary name).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from dipaco.config import Config
+from dipaco.data import Tokenizer
+from dipaco.run.checkpoint import sha256_file, write_json
+from dipaco.run.fingerprint import Fingerprints
+from dipaco.run.run_dir import RunDir
+from router import TokenDocs
+from router.tokens import OFFSETS_FILE, TokenFileError, open_token_docs
+
+RECORD = "tokens"  # the key of fingerprints.json holding the record
+_TOKENIZER_INPUTS = ("data", "given", "bpe_text")  # what the tokenizer's record names besides config keys
+
+
+def entry_name(content: str, tokenizer_sha256: str) -> str:
+    """The token cache's entry of a split whose content hash is ``content`` (the key of
+    :func:`dipaco.data.tokenize.cache_path` and of the pre-tokenized copy)."""
+    return "tokens-" + hashlib.sha256(f"{content}:{tokenizer_sha256}".encode()).hexdigest()[:24]
+
+
+def describe_split(cache_dir: str, content: str, tokenizer: Tokenizer, ids: TokenDocs) -> dict[str, Any]:
+    """The record of one split's cache entry (``ids``: what was read or written there)."""
+    name = entry_name(content, tokenizer.sha256)
+    return {"content": content, "entry": name, "documents": len(ids), "tokens": int(ids.num_tokens),
+            "offsets_sha256": sha256_file(Path(cache_dir) / name / OFFSETS_FILE)}
+
+
+def labels_name(data_fp: str, label_field: Optional[str]) -> str:
+    return "labels-" + hashlib.sha256(f"{data_fp}:{label_field}".encode()).hexdigest()[:24] + ".npz"
+
+
+def save_record(fps: Fingerprints, cache_dir: str, record: dict[str, Any], val_labels: list,
+                train_labels: Optional[np.ndarray]) -> None:
+    """Write the labels file (when the data has labels) and ``record`` into
+    ``fingerprints.json``; nothing when the same record is there already. Called once
+    preparation accepted everything, so a refused resume writes nothing."""
+    record = dict(record, labels=None)
+    if train_labels is not None:
+        path = Path(cache_dir) / labels_name(record["data"], record["label_field"])
+        known = np.array([lab is not None for lab in val_labels], dtype=bool)
+        names = np.array(["" if lab is None else str(lab) for lab in val_labels], dtype=str)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:  # a file object: np.savez would add .npz to a name
+            np.savez(f, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
+        os.replace(tmp, path)
+        record["labels"] = {"file": path.name, "sha256": sha256_file(path)}
+    if fps.saved.get(RECORD) != record:
+        fps.saved[RECORD] = record
+        write_json(fps.path, fps.saved)
+
+
+def reuse_splits(cfg: Config, run: RunDir, fps: Fingerprints, cache_dir: str,
+                 log: Callable[[str], None]) -> Optional[dict[str, Any]]:
+    """The token splits of ``run`` as recorded, without reading the corpus; ``None`` (with
+    a line saying why, when there was a record) where the corpus must be read. Returns
+    the pieces of :class:`dipaco.job.prepare_tokens.TokenSplits` as a dict."""
+    t0 = time.perf_counter()
+    rec, tok_rec = fps.saved.get(RECORD), fps.saved.get("tokenizer")
+    if not isinstance(rec, dict) or not isinstance(tok_rec, dict) or not run.tokenizer.is_file():
+        return None  # a fresh run, or one recorded before this record: the corpus is read
+    if rec.get("data") != tok_rec.get("data") or rec.get("label_field") != cfg.data.label_field:
+        return _recompute(log, "the recorded token splits are not those of the run's tokenizer record")
+    inputs = {k: tok_rec[k] for k in _TOKENIZER_INPUTS if k in tok_rec}
+    # the tokenizer's config keys (data.*, model.vocab_size) as recorded: a resume that
+    # changed one is refused here, as it would be with the corpus read
+    if not fps.reusable("tokenizer", fps.want("tokenizer", **inputs), True, "tokenizer.json"):
+        return None
+    tokenizer = Tokenizer.load(str(run.tokenizer))
+    if tokenizer.sha256 != rec.get("tokenizer"):
+        return _recompute(log, f"{run.tokenizer} is not the tokenizer the token splits were recorded with")
+    ids: dict[str, TokenDocs] = {}
+    for split, entry in rec.get("splits", {}).items():
+        got = _open_entry(Path(cache_dir), entry)
+        if isinstance(got, str):
+            return _recompute(log, got)
+        ids[split] = got
+    if "train" not in ids or "validation" not in ids or cfg.trainer.eval_split not in ids:
+        return _recompute(log, "the token record lacks a split this run evaluates")
+    rows = _evaluated_rows(len(ids["validation"]), cfg.trainer.eval_max_documents)
+    labels = _labels(Path(cache_dir), rec.get("labels"), len(rows), len(ids["train"]))
+    if isinstance(labels, str):
+        return _recompute(log, labels)
+    val_labels, train_labels = labels
+    eval_ids = ids[cfg.trainer.eval_split]
+    eval_ids = eval_ids.select(_evaluated_rows(len(eval_ids), cfg.trainer.eval_max_documents))
+    log(f"tokens: the token cache that {fps.path.name} records ({len(ids['train'])} train, "
+        f"{len(ids['validation'])} validation documents in {cache_dir}); the corpus is not read again")
+    return {"tokenizer": tokenizer, "train_ids": ids["train"], "val_ids": ids["validation"].select(rows),
+            "val_labels": val_labels, "eval_ids": eval_ids, "train_labels": train_labels,
+            "data_fp": rec["data"], "seconds": time.perf_counter() - t0}
+
+
+def _evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
+    from dipaco.job.prepare_tokens import evaluated_rows  # one rule for which rows are scored
+
+    return evaluated_rows(n, max_documents)
+
+
+def _recompute(log: Callable[[str], None], why: str) -> None:
+    log(f"tokens: {why}: reading the corpus again to recompute the token splits")
+    return None
+
+
+def _open_entry(cache_dir: Path, entry: Any) -> TokenDocs | str:
+    """The recorded entry, memory-mapped, or why it cannot be used."""
+    try:
+        path = cache_dir / str(entry["entry"])
+        want = (int(entry["documents"]), int(entry["tokens"]), str(entry["offsets_sha256"]))
+    except (TypeError, KeyError, ValueError):
+        return "the token record is damaged"
+    if not path.is_dir():
+        return f"the token cache entry {path} is missing"
+    try:
+        docs = open_token_docs(path)
+    except TokenFileError as e:
+        return f"the token cache entry {path} is damaged ({e})"
+    if (len(docs), int(docs.num_tokens), sha256_file(path / OFFSETS_FILE)) != want:
+        # well-formed, so the cache would serve it again: removed, the corpus read rebuilds it
+        del docs
+        shutil.rmtree(path, ignore_errors=True)
+        return f"the token cache entry {path} is not the one recorded (other documents or token counts; removed)"
+    return docs
+
+
+def _labels(cache_dir: Path, rec: Any, n_val: int, n_train: int) -> tuple[list, Optional[np.ndarray]] | str:
+    if rec is None:
+        return [None] * n_val, None
+    path = cache_dir / str(rec.get("file"))
+    if not path.is_file():
+        return f"the labels file {path} is missing"
+    if sha256_file(path) != rec.get("sha256"):
+        return f"the labels file {path} is not the one recorded"
+    with np.load(path, allow_pickle=False) as z:
+        train, names, known = z["train"], z["validation"], z["validation_known"]
+    if len(train) != n_train or len(names) != n_val:
+        return f"the labels file {path} does not match the token splits"
+    return [str(name) if k else None for name, k in zip(names.tolist(), known.tolist())], train
