@@ -17,7 +17,10 @@ Run on 2026-11-26 with ``/tmp`` scratch copies (``git archive`` of this branch, 
 ``dipaco/sync/`` each); "now" is ``pytest tests/test_golden.py
 tests/test_streaming_reference.py -m "not multiprocess"``, "before" is the whole
 ``tests/test_golden.py`` of the commit before this work (its 4 scenarios, gloo and
-decoupled included) against the same mutated code.
+decoupled included) against the same mutated code. The names are those of the code the
+record was made on; since then ``streaming.py``'s driver is ``sync/round_driver.py``'s
+``RoundDriver`` (``_land`` unchanged), ``points_of`` is ``plan/schedule.py``'s
+``RoundSchedule.of_round`` and ``finish`` is ``land``.
 
 ========================================  =========================================  ======
 mutation (dipaco/sync/)                   fails now                                  before

@@ -1,8 +1,8 @@
 """Streaming DiLoCo against a float64 reference written from the equations.
 
 Two rounds of a [2, 2] grid (the first staggered, the run's last synchronous) are driven
-through :class:`dipaco.sync.streaming.StreamingSync` exactly as
-:func:`dipaco.rounds.stream.run_streaming_round` drives it, with the inner steps replaced
+through :class:`dipaco.sync.round_driver.RoundDriver` exactly as
+:func:`dipaco.rounds.loop.run_round` drives it, with the inner steps replaced
 by hand-built increments of each path's live weights and hand-picked tokens per segment.
 Beside it, :func:`reference` recomputes the round from docs/design.md's equations alone,
 in float64 and plain Python: the fragment schedule, α = shard scale × the tokens since the
@@ -26,7 +26,8 @@ from dipaco.plan.stagger import streaming_points, synchronous_points
 from dipaco.plan.topology import Topology
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.sync.streaming import StreamingSync
+from dipaco.plan.schedule import RoundSchedule
+from dipaco.sync.round_driver import RoundDriver
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 PATHS = [["embed", f"L0.{p // 2}", f"L1.{p % 2}", "head"] for p in range(4)]
@@ -112,7 +113,7 @@ def reference(keep: float = KEEP) -> list[Snapshot]:
 
 
 def run_code() -> list[Snapshot]:
-    """The same two rounds through StreamingSync (the loop of run_streaming_round)."""
+    """The same two rounds through RoundDriver (the loop of rounds/loop.py's run_round)."""
     mods = {}
     for m in IDS:
         lin = nn.Linear(N, 1, bias=False)
@@ -123,11 +124,11 @@ def run_code() -> list[Snapshot]:
     sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=LR, momentum=MOMENTUM, nesterov=True),
                       track_cosine=False)
     points = streaming_points(IDS, H, TAU, fragments=FRAGMENTS)
-    stream = StreamingSync(sync, points, ROUNDS, keep=KEEP)
+    stream = RoundDriver(sync, RoundSchedule.staggered(points, H), ROUNDS, keep=KEEP)
     alpha = PathAlpha.from_shard_tokens(SHARD_TOKENS)
     out: list[Snapshot] = []
     for r in range(ROUNDS):
-        for step in stream.boundaries(r):
+        for step in stream.begin_round(r).boundaries():
             for p in stream.paths:
                 stream.activate(p)
                 with torch.no_grad():
