@@ -22,16 +22,25 @@ from __future__ import annotations
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import Callable, Iterator
 
 import numpy as np
 import scipy.sparse as sp
 from threadpoolctl import threadpool_limits
 
-# faiss logs which SIMD build it loads at INFO; under Hydra (root logger at INFO) that
-# is three lines of noise in every run.
-logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-import faiss  # noqa: E402
+
+
+def _faiss() -> ModuleType:
+    """faiss, imported on first use: importing ``router`` (dipaco's config reads its routing
+    methods' settings) must not load faiss's native library."""
+    # faiss logs which SIMD build it loads at INFO; under Hydra (root logger at INFO) that
+    # is three lines of noise in every run.
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    import faiss
+
+    return faiss
+
 
 # Rows per search call: large enough that the GEMM dominates the call overhead, small
 # enough that a batch's [B, k] distances and [B, d] float32 copy stay a few MB.
@@ -60,19 +69,19 @@ def _batches(n: int) -> Iterator[slice]:
 
 
 def _threads() -> int:
-    return max(1, faiss.omp_get_max_threads())
+    return max(1, _faiss().omp_get_max_threads())
 
 
 def _map_batches(fn: Callable[[slice], object], n: int) -> list:
     """``fn`` over the row batches of ``[0, n)``, in order, on a pool of single-threaded workers."""
     slices = list(_batches(n))
-    if faiss.get_num_gpus() > 0:
+    if _faiss().get_num_gpus() > 0:
         return [fn(s) for s in slices]
 
     def run(s: slice):
         # OpenMP's thread count is per calling thread: this makes faiss (and the OpenBLAS
         # bundled with it) single-threaded inside this worker only.
-        faiss.omp_set_num_threads(1)
+        _faiss().omp_set_num_threads(1)
         return fn(s)
 
     # Even one worker goes through the pool: the caller's own OpenMP setting stays untouched.
@@ -84,9 +93,9 @@ class _Nearest:
     """Exact nearest-centroid search over fixed centroids; faiss-gpu when a GPU is visible."""
 
     def __init__(self, centroids: np.ndarray):
-        index = faiss.IndexFlatL2(centroids.shape[1])
-        if faiss.get_num_gpus() > 0:
-            index = faiss.index_cpu_to_all_gpus(index)
+        index = _faiss().IndexFlatL2(centroids.shape[1])
+        if _faiss().get_num_gpus() > 0:
+            index = _faiss().index_cpu_to_all_gpus(index)
         index.add(centroids)
         self.index = index
 

@@ -8,12 +8,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from dipaco.config import ConfigError, compose_config
+from dipaco.config.names import DATA_SOURCES
 from dipaco.job.prepare import _require_documents_per_path
 from dipaco.config.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-NEEDS_PATH = {"jsonl", "text", "parquet", "hub", "tokens"}
+# every registered source but the built-in corpora reads data.path (dipaco/config/names.py)
+NEEDS_PATH = {name for name, source in DATA_SOURCES.items() if source.kind != "builtin"}
 # launcher=slurm has no default partition, and its 8 ranks per node need at least 8 paths
 NEEDS_MORE = {("launcher", "slurm"): ["launcher.partition=gpu", "grid=4x4"]}
 
@@ -29,7 +31,7 @@ def _choices(group: str) -> list[str]:
 )
 def test_every_group_choice_composes_and_validates(group: str, choice: str) -> None:
     overrides = [f"{group}={choice}"]
-    if group == "data" and choice in NEEDS_PATH:
+    if group == "data" and OmegaConf.load(CONF / "data" / f"{choice}.yaml").get("source", choice) in NEEDS_PATH:
         overrides.append("data.path=docs.jsonl")
     overrides += NEEDS_MORE.get((group, choice), [])
     cfg = compose_config(overrides)

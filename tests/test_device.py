@@ -13,7 +13,7 @@ import torch
 from dipaco.config import ConfigError, LauncherConfig, TrainerConfig, compose_config
 from dipaco.runtime.device import (choose_backend, choose_device, config_problems, peak_memory_bytes, rank_device,
                            set_deterministic, to_device)
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import preflight  # validate_config, then the checks that ask torch and the machine
 
 
 @pytest.mark.parametrize("gpus,local_ranks,expected", [
@@ -92,16 +92,16 @@ def test_bad_combinations_name_their_key() -> None:
     assert _problems(4, name="slurm", gpus_per_node=0, device="cuda") == ["trainer.device"]
 
 
-def test_validate_config_refuses_in_one_line() -> None:
+def test_preflight_refuses_in_one_line() -> None:
     cfg = compose_config(["model=tiny", "trainer=tiny", "trainer.precision=fp16", "trainer.device=cpu"])
     with pytest.raises(ConfigError, match=r"^config error: trainer.precision: .*Fix: use trainer.precision=bf16"):
-        validate_config(cfg)
+        preflight(cfg)
 
 
 def test_unknown_outer_device_is_refused_in_one_line() -> None:
     cfg = compose_config(["model=tiny", "trainer=tiny", "diloco.outer_device=gpu"])
     with pytest.raises(ConfigError, match=r"^config error: diloco.outer_device: unknown value 'gpu'. Fix: use one of auto, cpu"):
-        validate_config(cfg)
+        preflight(cfg)
 
 
 def test_set_deterministic_switches_torch_and_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +146,7 @@ def test_memory_plan_per_rank() -> None:
 
     def plan(*overrides: str):
         cfg = compose_config(["model=paper", *overrides])
-        validate_config(cfg)
+        preflight(cfg)
         return cfg, memory_for(cfg)
 
     cfg, rows = plan("launcher=spawn", "launcher.nproc=4")
@@ -173,7 +173,7 @@ def test_plan_capacity_line() -> None:
 
     def line(*overrides: str) -> str:
         cfg = compose_config(["model=tiny", *overrides])
-        validate_config(cfg)
+        preflight(cfg)
         return format_capacity(cfg)
 
     assert " 0 (0%) in modules not every path shares" in line("grid=dense")

@@ -29,7 +29,7 @@ from dipaco.sync.diloco import DiLoCoSync
 from dipaco.sync.fsdp import apply_fsdp, is_sharded, shard_flat, unshard_flat, worker_mesh
 from dipaco.sync.groups import ProcessGroups
 from dipaco.plan.topology import Topology
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import preflight  # validate_config, then the checks that ask torch and the machine
 from modules import ModelConfig, ModuleGrid, PathModel
 
 MODEL = ModelConfig(vocab_size=64, d_model=16, n_heads=2, layers_per_level=1, max_seq_len=16)
@@ -276,10 +276,10 @@ def test_fsdp_refusals_name_the_key(overrides: list[str], key: str) -> None:
     extra = [] if any(o.startswith("launcher.group_parallel") for o in overrides) else ["launcher.group_parallel=fsdp"]
     cfg = compose_config(["model=tiny", "trainer=tiny", *overrides, *extra])
     with pytest.raises(ConfigError) as err:
-        validate_config(cfg)
+        preflight(cfg)
     assert err.value.key == key, str(err.value)
 
 
 def test_fsdp_config_is_valid() -> None:
-    validate_config(compose_config(["model=tiny", "trainer=tiny", "launcher=spawn", "launcher.group_size=2",
+    preflight(compose_config(["model=tiny", "trainer=tiny", "launcher=spawn", "launcher.group_size=2",
                                     "launcher.group_parallel=fsdp", "trainer.precision=bf16"]))

@@ -99,6 +99,7 @@ def test_a_pre_tokenized_corpus_trains_and_infers(tmp_path: Path, capsys) -> Non
     from dipaco.cli.infer import main as infer_main
     from dipaco.config import compose_config
     from dipaco.data import load_corpus
+    from dipaco.job.preflight import compose
     from dipaco.job.train import train
 
     text_cfg = compose_config(["experiment=smoke", "data.max_documents=200"]).data
@@ -108,8 +109,8 @@ def test_a_pre_tokenized_corpus_trains_and_infers(tmp_path: Path, capsys) -> Non
     write_shard(tmp_path / "tokens", [tok.encode(t) for t in texts], tokenizer=tok)
     tok.save(str(tmp_path / "tokens"))
     run_dir = tmp_path / "run"
-    cfg = compose_config(["experiment=smoke", "data=tokens", f"data.path={tmp_path / 'tokens'}",
-                          "trainer.dense_baseline=false", "trainer.plots=false"], run_dir)
+    cfg = compose(["experiment=smoke", "data=tokens", f"data.path={tmp_path / 'tokens'}",
+                   "trainer.dense_baseline=false", "trainer.plots=false"], run_dir)
     assert cfg.model.vocab_size == tok.vocab_size  # from the tokenizer beside the shards
     summary = train(cfg)
     assert np.isfinite(summary["routed_ppl"]) and summary["routed_ppl"] > 1.0

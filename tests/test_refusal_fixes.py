@@ -1,4 +1,4 @@
-"""A refusal's fix works: every configuration refusal of dipaco/config/validate.py that
+"""A refusal's fix works: every configuration refusal of dipaco/config/validate.py (and dipaco/job/preflight.py) that
 proposes a fix is applied to the refused command here, and the command with the fix is
 accepted. The fix is read from the message itself (its first ``key=value``, or ``drop
 KEY``), so a message that names the wrong key or a value that does not work fails here.
@@ -17,10 +17,11 @@ import pytest
 
 from _compose import compose
 from dipaco.config import ConfigError
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import preflight  # validate_config, then the checks that ask torch and the machine
 
 SMOKE = ["experiment=smoke"]
 VALIDATE = Path(__file__).resolve().parents[1] / "dipaco" / "config" / "validate.py"
+PREFLIGHT = Path(__file__).resolve().parents[1] / "dipaco" / "job" / "preflight.py"
 # placeholders some fixes name (a file, a partition): what the user would type
 PLACEHOLDERS = {"FILE": "/data/corpus.jsonl", "NAME": "gpu"}
 
@@ -75,13 +76,14 @@ NOT_APPLICABLE = {
     "diloco.outer": "an outer step that overflows: how far to lower the lr depends on the optimiser",
     "launcher.group_size": "fsdp on a GPU node: a divisor of the model's widths",
     "model.vocab_size": "needs a tokenizer file: tests/test_tokenizer_reuse.py applies its fix",
+    "data.tokenizer": "an unreadable tokenizer path: the fix is a tokenizer file the user has",
 }
 
 
 @functools.lru_cache(maxsize=None)
 def _refusal(overrides: tuple[str, ...]) -> Optional[ConfigError]:
     try:
-        validate_config(compose(list(overrides)))
+        preflight(compose(list(overrides)))
     except ConfigError as e:
         return e
     return None
@@ -116,9 +118,9 @@ def test_the_fix_a_refusal_proposes_is_accepted(overrides: list[str], key: str) 
 
 
 def _refused_keys() -> set[str]:
-    """Every key a refusal in validate.py names as a string literal."""
+    """Every key a refusal in validate.py (or the preflight after it) names as a string literal."""
     keys = set()
-    for node in ast.walk(ast.parse(VALIDATE.read_text())):
+    for node in (n for f in (VALIDATE, PREFLIGHT) for n in ast.walk(ast.parse(f.read_text()))):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("require", "ConfigError"):
             i = 1 if node.func.id == "require" else 0
             if len(node.args) > i and isinstance(node.args[i], ast.Constant):

@@ -35,6 +35,9 @@ def _make():
 
 MAKE = _make()
 EXPECTED = np.load(GOLDEN / "expected.npz")
+# the methods the fixture was written for (those before the registry); a method added
+# since has no golden output and needs no test change
+GOLDEN_METHODS = list(MAKE.FITS)
 
 
 def _docs() -> list[np.ndarray]:
@@ -51,28 +54,28 @@ def _check(r: Router, method: str) -> None:
     assert np.array_equal(r.route_batch(prompts).astype(np.int8), EXPECTED[f"{method}.route"])
 
 
-def test_the_fixture_covers_every_method() -> None:
-    assert sorted(p.name for p in GOLDEN.iterdir() if p.is_dir()) == sorted(METHODS)
-    assert list(MAKE.FITS) == list(METHODS)
+def test_the_fixture_covers_every_method_it_was_written_for() -> None:
+    assert sorted(p.name for p in GOLDEN.iterdir() if p.is_dir()) == sorted(GOLDEN_METHODS)
+    assert set(GOLDEN_METHODS) <= set(METHODS)
 
 
 def test_the_fixture_corpus_is_make_py_s() -> None:
     assert all(np.array_equal(a, b) for a, b in zip(_docs(), MAKE.corpus()))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", GOLDEN_METHODS)
 def test_a_router_saved_before_the_registry_loads_and_routes_as_it_did(method: str) -> None:
     r = Router.load(GOLDEN / method, expected_grid=MAKE.GRID)
     assert r.method == method and json.loads((GOLDEN / method / "manifest.json").read_text())["version"] == 3
     _check(r, method)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", GOLDEN_METHODS)
 def test_fitting_gives_what_the_code_before_the_registry_gave(method: str) -> None:
     _check(MAKE.fit(method, _docs()), method)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", GOLDEN_METHODS)
 def test_an_old_router_saved_again_is_version_4_and_routes_the_same(tmp_path: Path, method: str) -> None:
     shutil.copytree(GOLDEN / method, tmp_path / "r")
     Router.load(tmp_path / "r").save(tmp_path / "r")  # in place, as a re-shard does
@@ -99,7 +102,7 @@ def test_a_setting_the_method_lacks_is_refused() -> None:
 
 def test_method_settings_are_one_list_apart_from_the_router_s() -> None:
     router = {f.name for f in fields(RouterSettings)}
-    assert set(method_settings()) == {"niter", "fine_clusters"} and not router & set(method_settings())
+    assert {"niter", "fine_clusters"} <= set(method_settings()) and not router & set(method_settings())
 
 
 @pytest.mark.parametrize("method", [m for m in METHODS if not method_class(m).learns_content])

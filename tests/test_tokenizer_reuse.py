@@ -13,7 +13,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dipaco.cli.infer import main as infer_main
-from dipaco.config import ConfigError, compose_config
+from dipaco.config import ConfigError
+from dipaco.job.preflight import compose  # compose_config plus model.vocab_size from data.tokenizer
 from dipaco.data import DataError, Tokenizer
 from dipaco.inference import InferenceRun
 from dipaco.job.train import train
@@ -62,9 +63,9 @@ def test_eos_comes_from_the_config_or_a_known_name_or_is_refused(tmp_path: Path)
 def test_model_vocab_size_follows_the_tokenizer_unless_given(tmp_path: Path) -> None:
     tok_dir = foreign_tokenizer(tmp_path / "tok", ["</s>"], vocab_size=290)
     size = Tokenizer.load(tok_dir).vocab_size
-    cfg = compose_config(SMOKE + [f"data.tokenizer={tok_dir}"], tmp_path / "r1")
-    assert cfg.model.vocab_size == size != compose_config(SMOKE).model.vocab_size
-    given = compose_config(SMOKE + [f"data.tokenizer={tok_dir}", "model.vocab_size=280"], tmp_path / "r2")
+    cfg = compose(SMOKE + [f"data.tokenizer={tok_dir}"], tmp_path / "r1")
+    assert cfg.model.vocab_size == size != compose(SMOKE).model.vocab_size
+    given = compose(SMOKE + [f"data.tokenizer={tok_dir}", "model.vocab_size=280"], tmp_path / "r2")
     assert given.model.vocab_size == 280  # above the byte-level minimum, below the tokenizer
     with pytest.raises(ConfigError, match=f"model.vocab_size: 280 cannot hold the {size} token ids"):
         train(given)
@@ -76,7 +77,7 @@ def test_route_train_score_with_a_reused_tokenizer(tmp_path: Path, capsys) -> No
     tok_dir = foreign_tokenizer(tmp_path / "tok", ["<pad>", "<|doc|>"], vocab_size=400, eos_in_config="<|doc|>")
     reused = Tokenizer.load(tok_dir)
     run_dir = tmp_path / "run"
-    summary = train(compose_config(SMOKE + [f"data.tokenizer={tok_dir}"], run_dir))
+    summary = train(compose(SMOKE + [f"data.tokenizer={tok_dir}"], run_dir))
     assert np.isfinite(summary["routed_ppl"]) and summary["routed_ppl"] > 1.0
     # the run holds the very same tokenizer (bytes) and the model is sized for it
     assert (run_dir / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
@@ -96,7 +97,7 @@ def test_route_train_score_with_a_reused_tokenizer(tmp_path: Path, capsys) -> No
     # resuming with another tokenizer is refused before anything is read: the run keeps its own
     other = foreign_tokenizer(tmp_path / "other", ["</s>"], vocab_size=350)
     with pytest.raises(ConfigError, match="data.tokenizer: .* would change the run"):
-        train(compose_config(SMOKE + [f"data.tokenizer={other}", "resume=true",
+        train(compose(SMOKE + [f"data.tokenizer={other}", "resume=true",
                                       f"model.vocab_size={reused.vocab_size}"], run_dir))
     # the path as a Llama checkpoint, with the reused tokenizer's files and EOS
     transformers = pytest.importorskip("transformers")

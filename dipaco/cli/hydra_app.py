@@ -14,12 +14,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli.errors import fail, user_errors
-from dipaco.config import Config, compose_config, resolve_tokenizer_vocab, to_config
+from dipaco.config import Config, compose_config, to_config
 from dipaco.config.paths import pin_argument, pin_paths
 from dipaco.run.path_guard import check_run_root
 from dipaco.runtime.progress import say
 from dipaco.runtime.slurm import dry_run_text, submission_warnings
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import preflight, resolve_tokenizer_vocab
 
 # Written by Hydra into the output directory before any dipaco code runs: switched off
 # for every single run, so a refused command (a resume, a new run) leaves the directory as
@@ -37,7 +37,7 @@ def config_from_hydra(cfg: DictConfig) -> Config:
     """The typed config, with ``run_dir`` defaulting to Hydra's output directory.
 
     With ``data.tokenizer`` set, ``model.vocab_size`` comes from that tokenizer unless
-    given on the command line (then ``validate_config`` refuses a size too small for it).
+    given on the command line (then ``preflight`` refuses a size too small for it).
     """
     hydra = HydraConfig.get()
     _OUTPUT_DIR[:] = [Path(hydra.runtime.output_dir).resolve()]
@@ -175,7 +175,7 @@ class ValidateBeforeLaunch(Callback):
             job.run_dir = "<submitted>"  # filled by Hydra per job; not checked here
         try:
             conf = resolve_tokenizer_vocab(to_config(job), config.hydra.overrides.task)
-            validate_config(conf)
+            preflight(conf)
         except user_errors() as e:
             fail(str(e))
         if conf.launcher.name == "slurm":

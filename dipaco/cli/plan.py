@@ -22,9 +22,9 @@ from dipaco.plan.build import build_comm_plan, build_grid, build_topology, forma
 from dipaco.cli.errors import report_user_errors
 from dipaco.cli.help import plain
 from dipaco.plan.comm_plan import CommPlan, format_plan
-from dipaco.config import Config, ConfigError, compose_config
+from dipaco.config import Config, ConfigError
 from dipaco.plan.memory import RankMemory, outer_on_device, rank_memory
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import compose, preflight
 
 
 def planned_ranks(cfg: Config) -> int:
@@ -119,8 +119,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         if any(a in ("-h", "--help") for a in overrides):
             print(plain(__doc__), end="")
             return
-        cfg = compose_config(overrides)
-        validate_config(cfg)
+        cfg = compose(overrides)
+        preflight(cfg)
         print(format_plan(plan_for(cfg)))
         if cfg.diloco.streaming:
             print(format_streaming_plan(cfg, planned_ranks(cfg)))

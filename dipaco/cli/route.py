@@ -26,7 +26,7 @@ from dipaco.job.prepare import prepare
 from dipaco.run.resume import check_fresh
 from dipaco.run.run_dir import RunDir, RunDirError, disk_full_guard
 from dipaco.run.lock import RunLock, check_unlocked
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import preflight
 
 register_configs()
 
@@ -35,7 +35,7 @@ register_configs()
 @report_user_errors
 def _app(cfg: DictConfig) -> None:
     conf = config_from_hydra(cfg)
-    validate_config(conf)
+    preflight(conf)
     run = RunDir.at(conf.run_dir)
     if run.config.exists():
         raise RunDirError(f"{run.root} already holds a run (config.yaml); dipaco-route writes a new run "

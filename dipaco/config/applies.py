@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.config.domains import DOMAINS, value_of
 from dipaco.config.errors import ConfigError
+from dipaco.config.names import CODECS, DATA_SOURCES, SourceEntry
 from dipaco.config.schema import Config
 from router.methods import METHODS, method_class, method_settings
 
@@ -35,8 +36,13 @@ class Where:
     fix: str
 
 
+def _source(c: Config) -> SourceEntry:
+    """``data.source``'s registry line (an unknown name was refused by its domain)."""
+    return DATA_SOURCES.get(c.data.source, SourceEntry("unknown"))
+
+
 def _builtin(c: Config) -> bool:
-    return c.data.source in ("python_sources", "multidomain")
+    return _source(c).kind == "builtin"
 
 
 def _local_path(c: Config) -> bool:
@@ -68,7 +74,7 @@ _HUB_NAME = Where(lambda c: _load_dataset(c) and not _local_path(c), "when data.
                   "(a local folder has no named configs)", "use data=hub with a dataset name")
 _FILES = Where(lambda c: not _builtin(c), "with a file or hub source (the built-in corpora have their own "
                "fields)", "use data=jsonl (or json, parquet, hub)")
-_FIELDS = Where(lambda c: not _builtin(c) and c.data.source != "text", "with a source of records (data=text is "
+_FIELDS = Where(lambda c: not _builtin(c) and not _source(c).whole_file, "with a source of records (data=text is "
                 "one document per file, python_sources/multidomain have their own fields)", "use data=jsonl")
 _BUILTIN = Where(_builtin, "with data=python_sources or data=multidomain", "use data=multidomain")
 _MULTIDOMAIN = Where(lambda c: c.data.source == "multidomain", "with data=multidomain", "use data=multidomain")
@@ -87,9 +93,18 @@ _WANDB = Where(lambda c: c.logging.wandb, "with logging.wandb=true", "set loggin
 _RESHARD = Where(lambda c: c.router.reshard_at_round is not None, "by the EM re-shard (router.reshard_at_round)",
                  "set router.reshard_at_round=1 (the round after which it re-shards)")
 _SOFT = Where(lambda c: c.router.balance == "soft", "with router.balance=soft", "set router.balance=soft")
-_BLOCK = Where(lambda c: c.diloco.codec in ("int8", "int4", "fp8"), "by the block codecs (diloco.codec=int8, "
-               "int4 or fp8)", "set diloco.codec=int8")
-_TOPK = Where(lambda c: c.diloco.codec == "topk", "by diloco.codec=topk", "set diloco.codec=topk")
+def _codec_option(key: str) -> Where:
+    """Where a codec option (``diloco.codec_block``) is read: by the codecs whose registry
+    line (``dipaco.config.names.CODECS``) names it."""
+    def owners() -> list[str]:
+        return [n for n, c in CODECS.items() if key in c.options.values()]
+
+    now = owners()
+    names = now[0] if len(now) == 1 else f"{', '.join(now[:-1])} or {now[-1]}"
+    return Where(lambda c: str(c.diloco.codec).lower() in owners(), f"by diloco.codec={names}",
+                 f"set diloco.codec={now[0]}")
+
+
 _COMPILE = Where(lambda c: c.trainer.compile is not False, "when torch.compile is on (trainer.compile is not "
                  "false)", "set trainer.compile=true")
 _EARLY = Where(lambda c: c.trainer.path_early_stopping, "by path early stopping", "set trainer.path_early_stopping=true")
@@ -127,7 +142,7 @@ APPLIES.update({
     "data.tokenizer_sample_bytes": _NO_TOKENIZER, "data.tokenizer_sample_documents": _NO_TOKENIZER,
     "router.soft_capacity_factor": _SOFT, "router.reshard_documents": _RESHARD, "router.reshard_assign": _RESHARD,
     "router.reshard_every": _RESHARD,
-    "diloco.codec_block": _BLOCK, "diloco.codec_topk_fraction": _TOPK,
+    **{f"diloco.{k}": _codec_option(k) for k in sorted({k for c in CODECS.values() for k in c.options.values()})},
     **{f"diloco.{n}": _STREAMING for n in ("streaming_delay", "streaming_mix", "streaming_fragments",
                                            "streaming_spread")},
     **{f"diloco.decoupled.{f.name}": _decoupled(f.name) for f in fields(DecoupledConfig)},

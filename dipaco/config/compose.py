@@ -1,22 +1,21 @@
 """Turning Hydra's composition into a typed :class:`~dipaco.config.schema.Config`.
 
 The one module of :mod:`dipaco.config` that reads files: Hydra's YAML groups under
-``conf/`` and, with ``data.tokenizer``, the tokenizer whose size sets ``model.vocab_size``.
-The schema, the domains and the checks (``schema``, ``domains``, ``validate``) read nothing.
+``conf/``. The schema, the domains and the checks (``schema``, ``domains``, ``validate``)
+read nothing. ``model.vocab_size`` from a given tokenizer is the data's to say:
+:func:`dipaco.job.preflight.compose` is this composition plus that step.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, List, Optional, Sequence
 
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from dipaco.config.errors import ConfigError, composition_error, require
+from dipaco.config.errors import ConfigError, composition_error
 from dipaco.config.paths import pin_paths
 from dipaco.config.schema import (Config, DataConfig, DiLoCoConfig, GridConfig, LauncherConfig, RouterConfig,
                                   TrainerConfig)
-from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
 from modules.config import ModelConfig
 
 
@@ -52,30 +51,6 @@ def to_config(cfg: DictConfig | Config | dict) -> Config:
     return obj
 
 
-def resolve_tokenizer_vocab(cfg: Config, overrides: Sequence[str]) -> Config:
-    """With ``data.tokenizer`` set (or, for ``data=tokens``, a ``tokenizer.json`` beside the
-    token files), ``model.vocab_size`` becomes that tokenizer's size unless
-    ``overrides`` (the command line) set it; ``validate_config`` refuses a size too small for it."""
-    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    path = cfg.data.tokenizer or (tokenizer_beside(cfg.data) if cfg.data.source == "tokens" else None)
-    if path and "model.vocab_size" not in given:
-        cfg.model.vocab_size = tokenizer_size(path)
-    return cfg
-
-
-def tokenizer_size(path: str) -> int:
-    """The vocabulary of the tokenizer at ``path`` (``data.tokenizer``), or one ConfigError
-    naming it (a FIFO or device is never opened)."""
-    fix = "pass a tokenizer.json (or a transformers tokenizer directory)"
-    p = os.path.expanduser(path)
-    require(os.path.isfile(p) or os.path.isdir(p), "data.tokenizer", f"{path} is not a file or directory", fix)
-    try:
-        return Tokenizer.load(p).vocab_size
-    except Exception as e:  # noqa: BLE001 - whatever the file holds, the path is the user's to fix
-        raise ConfigError("data.tokenizer", f"cannot read a tokenizer from {path}: {' '.join(str(e).split())[:160]}",
-                          fix) from None
-
-
 def _unknown_keys(node: Any, schema: Any, prefix: str = "") -> list[str]:
     """Dotted keys of ``node`` (a plain dict) that ``schema`` (a structured config) lacks."""
     out: list[str] = []
@@ -92,7 +67,9 @@ def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str]
     """Compose ``conf/config.yaml`` with Hydra overrides, outside a Hydra app.
 
     For tests, notebooks and tools: ``train(compose_config(["experiment=smoke"], "runs/x"))``
-    runs the same job as ``dipaco-train experiment=smoke hydra.run.dir=runs/x``.
+    runs the same job as ``dipaco-train experiment=smoke hydra.run.dir=runs/x``. With
+    ``data.tokenizer`` (or ``data=tokens``), compose with :func:`dipaco.job.preflight.compose`,
+    which also sets ``model.vocab_size`` from the tokenizer as the CLIs do.
     """
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -108,5 +85,4 @@ def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str]
     if run_dir is not None:
         cfg.run_dir = str(run_dir)
     pin_paths(cfg)  # a path means one thing, whatever directory reads the config later
-    resolve_tokenizer_vocab(cfg, list(overrides or []))
     return cfg

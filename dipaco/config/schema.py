@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from dipaco.config.decoupled import DecoupledConfig
+from dipaco.config.names import codec_options
 from modules.config import ModelConfig
 from router.methods import MethodSettings
 from router.settings import RouterSettings
@@ -331,9 +332,6 @@ def eval_window(cfg: Config) -> int:
 
 
 def codec_kwargs(d: DiLoCoConfig) -> dict[str, Any]:
-    """The keyword arguments of ``make_codec(d.codec, ...)`` for this config."""
-    if d.codec in ("int8", "int4", "fp8"):
-        return {"block_size": d.codec_block}
-    if d.codec == "topk":
-        return {"fraction": d.codec_topk_fraction}
-    return {}
+    """The keyword arguments of ``make_codec(d.codec, ...)`` for this config: the options
+    its registry line (``dipaco.config.names.CODECS``) names."""
+    return codec_options(d)

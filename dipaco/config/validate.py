@@ -2,23 +2,20 @@
 combinations a domain cannot express.
 
 Checked before any work (docs/design.md contract 6); every problem is one
-:class:`~dipaco.config.ConfigError` naming the key and the fix.
+:class:`~dipaco.config.ConfigError` naming the key and the fix. The config is all it reads:
+what only torch, the machine or a file can answer (an optimiser's step, devices, FSDP2, a
+tokenizer's size) is :func:`dipaco.job.preflight.preflight`'s, which runs this first.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 
-import torch
-
-from dipaco.config import Config, ConfigError, LauncherConfig, LoggingConfig, eval_window, require, tokenizer_size
-from dipaco.config.decoupled import mode_problems
-from dipaco.runtime.device import config_problems as device_problems
+from dipaco.config import Config, ConfigError, LauncherConfig, LoggingConfig, eval_window, require
 from dipaco.config.applies import check_applies
+from dipaco.config.decoupled import mode_problems
 from dipaco.config.domains import check_domains
-from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
-from dipaco.sync.outer import make_outer_optimizer, outer_options
-from modules import ModuleGrid
+from dipaco.config.names import DATA_SOURCES
 from router.methods import method_class
 
 
@@ -34,7 +31,7 @@ def validate_config(cfg: Config) -> None:
     check_applies(cfg)  # every key set only where it is read (dipaco/config/applies.py)
 
     d, g, r, dl, t, la, m = cfg.data, cfg.grid, cfg.router, cfg.diloco, cfg.trainer, cfg.launcher, cfg.model
-    require(d.source in ("python_sources", "multidomain") or bool(d.path), "data.path",
+    require(DATA_SOURCES[d.source].kind == "builtin" or bool(d.path), "data.path",
              f"data.source={d.source} needs a path", "pass data.path=FILE (or a hub dataset name)")
     num_paths = math.prod(int(k) for k in g.levels)
     require(g.replicas == 1 or dl.mode == "sync", "grid.replicas",
@@ -43,7 +40,6 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(key, problem, fix)  # an option the chosen sync mode cannot honour
     require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
              "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
-    _validate_outer_step(cfg)
     _validate_streaming(cfg)
     require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
              "LM features need the dense warm-up model", "set router.featurizer=tfidf, or trainer.warmup_fraction=0.25")
@@ -71,8 +67,6 @@ def validate_config(cfg: Config) -> None:
              f"{t.batch_size} sequences cannot be split over launcher.group_size={la.group_size} ranks",
              f"use trainer.batch_size={la.group_size * max(1, -(-t.batch_size // la.group_size))} (a multiple of "
              "the group size)")
-    for key, problem, fix in device_problems(t, la):
-        raise ConfigError(key, problem, fix)
     _validate_group_parallel(cfg)
     _validate_elastic(cfg)
     _validate_logging(cfg.logging)
@@ -80,11 +74,6 @@ def validate_config(cfg: Config) -> None:
         m.validate()
     except ValueError as e:
         raise ConfigError("model", str(e), "see the model group in conf/model/") from None
-    if d.tokenizer:
-        size = tokenizer_size(d.tokenizer)
-        require(m.vocab_size >= size, "model.vocab_size",
-                 f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
-                 f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
 
 
 _DEFAULT_ROUNDS = Config().trainer.rounds
@@ -123,24 +112,6 @@ def resolve_derived(cfg: Config) -> Config:
         # must not make grid=dense or the flat-DiLoCo baseline a config error.
         cfg.router.top_k = 1
     return cfg
-
-
-def _validate_outer_step(cfg: Config) -> None:
-    """Build the outer optimiser and take one step on a one-element tensor: an optimiser
-    that needs a closure (LBFGS) or sparse gradients (SparseAdam) would otherwise fail
-    only after the first round's compute."""
-    p = torch.nn.Parameter(torch.zeros(1))
-    p.grad = torch.ones(1)
-    try:
-        make_outer_optimizer([p], **outer_options(cfg.diloco)).step()
-    except Exception as e:  # noqa: BLE001 - any failure of the optimiser is the config's
-        first = " ".join(str(e).split())[:200]
-        raise ConfigError("diloco.outer.name", f"torch.optim cannot take an outer step with "
-                          f"diloco.outer={cfg.diloco.outer.name!r}: {first}",
-                          "use diloco.outer.name=sgd (or adam, adamw, nadam, rmsprop)") from None
-    if not torch.isfinite(p).all():
-        raise ConfigError("diloco.outer", f"one outer step of {cfg.diloco.outer.name} on a unit "
-                          "pseudo-gradient gives a non-finite weight", "lower diloco.outer.lr")
 
 
 def _validate_streaming(cfg: Config) -> None:
@@ -190,7 +161,6 @@ def _validate_group_parallel(cfg: Config) -> None:
     key = "launcher.group_parallel"
     if la.group_parallel != "fsdp":
         return
-    require(fsdp_available(), key, FSDP_MISSING, "or use launcher.group_parallel=replicate")
     require(la.name != "local", key, "launcher=local runs one process: there is no worker group to shard over",
             "add launcher=spawn launcher.group_size=2 (or more)")
     require(la.group_size > 1, key, "with launcher.group_size=1 there is nothing to shard",
@@ -206,12 +176,7 @@ def _validate_group_parallel(cfg: Config) -> None:
     require(t.compile is not True, key, "torch.compile is not tested with fsdp", "set trainer.compile=false")
     require(not t.path_early_stopping, key, "path early stopping evaluates on one rank of the group, "
             "but sharded modules need every rank", "set trainer.path_early_stopping=false")
-    grid = ModuleGrid(cfg.model, list(cfg.grid.levels))  # lazy: shapes only, on meta
-    for mid in dict.fromkeys(grid.kind_of(m) if m in ("embed", "head") else "L0.0" for m in grid.module_ids):
-        bad = [f"{n}{tuple(s)}" for n, s in grid.param_shapes(mid).items() if not s or s[0] % la.group_size]
-        require(not bad, "launcher.group_size", f"fsdp needs every parameter's first dimension to divide by "
-                f"{la.group_size}; {mid} has {', '.join(bad)}", "pick a group size that divides model.d_model, "
-                "model.vocab_size and the MLP width")
+    # FSDP2 present and the parameter shapes it splits: dipaco/job/preflight.py
 
 
 def _idle_ranks_fix(world: int, paths: int, la: LauncherConfig, batch_size: int, nodes: int) -> str:

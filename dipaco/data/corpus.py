@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
 import datasets
 import numpy as np
@@ -57,12 +57,11 @@ import numpy as np
 from dipaco.data.cleaning import Cleaner, Document, check_fields
 from dipaco.data.errors import DataError
 from dipaco.data.files import file_split, relative_id, resolve_files
-from dipaco.data.multidomain import cache_dir, load_multidomain
-from dipaco.data.python_sources import iter_python_sources, stdlib_root
-from dipaco.data.readers import (LOCAL_SOURCES, count_skip, iter_dataset, iter_json_file, iter_json_lines,
-                                 iter_parquet, open_datasets, read_text_head)
+from dipaco.config.names import DATA_SOURCES, load
+from dipaco.data.readers import iter_dataset, open_datasets
+from dipaco.data.sources import FileContext
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
-from dipaco.data.textstore import Documents, TextStore, TextStoreWriter, new_store_dir
+from dipaco.data.textstore import Documents, TextStore, TextStoreWriter, document_features, new_store_dir
 from dipaco.runtime.progress import progress_bar
 
 if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch), which loading text never needs
@@ -70,9 +69,10 @@ if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch), whic
 
 # Columns of every corpus: label is None when the source has no label; group is the
 # document family the split is keyed by (the source file of a chunk; the id by default).
-DOCUMENT_FEATURES = datasets.Features({c: datasets.Value("string") for c in ("id", "text", "label", "group", "split")})
+DOCUMENT_FEATURES = document_features()
 
-SOURCES = ("python_sources", "multidomain") + LOCAL_SOURCES + ("hub",)
+# what load_corpus reads: every registered source but pre-tokenized files (the job reads those)
+SOURCES = tuple(n for n, s in DATA_SOURCES.items() if s.kind != "tokens")
 SPLIT_MODES = ("auto", "hash")
 _WRITE_BATCH = 1024  # documents buffered before they go to the store
 
@@ -174,18 +174,7 @@ def to_dataset(columns: Dict[str, List[Any]], features: Any = None) -> datasets.
 
 
 def _builtin_parts(cfg: "DataConfig", source: str, cleaner: Cleaner, progress: bool) -> Tuple[List[Part], str]:
-    max_chars = int(cfg.max_doc_chars or 0) or 20000
-    if source == "python_sources":
-        docs: Iterable[Any] = iter_python_sources(
-            exclude_packages=list(cfg.exclude_packages or ()), target_doc_chars=int(cfg.target_doc_chars),
-            max_doc_chars=max_chars, skipped=cleaner.skipped, progress=progress)
-        where = f"the standard library at {stdlib_root()}"
-    else:
-        docs, _ = load_multidomain(exclude_packages=list(cfg.exclude_packages or ()),
-                                   target_doc_chars=int(cfg.target_doc_chars), max_doc_chars=max_chars,
-                                   domain_max_chars=int(cfg.domain_max_chars), progress=progress)
-        where = f"the multidomain corpus (cache in {cache_dir()})"
-    records = ((d.id, {"text": d.text, "label": d.label, "group": d.group}, False) for d in docs)
+    records, where = load(DATA_SOURCES[source].reader)(cfg, cleaner.skipped, progress)
     return [(None, records)], where
 
 
@@ -193,28 +182,14 @@ def _file_parts(cfg: "DataConfig", source: str, cleaner: Cleaner, own: bool) -> 
     files, root = resolve_files(cfg.path, source, cleaner.skipped)
     single = os.path.isfile(os.path.expanduser(str(cfg.path)))
     columns = [c for c in (cleaner.text_field, cleaner.label_field, cleaner.id_field, cleaner.group_field) if c]
-    max_chars = int(cfg.max_doc_chars or 0)
-
-    def records(path: str, rel: str) -> Iterator[Tuple[str, Dict[str, Any], bool]]:
-        if source == "text":
-            raw, truncated = read_text_head(path, max_chars or 10**9)
-            if raw is None:
-                count_skip(cleaner.skipped, "unreadable_file")
-            else:
-                yield rel, {"text": raw}, truncated
-        else:
-            reader = (iter_parquet(path, rel, columns, cleaner.skipped) if source == "parquet" else
-                      iter_json_file(path, rel, cleaner.text_field, cleaner.skipped) if source == "json" else
-                      iter_json_lines(path, rel, cleaner.skipped))
-            for default_id, rec in reader:
-                yield default_id, rec, False
-
+    read = load(DATA_SOURCES[source].reader)
+    ctx = FileContext(columns, cleaner.text_field, cleaner.skipped, int(cfg.max_doc_chars or 0))
     parts: List[Part] = []
     for f in files:
         rel = relative_id(f, root)
         # a file named test.jsonl given alone is the corpus, not its test split
         split = file_split(rel) if own and not single else None
-        parts.append((split, records(f, rel)))
+        parts.append((split, read(f, rel, ctx)))
     return parts
 
 
@@ -248,8 +223,9 @@ def load_corpus(cfg: "DataConfig", *, progress: bool = True, work_dir: Optional[
     raises :class:`DataError`.
     """
     source = str(cfg.source)
-    if source not in SOURCES:
-        raise DataError(f"data.source={source!r} is unknown. Fix: use one of {', '.join(SOURCES)}")
+    if source not in DATA_SOURCES or DATA_SOURCES[source].kind == "tokens":  # the registry as it is now
+        names = [n for n, s in DATA_SOURCES.items() if s.kind != "tokens"]
+        raise DataError(f"data.source={source!r} is unknown. Fix: use one of {', '.join(names)}")
     mode = str(getattr(cfg, "splits", "auto") or "auto")
     if mode not in SPLIT_MODES:
         raise DataError(f"data.splits={mode!r} is unknown. Fix: use one of {', '.join(SPLIT_MODES)}")
@@ -258,23 +234,24 @@ def load_corpus(cfg: "DataConfig", *, progress: bool = True, work_dir: Optional[
         split_of("", val, test)
     except ValueError as e:
         raise DataError(f"{e}. Fix: use e.g. data.val_fraction=0.05 data.test_fraction=0.05") from None
-    builtin = source in ("python_sources", "multidomain")
+    kind = DATA_SOURCES[source].kind
+    builtin = kind == "builtin"
     if builtin:
         cleaner = Cleaner(cfg, "text", "label", None, "group", unique_ids=True)
         parts, where = _builtin_parts(cfg, source, cleaner, progress)
     else:
         text_field, id_field, group_field = str(cfg.text_field), cfg.id_field, getattr(cfg, "group_field", None)
-        if source == "text":  # one document per file (its own group): there are no fields to pick
+        if DATA_SOURCES[source].whole_file:  # one document per file (its own group): no fields to pick
             text_field, id_field, group_field = "text", None, None
         cleaner = Cleaner(cfg, text_field, cfg.label_field, id_field, group_field)
-        if source == "hub":
+        if kind == "hub":
             parts, where = _dataset_parts(cfg, cleaner, mode == "auto"), f"hub dataset {cfg.path}"
         else:
             parts, where = _file_parts(cfg, source, cleaner, mode == "auto"), f"data.path={cfg.path}"
     own = tuple(s for s in SPLITS if any(p[0] == s for p in parts) and s != "train")
     # the training part gives up a share to each split the source does not have
     fractions = (0.0 if "validation" in own else val, 0.0 if "test" in own else test)
-    streamed_cap = cfg.max_documents if source == "hub" and bool(cfg.streaming) else None
+    streamed_cap = cfg.max_documents if kind == "hub" and bool(cfg.streaming) else None
     directory = new_store_dir(work_dir)
     writer = TextStoreWriter(directory)
     try:

@@ -27,19 +27,13 @@ import re
 import stat
 from typing import BinaryIO, Dict, List, Optional, Tuple
 
+from dipaco.config.names import source_suffixes
 from dipaco.data.errors import DataError
 from dipaco.run.outputs import SKIPPED_OUTPUT, is_dipaco_output
 
 __all__ = ["NOT_REGULAR", "SPLIT_NAMES", "file_split", "open_regular", "relative_id", "resolve_files"]
 
 NOT_REGULAR = "not_a_regular_file"
-# file name endings picked up when data.path is a directory (None: every non-hidden file)
-SUFFIXES: Dict[str, Optional[Tuple[str, ...]]] = {
-    "jsonl": (".jsonl", ".ndjson", ".json"),
-    "json": (".json", ".jsonl", ".ndjson"),
-    "parquet": (".parquet",),
-    "text": None,
-}
 # the split a path component names (docs/data.md, "A dataset's own splits")
 SPLIT_NAMES = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
                "val": "validation", "dev": "validation", "test": "test", "testing": "test"}
@@ -77,7 +71,7 @@ def resolve_files(path: Optional[str], source: str, skipped: Optional[Dict[str, 
         raise DataError(f"data.path is not set but data.source={source} reads local files. "
                         f"Fix: pass data.path=FILE, a glob or a directory")
     path = os.path.expanduser(str(path))
-    suffixes = SUFFIXES.get(source)
+    suffixes = source_suffixes(source)  # its registry line (dipaco.config.names.DATA_SOURCES)
     try:
         mode: Optional[int] = os.stat(path).st_mode
     except FileNotFoundError:

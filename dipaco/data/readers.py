@@ -23,10 +23,9 @@ import pyarrow.parquet as pq
 from dipaco.data.errors import DataError
 from dipaco.data.files import open_regular
 
-__all__ = ["LOCAL_SOURCES", "MAX_LINE_BYTES", "count_skip", "iter_dataset", "iter_json_file", "iter_json_lines",
+__all__ = ["MAX_LINE_BYTES", "count_skip", "iter_dataset", "iter_json_file", "iter_json_lines",
            "iter_parquet", "open_datasets", "read_text_head"]
 
-LOCAL_SOURCES = ("jsonl", "json", "parquet", "text")
 # A JSON line longer than this is skipped (``line_too_long``) without being held whole:
 # a binary file or a runaway line must not take the memory with it.
 MAX_LINE_BYTES = 64 * 2**20

@@ -31,7 +31,7 @@ import numpy as np
 
 from dipaco.data.splits import SPLITS
 
-__all__ = ["COLUMNS", "Documents", "TextStore", "TextStoreWriter", "new_store_dir", "sweep_stale"]
+__all__ = ["COLUMNS", "Documents", "TextStore", "TextStoreWriter", "document_features", "new_store_dir", "sweep_stale"]
 
 COLUMNS = ("id", "text", "label", "group", "split")
 _BYTES_COLUMNS = ("text", "id", "group")
@@ -276,6 +276,13 @@ class Documents:
 
     def to_hf(self) -> Any:
         """An in-memory ``datasets.Dataset`` of these documents (small data and tests only)."""
-        from dipaco.data.corpus import DOCUMENT_FEATURES, to_dataset  # a cycle: corpus imports this module
+        import datasets  # heavy (pyarrow): only where a Dataset is built
 
-        return to_dataset({c: self.column(c) for c in COLUMNS}, DOCUMENT_FEATURES)
+        return datasets.Dataset.from_dict({c: self.column(c) for c in COLUMNS}, features=document_features())
+
+
+def document_features() -> Any:
+    """The ``datasets.Features`` of the store's columns (every one a string, label may be null)."""
+    import datasets  # slow to import: a store is read without it
+
+    return datasets.Features({c: datasets.Value("string") for c in COLUMNS})

@@ -36,26 +36,12 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from dipaco.inference.engine_rows import PathBatch, Row
+from dipaco.inference.engine_rows import PathBatch, Request, Row
 from dipaco.inference.generate import Generation
 from dipaco.inference.sampling import check_sampling
 
 if TYPE_CHECKING:
     from dipaco.inference.run import InferenceRun
-
-
-@dataclass
-class Request:
-    """One prompt to continue, with its own decoding settings."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int = 64
-    temperature: float = 0.0          # 0 = greedy
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None     # nucleus, (0, 1]
-    seed: int = 0                     # per-request sampler seed
-    stop_at_eos: bool = True
-    reroute_every: Optional[int] = None   # W; None = routed once by the prompt
 
 
 @dataclass

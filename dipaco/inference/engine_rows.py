@@ -20,8 +20,21 @@ from modules import PathModel
 from modules.row_decode import RowCache, decode_rows
 
 if TYPE_CHECKING:
-    from dipaco.inference.engine import Request
     from dipaco.inference.run import InferenceRun
+
+
+@dataclass
+class Request:
+    """One prompt to continue, with its own decoding settings."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 64
+    temperature: float = 0.0          # 0 = greedy
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None     # nucleus, (0, 1]
+    seed: int = 0                     # per-request sampler seed
+    stop_at_eos: bool = True
+    reroute_every: Optional[int] = None   # W; None = routed once by the prompt
 
 
 @dataclass(eq=False)  # rows are compared by identity
@@ -37,7 +50,7 @@ class Row:
     """
 
     rid: int
-    req: "Request"
+    req: Request
     out: Generation
     seq: list[int]
     windows: dict[int, int] = field(default_factory=dict)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -10,8 +10,24 @@ from dipaco.inference.sampling import check_sampling, sample_token
 from dipaco.runtime.device import model_device
 from modules import PathModel
 
-if TYPE_CHECKING:
-    from dipaco.inference.run import InferenceRun, PathLoader
+
+
+class PathSource(Protocol):
+    """What generation asks of a path loader (:class:`dipaco.inference.run.PathLoader`)."""
+
+    def get(self, path_id: int) -> PathModel: ...
+
+
+class RoutedModel(Protocol):
+    """What generation asks of a trained run (:class:`dipaco.inference.run.InferenceRun`,
+    which imports this module: generation names the interface, not the class)."""
+
+    tokenizer: Any
+    router: Any
+
+    def route(self, token_ids: Sequence[int]) -> int: ...
+
+    def loader(self, cache_size: int = 1) -> PathSource: ...
 
 
 # --------------------------------------------------------------------------- generation
@@ -74,7 +90,7 @@ class _PathDecoder:
 
 
 def generate_routed(
-    run: InferenceRun,
+    run: RoutedModel,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int = 64,
@@ -85,7 +101,7 @@ def generate_routed(
     reroute_every: Optional[int] = None,
     use_kv_cache: bool = True,
     stop_at_eos: bool = True,
-    loader: Optional[PathLoader] = None,
+    loader: Optional[PathSource] = None,
     on_token: Optional[Callable[[int], None]] = None,
 ) -> Generation:
     """Continue ``prompt_ids`` with the path its prefix routes to (re-routing every W tokens).
@@ -98,7 +114,7 @@ def generate_routed(
         reroute_every: W; ``None`` routes once by the prompt.
         use_kv_cache: ``False`` re-runs the whole context each step (slow; same tokens).
         stop_at_eos: stop after generating the eos token.
-        loader: a :class:`PathLoader` to use (default: a fresh one, one path in memory).
+        loader: a ``PathLoader`` to use (default: a fresh one, one path in memory).
         on_token: called with each generated token id as soon as it is chosen.
     """
     prompt = [int(t) for t in prompt_ids]

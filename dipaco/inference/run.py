@@ -24,7 +24,7 @@ from dipaco.rounds.early_stopping import load_best_path
 from dipaco.rounds.evaluate import evaluate_routed, evaluate_single
 from dipaco.run.fingerprint import verify_checkpoint, verify_outputs
 from dipaco.inference.generate import Generation, generate_routed
-from dipaco.job.prepare import lm_featurizer
+from modules.features import lm_featurizer
 from dipaco.run.run_dir import RunDir, RunDirError
 from modules import ModuleGrid, PathModel
 from router import Router

@@ -11,14 +11,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
 from dipaco.run.checkpoint import sha256_file, write_json
 from dipaco.config import Config
 from dipaco.data import Tokenizer, load_corpus, progress_bars
 from dipaco.data.pretokenized import load_token_corpus
 from dipaco.rounds.dense import WARMUP_STREAM_ID, load_dense_grid, save_dense, train_dense
-from dipaco.runtime.device import model_device, to_device
 from dipaco.rounds.early_stopping import write_validation_shards
 from dipaco.run.fingerprint import Fingerprints
 from dipaco.job.token_record import save_record
@@ -27,7 +25,7 @@ from dipaco.job.prepare_tokens import (_require_documents_per_path, evaluated_ro
 from dipaco.runtime.progress import bars_enabled, log
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.config.schedule import warmup_steps
-from modules import PathModel
+from modules.features import lm_featurizer
 from router import (
     CallableFeaturizer,
     Router,
@@ -73,37 +71,6 @@ class Prepared:
 
 def _log(msg: str) -> None:
     log.info(msg)  # the "dipaco" logger: the console and the run's train.log
-
-
-def lm_featurizer(grid: Any, batch_size: int = 64) -> Callable[[list[np.ndarray]], np.ndarray]:
-    """Mean final hidden state of each prefix under the dense model (the paper's features)."""
-    model = PathModel(grid, 0).eval()
-    device = model_device(model)
-    max_len = int(grid.cfg.max_seq_len)
-    captured: list[torch.Tensor] = []
-    # The head's input is the last hidden state; a hook reads it without a second API.
-    model.head.register_forward_hook(lambda _m, inp, _out: captured.append(inp[0].detach()))
-
-    @torch.no_grad()
-    def featurize(prefixes: list[np.ndarray]) -> np.ndarray:
-        out = []
-        for start in range(0, len(prefixes), batch_size):
-            # a re-route's context can be longer than the model's positions: its last ones
-            chunk = [np.asarray(p)[-max_len:] for p in prefixes[start : start + batch_size]]
-            T = max(1, max(len(p) for p in chunk))
-            x = torch.zeros(len(chunk), T, dtype=torch.long)
-            mask = torch.zeros(len(chunk), T)
-            for i, p in enumerate(chunk):
-                x[i, : len(p)] = torch.as_tensor(np.asarray(p, dtype=np.int64))
-                mask[i, : len(p)] = 1.0
-            captured.clear()
-            model(to_device(x, device))
-            h = captured[0].float().cpu()  # [B, T, C]
-            mean = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-            out.append(mean.numpy().astype(np.float32))
-        return np.concatenate(out, axis=0)
-
-    return featurize
 
 
 def _evaluated(cfg: Config, val_ids: TokenDocs) -> TokenDocs:

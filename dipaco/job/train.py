@@ -49,7 +49,7 @@ from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
 from dipaco.job.summary_table import summary_table
 from dipaco.runtime.record_tail import RecordTail
 from dipaco.runtime.tracking import MetricsWriter, writer_for
-from dipaco.config.validate import validate_config
+from dipaco.job.preflight import preflight
 from modules import PathModel
 
 
@@ -78,7 +78,7 @@ def train(cfg: Config, overrides: Optional[list[str]] = None,
 
 def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optional[dict[str, str]]) -> dict[str, Any]:
     """:func:`train`'s body."""
-    validate_config(cfg)
+    preflight(cfg)
     cfg = requeued_resume(cfg, os.environ, _log)  # a requeued SLURM job continues its run
     if not cfg.run_dir:
         raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
@@ -87,11 +87,11 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
     changes: dict[str, list] = {}
     if holds_prepared_run(run):  # a routed directory: continued, never rebuilt (dipaco/run/routed.py)
         cfg, changes = routed_config(cfg, run, overrides, _log)  # checked as a resume is (preflight_resume)
-        validate_config(cfg)
+        preflight(cfg)
     elif cfg.resume and has_saved_config(run):
         saved_rounds = run.load_config().trainer.rounds
         cfg, changes = resume_config(cfg, run, overrides, log=_log)
-        validate_config(cfg)
+        preflight(cfg)
         done = finished_summary(cfg, run, _log)
         if done is not None:
             _log(f"{run.root} is already finished ({done.get('rounds')} rounds, summary.json); nothing to do "

@@ -25,32 +25,22 @@ chunk; so the bounds above apply twice (the second to the sum). Chunks are multi
 
 Error feedback (the residual x - d carried to the next round) lives in ``ModuleSync``
 (first encoding) and in the chunk owner's residual (second encoding).
-New codecs register with :func:`register_codec`.
+The codecs by name, with the ``diloco.*`` keys their options read, are the registry
+``dipaco.config.names.CODECS`` (docs/design.md, "Adding a codec"): a codec is its class here
+(or in a module of its own) and one line there.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Codec", "CODECS", "Payload", "make_codec", "register_codec", "payload_nbytes"]
+from dipaco.config.names import CODECS, load
+
+__all__ = ["Codec", "CODECS", "Payload", "codec_class", "make_codec", "payload_nbytes"]
 
 Payload = tuple[torch.Tensor, ...]
-
-CODECS: dict[str, type["Codec"]] = {}
-
-
-def register_codec(name: str) -> Callable[[type["Codec"]], type["Codec"]]:
-    """Class decorator adding a codec to the registry under ``name``."""
-
-    def deco(cls: type["Codec"]) -> type["Codec"]:
-        cls.name = name
-        CODECS[name] = cls
-        return cls
-
-    return deco
-
 
 def payload_nbytes(payload: Sequence[torch.Tensor]) -> int:
     """Bytes of a payload on the wire."""
@@ -91,9 +81,9 @@ class Codec:
         return f"{type(self).__name__}()"
 
 
-@register_codec("none")
 class NoneCodec(Codec):
     """fp32, exact."""
+    name = "none"
 
     lossy = False
 
@@ -122,23 +112,23 @@ class _CastCodec(Codec):
         return 2 * int(numel)
 
 
-@register_codec("fp16")
 class FP16Codec(_CastCodec):
     """IEEE half precision (values beyond ±65504 are clamped, never inf)."""
+    name = "fp16"
 
     dtype = torch.float16
 
 
-@register_codec("bf16")
 class BF16Codec(_CastCodec):
     """bfloat16: fp32's range, 8 bits of mantissa."""
+    name = "bf16"
 
     dtype = torch.bfloat16
 
 
-@register_codec("int8")
 class Int8Codec(Codec):
     """Symmetric int8 with one fp32 absmax scale per block of ``block_size`` entries."""
+    name = "int8"
 
     def __init__(self, block_size: int = 256) -> None:
         if int(block_size) < 1:
@@ -211,13 +201,13 @@ class _BlockCodec(Codec):
         return f"{type(self).__name__}(block_size={self.block_size})"
 
 
-@register_codec("int4")
 class Int4Codec(_BlockCodec):
     """Symmetric 4-bit integers (-7..7) with one fp32 absmax scale per block, two per byte.
 
     Each entry is stored as ``q + 8`` in a nibble (entry ``2i`` low, ``2i+1`` high), so a
     payload is ``ceil(n/2)`` bytes plus the scales: about 1/8 of fp32.
     """
+    name = "int4"
 
     def encode(self, flat: torch.Tensor) -> Payload:
         n = flat.numel()
@@ -242,12 +232,12 @@ class Int4Codec(_BlockCodec):
         return -(-int(numel) // 2) + 4 * (-(-int(numel) // self.block_size))
 
 
-@register_codec("fp8")
 class FP8Codec(_BlockCodec):
     """8-bit floats, e4m3 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits,
     largest 448), after dividing each block by its scale absmax/448. The values travel
     as their bytes (uint8), so no collective needs to know the fp8 dtype. torch's CPU
     cast rounds to nearest even and saturates at ±448; the clamp makes that explicit."""
+    name = "fp8"
 
     TOP = 448.0
 
@@ -269,9 +259,9 @@ class FP8Codec(_BlockCodec):
         return int(numel) + 4 * (-(-int(numel) // self.block_size))
 
 
-@register_codec("topk")
 class TopKCodec(Codec):
     """Keep the ``ceil(fraction·numel)`` largest-magnitude entries: values + int32 indices."""
+    name = "topk"
 
     _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -313,6 +303,16 @@ class TopKCodec(Codec):
         return f"TopKCodec(fraction={self.fraction}, value_dtype={self.value_dtype!r})"
 
 
+def codec_class(name: str) -> type[Codec]:
+    """The class of codec ``name`` (its registry line in ``dipaco.config.names.CODECS``)."""
+    if name not in CODECS:
+        raise ValueError(f"diloco.codec={name!r} is not a known codec; valid choices: {sorted(CODECS)}")
+    cls = load(CODECS[name].where)
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"codec {name!r}: {CODECS[name].where} is not a Codec subclass")
+    return cls
+
+
 def make_codec(name: str, **kw: Any) -> Codec:
     """Build a codec by name (``diloco.codec``) with options (``diloco.codec_kw``).
 
@@ -320,9 +320,8 @@ def make_codec(name: str, **kw: Any) -> Codec:
         ValueError: unknown name (lists the valid choices) or bad options.
     """
     key = str(name).lower()
-    if key not in CODECS:
-        raise ValueError(f"diloco.codec={name!r} is not a known codec; valid choices: {sorted(CODECS)}")
+    cls = codec_class(key)
     try:
-        return CODECS[key](**kw)
+        return cls(**kw)
     except TypeError as e:
         raise ValueError(f"diloco.codec_kw {sorted(kw)} not accepted by codec {key!r}: {e}") from None

@@ -30,15 +30,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from dipaco.config.names import BACKENDS, DEVICES, PRECISIONS as PRECISION_NAMES
+
 __all__ = ["DEVICES", "PRECISIONS", "RankDevice", "autocast", "choose_backend", "choose_device",
            "compile_enabled", "config_problems", "cuda_count", "grad_scaler", "local_rank_env",
            "maybe_compile", "model_device", "peak_memory_bytes", "rank_device", "reset_peak_memory",
            "set_deterministic", "to_device"]
 
-DEVICES = ("auto", "cuda", "cpu")
-BACKENDS = ("auto", "gloo", "nccl")
 #: trainer.precision → autocast dtype (None: plain fp32)
-PRECISIONS: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the names are the registry's (dipaco.config.names.PRECISIONS), the dtypes this module's
+_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS: dict[str, Optional[torch.dtype]] = {n: _DTYPES[n] for n in PRECISION_NAMES}
 
 
 def cuda_count() -> int:
