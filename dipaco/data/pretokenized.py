@@ -25,7 +25,6 @@ the tokenizer's vocabulary on the way (an id outside it is one :class:`DataError
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -42,6 +41,7 @@ from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.readers import (count_skip, is_saved_dataset, iter_dataset, iter_json_file, iter_json_lines,
                                  iter_parquet, open_datasets)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
+from dipaco.run.hashing import sha256, short_key
 from dipaco.run.outputs import output_between
 from dipaco.data.textstore import Documents, TextStoreWriter, new_store_dir
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
@@ -156,7 +156,7 @@ class TokenView(Documents):
 
     def content_hash(self) -> str:
         """sha256 over the ids and token ids of these documents (order-sensitive)."""
-        h = hashlib.sha256(b"pretokenized-v1")
+        h = sha256(b"pretokenized-v1")
         h.update(len(self).to_bytes(8, "little"))
         docs = self.token_docs()
         for lo in range(0, len(self), 4096):
@@ -185,7 +185,7 @@ class TokenCorpus(Corpus):
         """One split's token ids, copied (once, then cached) into ``cache_dir`` as int32 and
         checked against ``tokenizer``'s vocabulary."""
         view = self.split(name)
-        key = hashlib.sha256(f"{view.content_hash()}:{tokenizer.sha256}".encode()).hexdigest()[:24]
+        key = short_key(f"{view.content_hash()}:{tokenizer.sha256}")
         path = os.path.join(cache_dir, f"tokens-{key}")
         if os.path.isdir(path):
             try:
