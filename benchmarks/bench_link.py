@@ -35,6 +35,15 @@ wall − unshaped wall; the inner steps' own time, ``compute_s``, moves by ±25%
 on a shared host, so it is kept out of the DiLoCo figure), the sync share (stood ÷ wall), bytes sent per round (all ranks) and the peak
 bytes one path had in flight (per rank, streaming's schedule as run). ``hidden`` is the
 share of synchronous DiLoCo's exposed time that streaming does not expose.
+
+Bytes on the wire (:mod:`benchmarks.link_wire`): ``wire`` is the loopback's transmitted
+bytes per round (all ranks, the same median over rounds), counted by the namespace's
+interface while the setting trains: the payload plus TCP/IP headers, gloo's framing and
+the round's control collectives; ``wire_ratio`` = wire ÷ payload. After the settings, the
+control collectives a synchronous round issues besides its exchanges (the round-end
+barrier, the all-gather of the round record) are measured alone.
+``--rates`` with no value runs the unshaped link only (the byte figures do not depend on
+the rate).
 """
 from __future__ import annotations
 
@@ -48,6 +57,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, work_dir, write_result
+from benchmarks.link_wire import WireMeter, control_bytes, round_record_proxy
 
 INSIDE = "DIPACO_BENCH_LINK_NETNS"  # set in the re-run inside the namespace
 SETTINGS = ("ddp", "sync", "streaming", "streaming+int4")
@@ -90,6 +100,9 @@ def build_run(root: Path, paths: int) -> Any:
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 256, size=int(rng.integers(200, 400))).tolist() for _ in range(400)]
     write_shards(TokenDocs.from_arrays(docs), [[i % paths] for i in range(len(docs))], paths, run.shards)
+    # an empty record, as a prepared run holds one: without it the rounds refuse a tokenizer and
+    # shards whose origin is unknown (dipaco/run/fingerprint.py)
+    (run.root / "fingerprints.json").write_text("{}\n", encoding="utf-8")
     return run
 
 
@@ -110,8 +123,8 @@ def overrides(setting: str, args: Any) -> list[str]:
     return base
 
 
-def run_setting(setting: str, args: Any, root: Path, templates: dict[int, Path]) -> list[dict[str, Any]]:
-    """Train one setting in a fresh copy of its run directory; its metrics lines."""
+def run_setting(setting: str, args: Any, root: Path, templates: dict[int, Path]) -> tuple[list[dict[str, Any]], Any]:
+    """Train one setting in a fresh copy of its run directory; its metrics lines and run."""
     from dipaco.config import compose_config
     from dipaco.rounds import run_rank
     from dipaco.run.run_dir import RunDir
@@ -121,8 +134,12 @@ def run_setting(setting: str, args: Any, root: Path, templates: dict[int, Path])
     dst = root / f"{setting}-{len(list(root.iterdir()))}"
     shutil.copytree(src, dst)
     run = RunDir.at(dst)
-    launch(run_rank, compose_config(overrides(setting, args), run.root), run)
-    return [json.loads(x) for x in run.metrics.read_text().splitlines() if x.strip()]
+    with WireMeter(run.metrics) as meter:
+        launch(run_rank, compose_config(overrides(setting, args), run.root), run)
+    lines = [json.loads(x) for x in run.metrics.read_text().splitlines() if x.strip()]
+    for line, wire in zip(lines, meter.per_round()):
+        line["wire_bytes"] = wire
+    return lines, run
 
 
 def summarise(lines: list[dict[str, Any]]) -> dict[str, float]:
@@ -132,7 +149,8 @@ def summarise(lines: list[dict[str, Any]]) -> dict[str, float]:
     return {"wall_s": med(lambda x: x["compute_s"] + x["wait_s"] + x["sync_s"]),
             "stood_s": med(lambda x: x["sync_s"]), "wait_s": med(lambda x: x["wait_s"]),
             "blocked_s": med(lambda x: x.get("blocked_s", 0.0)), "bytes": med(lambda x: x["bytes_sent"]),
-            "peak_inflight": med(lambda x: x.get("inflight_peak_bytes", 0))}
+            "peak_inflight": med(lambda x: x.get("inflight_peak_bytes", 0)),
+            "wire": med(lambda x: x.get("wire_bytes", 0))}
 
 
 def ddp_bytes_per_round(args: Any, root: Path) -> int:
@@ -161,13 +179,16 @@ def inside(args: Any) -> dict[str, Any]:
     templates = {p: build_run(root / f"template{p}", p).root for p in (1, 4)}
     runs = root / "runs"
     runs.mkdir()
-    rows, base = [], {}
+    rows, base, record = [], {}, None
     ddp_bytes = ddp_bytes_per_round(args, root)
     try:
         for rate in [None, *args.rates]:
             shape(rate)
             for setting in SETTINGS:
-                s = summarise(run_setting(setting, args, runs, templates))
+                lines, run = run_setting(setting, args, runs, templates)
+                s = summarise(lines)
+                if setting == "sync" and record is None:
+                    record = round_record_proxy(run)
                 if setting == "ddp":  # its all-reduces are the learner's, uncounted by the sync: as planned
                     s["bytes"] = ddp_bytes
                 s["compute_s"] = s["wall_s"] - s["stood_s"] - s["wait_s"]
@@ -175,8 +196,11 @@ def inside(args: Any) -> dict[str, Any]:
                     base[setting] = s
                 s["exposed_s"] = exposed(setting, s, base[setting])
                 rows.append({"rate_mbit": rate or "unshaped", "setting": setting, **s,
-                             "sync_share": s["stood_s"] / s["wall_s"] if s["wall_s"] else 0.0})
+                             "sync_share": s["stood_s"] / s["wall_s"] if s["wall_s"] else 0.0,
+                             "wire_ratio": s["wire"] / s["bytes"] if s["bytes"] else None})
                 print(rows[-1], flush=True)
+        # the control collectives of a synchronous round, alone on the unshaped link
+        control = control_bytes(record["record"], world=4) if record else {}
     finally:
         shape(None)
         if not args.keep_runs:
@@ -185,12 +209,14 @@ def inside(args: Any) -> dict[str, Any]:
         sync = next(x for x in rows if x["rate_mbit"] == r["rate_mbit"] and x["setting"] == "sync")
         r["hidden"] = (1 - r["exposed_s"] / sync["exposed_s"]) if r["setting"].startswith("streaming") \
             and sync["exposed_s"] > 0 else None
-    return {"rows": rows}
+    return {"rows": rows, "control_bytes_per_round": control,
+            "round_record_json_bytes": record["json_bytes"] if record else None}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap = base_parser(__doc__ or "")
-    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 40.0], help="Mbit/s of the shaped loopback")
+    ap.add_argument("--rates", type=float, nargs="*", default=[4.0, 40.0],
+                    help="Mbit/s of the shaped loopback (none: the unshaped link only)")
     ap.add_argument("--inner-steps", type=int, default=16, help="H")
     ap.add_argument("--delay", type=int, default=4, help="diloco.streaming_delay (τ)")
     ap.add_argument("--rounds", type=int, default=6)
@@ -206,8 +232,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         print_table(payload["rows"], ["rate_mbit", "setting", "wall_s", "compute_s", "stood_s", "wait_s", "blocked_s",
                                       "exposed_s",
                                       "sync_share",
-                                      "hidden", "bytes", "peak_inflight"],
+                                      "hidden", "bytes", "wire", "wire_ratio", "peak_inflight"],
                     title=f"4 gloo ranks on a shaped loopback, model=tiny, H={args.inner_steps}, τ={args.delay}")
+        print_table([{"collective": k, "bytes": v} for k, v in payload["control_bytes_per_round"].items()],
+                    ["collective", "bytes"], title="per call, 4 gloo ranks, loopback tx bytes (all ranks)")
         write_result("link", {**payload, "args": vars(args)}, mode=args.mode, load_before=load0, out=args.out,
                      argv=argv)
         return payload

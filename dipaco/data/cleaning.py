@@ -8,13 +8,13 @@ configured key that *no* record has is an error (a typo, not bad rows: :func:`ch
 """
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
 from dipaco.data.errors import DataError
 from dipaco.data.readers import count_skip
+from dipaco.run.hashing import stable_u64
 
 if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch)
     from dipaco.config import DataConfig
@@ -189,7 +189,7 @@ class Cleaner:
         return Document(doc_id, text, label, doc_id if group is None else group)
 
     def _unique(self, doc_id: str) -> str:
-        key = int.from_bytes(hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest(), "little")
+        key = stable_u64(doc_id)
         if self._seen.add(key):
             return doc_id
         n = self._repeats.get(key, 1) + 1

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import json
 import multiprocessing
 import os
@@ -62,6 +61,8 @@ from dipaco.data.errors import DataError
 from dipaco.data.domain_files import Candidate, discover, requirement_closure  # noqa: F401 (re-exported)
 from dipaco.data.python_sources import pack_pieces, split_source, split_text
 from dipaco.data.readers import count_skip, read_text_head
+from dipaco.run.atomic import atomic_write_lines
+from dipaco.run.hashing import sha256, sha256_digest
 
 __all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
            "is_generated", "load_multidomain", "record_text", "requirement_closure"]
@@ -190,7 +191,7 @@ def record_text(text: str) -> str:
 
 
 def _order(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    return sha256_digest(key)
 
 
 def _read(c: Candidate, target: int, max_chars: int) -> Tuple[str, Optional[bytes], List[Tuple[str, str, str]]]:
@@ -205,7 +206,7 @@ def _read(c: Candidate, target: int, max_chars: int) -> Tuple[str, Optional[byte
         return "non_utf8", None, []
     if "\x00" in text or not text.strip():
         return "binary_or_empty", None, []
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    digest = sha256_digest(text)
     if c.domain in _GENERATED_DOMAINS and is_generated(text):
         return "generated_file", digest, []
     return "", digest, _cut(c, text, target, max_chars)
@@ -296,7 +297,7 @@ def cache_dir() -> str:
 
 def fingerprint(candidates: Iterable[Candidate], settings: Dict[str, object]) -> str:
     """sha256 of the builder version, the settings and every candidate's (path, size, mtime)."""
-    h = hashlib.sha256(json.dumps({"version": BUILDER_VERSION, **settings}, sort_keys=True).encode())
+    h = sha256(json.dumps({"version": BUILDER_VERSION, **settings}, sort_keys=True))
     for c in sorted(candidates, key=lambda c: c.key):
         try:
             st = os.stat(c.path)
@@ -307,12 +308,8 @@ def fingerprint(candidates: Iterable[Candidate], settings: Dict[str, object]) ->
 
 
 def _write_jsonl(path: str, docs: Sequence[DomainDocument]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps(asdict(d), ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # readers never see a half-written cache
+    # atomic: readers (another rank, a concurrent run) never see a half-written cache
+    atomic_write_lines(path, (json.dumps(asdict(d), ensure_ascii=False) + "\n" for d in docs))
 
 
 def _read_jsonl(path: str) -> Iterator[DomainDocument]:

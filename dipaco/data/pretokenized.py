@@ -30,7 +30,6 @@ none named (an older store), is refused in one line. Records of ids have no head
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -47,6 +46,7 @@ from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.readers import (count_skip, is_saved_dataset, iter_dataset, iter_json_file, iter_json_lines,
                                  iter_parquet, open_datasets)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
+from dipaco.run.hashing import sha256, short_key
 from dipaco.run.outputs import output_between
 from dipaco.data.textstore import Documents, TextStoreWriter, new_store_dir
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
@@ -190,7 +190,7 @@ class TokenView(Documents):
 
     def content_hash(self) -> str:
         """sha256 over the ids and token ids of these documents (order-sensitive)."""
-        h = hashlib.sha256(b"pretokenized-v1")
+        h = sha256(b"pretokenized-v1")
         h.update(len(self).to_bytes(8, "little"))
         docs = self.token_docs()
         for lo in range(0, len(self), 4096):
@@ -219,7 +219,7 @@ class TokenCorpus(Corpus):
         """One split's token ids, copied (once, then cached) into ``cache_dir`` as int32 and
         checked against ``tokenizer``'s vocabulary."""
         view = self.split(name)
-        key = hashlib.sha256(f"{view.content_hash()}:{tokenizer.sha256}".encode()).hexdigest()[:24]
+        key = short_key(f"{view.content_hash()}:{tokenizer.sha256}")
         path = os.path.join(cache_dir, f"tokens-{key}")
         if os.path.isdir(path):
             try:

@@ -8,7 +8,8 @@ then share a split, and validation never scores text whose neighbours were train
 """
 from __future__ import annotations
 
-import hashlib
+from dipaco.run.hashing import sha256_digest
+
 
 SPLITS = ("train", "validation", "test")
 
@@ -19,7 +20,7 @@ def id_unit_interval(doc_id: str, salt: str = "split") -> float:
     ``salt`` gives independent streams for different uses (the split, the
     ``max_documents`` sample) so that they are not correlated.
     """
-    digest = hashlib.sha256(f"{salt}\x00{doc_id}".encode("utf-8", "surrogatepass")).digest()
+    digest = sha256_digest(f"{salt}\x00{doc_id}")
     return int.from_bytes(digest[:8], "big") / 2.0**64
 
 

@@ -19,10 +19,8 @@ batches whatever the corpus size. :func:`tokenize_dataset` keeps an HF dataset w
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
-import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -32,7 +30,8 @@ import numpy as np
 
 from dipaco.data.textstore import Documents
 from dipaco.data.tokenizer import Tokenizer
-from dipaco.run.file_mode import follow_umask
+from dipaco.run.atomic import private_temp_dir, publish
+from dipaco.run.hashing import sha256, short_key
 from dipaco.runtime.progress import bars_enabled, progress_bar
 from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs, sweep_stale_writes
 
@@ -77,7 +76,7 @@ def dataset_content_hash(ds: Any) -> str:
     """
     if callable(getattr(ds, "content_hash", None)):  # pre-tokenized documents hash their token ids
         return ds.content_hash()
-    h = hashlib.sha256(_CACHE_VERSION.encode())
+    h = sha256(_CACHE_VERSION)
     h.update(len(ds).to_bytes(8, "little"))
     if isinstance(ds, Documents):
         for lo in range(0, len(ds), _HASH_BATCH):  # per group of rows: its ids, then its texts
@@ -97,7 +96,7 @@ def cache_path(ds: Any, tokenizer: Tokenizer, cache_dir: str, content: Optional[
     """Directory where the tokenized version of ``ds`` under ``tokenizer`` is stored
     (``content``: :func:`dataset_content_hash` of ``ds`` when already known)."""
     content = content or dataset_content_hash(ds)
-    key = hashlib.sha256(f"{content}:{tokenizer.sha256}".encode()).hexdigest()[:24]
+    key = short_key(f"{content}:{tokenizer.sha256}")
     return os.path.join(cache_dir, f"tokenized-{key}")
 
 
@@ -137,19 +136,17 @@ def tokenize_dataset(
         return {"input_ids": ids, "num_tokens": [len(x) for x in ids]}
 
     # new_fingerprint: datasets would otherwise try to hash the Rust tokenizer via dill
-    fingerprint = hashlib.sha256(f"{getattr(ds, '_fingerprint', '')}:{tokenizer.sha256}".encode()).hexdigest()[:16]
+    fingerprint = short_key(f"{getattr(ds, '_fingerprint', '')}:{tokenizer.sha256}", 16)
     with progress_bars(progress):
         out = ds.map(encode, batched=True, batch_size=256, num_proc=1, features=features,
                      new_fingerprint=fingerprint, keep_in_memory=True, desc="tokenize")
     if path:
-        os.makedirs(cache_dir, exist_ok=True)  # type: ignore[arg-type]
-        tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".tmp-tokenized-")
+        tmp = private_temp_dir(cache_dir, ".tmp-tokenized-")  # type: ignore[arg-type]
         try:
-            follow_umask(tmp)  # mkdtemp: 0700 whatever the umask
             with progress_bars(progress):
                 out.save_to_disk(tmp)
             try:
-                os.replace(tmp, path)
+                publish(tmp, path, durable=False)  # a cache: rebuilt if a crash loses it
             except OSError:  # another process finished first: use its entry
                 shutil.rmtree(tmp, ignore_errors=True)
         except BaseException:

@@ -12,11 +12,9 @@ The serialized JSON is kept byte for byte, so :attr:`Tokenizer.sha256` is the sa
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
-import tempfile
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -25,7 +23,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dipaco.data.errors import DataError
-from dipaco.run.file_mode import follow_umask
+from dipaco.run.atomic import atomic_write_text
+from dipaco.run.hashing import sha256_hex
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -88,9 +87,9 @@ class Tokenizer:
         path = os.fspath(path)
         if not path.endswith(".json"):
             path = os.path.join(path, TOKENIZER_FILE)
-        _atomic_write(path, self._json)
+        atomic_write_text(path, self._json)
         if self._eos_token != EOS_TOKEN:
-            _atomic_write(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE),
+            atomic_write_text(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE),
                           json.dumps({"eos_token": self._eos_token}, indent=2) + "\n")
         return path
 
@@ -100,8 +99,8 @@ class Tokenizer:
         self.save(directory)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token,
                   "model_max_length": int(model_max_length), "clean_up_tokenization_spaces": False}
-        _atomic_write(os.path.join(directory, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n")
-        _atomic_write(os.path.join(directory, "special_tokens_map.json"),
+        atomic_write_text(os.path.join(directory, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n")
+        atomic_write_text(os.path.join(directory, "special_tokens_map.json"),
                       json.dumps({"eos_token": self._eos_token}, indent=2) + "\n")
 
     @classmethod
@@ -178,7 +177,7 @@ class Tokenizer:
     @property
     def sha256(self) -> str:
         """Hex sha256 of the saved JSON: the tokenizer's identity in cache keys."""
-        return hashlib.sha256(self._json.encode("utf-8")).hexdigest()
+        return sha256_hex(self._json)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}, sha256={self.sha256[:12]})"
@@ -220,19 +219,3 @@ def _find_eos(hf: _HFTokenizer, path: str) -> str:
         f"it, none of {', '.join(_KNOWN_EOS)} in its vocabulary); documents need one as separator. "
         f"Fix: add {TOKENIZER_CONFIG_FILE} with {{\"eos_token\": \"...\"}} naming one of its tokens"
     )
-
-
-def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader never sees half a file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    try:
-        follow_umask(tmp)  # mkstemp: 0600 whatever the umask
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

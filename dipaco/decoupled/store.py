@@ -40,10 +40,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
-
-from dipaco.run.checkpoint import flatten_state, unflatten_state
+from dipaco.run.tensor_io import flatten_state, tensors_from_bytes, tensors_to_bytes, unflatten_state
 
 __all__ = ["Store", "FileStore", "encode_state", "decode_state", "decode_meta", "iter_jsonl"]
 
@@ -60,9 +57,8 @@ def encode_state(state: Any, meta: Optional[dict] = None) -> bytes:
     touching the tensors (the synchroniser reads an update's header first).
     """
     tensors, skeleton = flatten_state(state)
-    flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     header = {"skeleton": json.dumps(skeleton), "meta": json.dumps(meta or {}, sort_keys=True)}
-    return st_save(flat, metadata=header)
+    return tensors_to_bytes(tensors, metadata=header)
 
 
 def _header(blob: bytes) -> dict[str, str]:
@@ -79,7 +75,7 @@ def decode_meta(blob: bytes) -> dict:
 def decode_state(blob: bytes) -> tuple[Any, dict]:
     """Inverse of :func:`encode_state`: ``(state, meta)``."""
     header = _header(blob)
-    tensors = st_load(blob)
+    tensors = tensors_from_bytes(blob)
     return unflatten_state(tensors, json.loads(header["skeleton"])), json.loads(header.get("meta", "{}"))
 
 

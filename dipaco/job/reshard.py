@@ -22,7 +22,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from dipaco.run.checkpoint import CheckpointManager, write_json
+from dipaco.run.atomic import write_json
+from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.data import progress_bars
 from dipaco.rounds.evaluate import per_document_losses

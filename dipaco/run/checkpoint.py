@@ -17,140 +17,22 @@ checkpoint whose manifest checks out, so a corrupt last checkpoint costs one rou
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
-from dipaco.run.file_mode import follow_umask
+# The writers and readers a checkpoint is made of. Also reachable by this module's name:
+# the sync and rounds packages (and other branches) import them from here.
+from dipaco.run.atomic import atomic_write_text, fsync_dir, write_json
+from dipaco.run.hashing import sha256_file
+from dipaco.run.tensor_io import (CheckpointError, flatten_state, load_state, load_tensors, save_state,
+                                  save_tensors, unflatten_state)
 
 MANIFEST = "manifest.json"
 _ROUND_DIR = re.compile(r"^round_(\d{6})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupt; the message names the file."""
-
-
-# --------------------------------------------------------------------------- files
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Atomically write ``obj`` as indented JSON."""
-    atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: Optional[dict] = None) -> None:
-    """Atomically save a flat dict of tensors as safetensors (plus JSON metadata)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    # safetensors refuses shared or non-contiguous storage; clone makes each tensor its own.
-    flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    metadata = {"json": json.dumps(meta, sort_keys=True)} if meta is not None else None
-    save_file(flat, str(tmp), metadata=metadata)
-    follow_umask(tmp)  # safetensors creates 0600 whatever the umask
-    os.replace(tmp, path)
-
-
-def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
-    """Load tensors and metadata written by :func:`save_tensors`; never unpickles."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"missing checkpoint file {path}")
-    try:
-        tensors = load_file(str(path))
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("json")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"corrupt checkpoint file {path}: {e}") from None
-    return tensors, (json.loads(raw) if raw else None)
-
-
-# ---------------------------------------------------------------- state dicts
-
-
-def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a nested state dict into (flat tensors, JSON skeleton).
-
-    Tensors are replaced in the skeleton by ``{"__tensor__": key}``; everything else
-    must be JSON (ints, floats, strings, lists, dicts with string-able keys). Optimiser
-    state dicts (int keys) round-trip through :func:`unflatten_state`.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(obj: Any, key: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if key in tensors:  # keys holding "/" could collide; refuse rather than overwrite
-                raise ValueError(f"duplicate tensor key {key!r} while flattening state")
-            tensors[key] = obj
-            return {"__tensor__": key}
-        if isinstance(obj, dict):
-            return {"__dict__": [[k, walk(v, f"{key}/{k}" if key else str(k))] for k, v in obj.items()]}
-        if isinstance(obj, (list, tuple)):
-            return [walk(v, f"{key}/{i}" if key else str(i)) for i, v in enumerate(obj)]
-        if obj is None or isinstance(obj, (bool, int, float, str)):
-            return obj
-        raise TypeError(f"cannot checkpoint value of type {type(obj).__name__} at {key!r}")
-
-    return tensors, walk(state, prefix)
-
-
-def unflatten_state(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
-    """Inverse of :func:`flatten_state`."""
-    if isinstance(skeleton, dict):
-        if "__tensor__" in skeleton:
-            return tensors[skeleton["__tensor__"]]
-        return {k: unflatten_state(tensors, v) for k, v in skeleton["__dict__"]}
-    if isinstance(skeleton, list):
-        return [unflatten_state(tensors, v) for v in skeleton]
-    return skeleton
-
-
-def save_state(path: Path, state: Any) -> None:
-    """Save any nested state (tensors + JSON values) as one safetensors file."""
-    tensors, skeleton = flatten_state(state)
-    save_tensors(path, tensors, meta={"skeleton": skeleton})
-
-
-def load_state(path: Path) -> Any:
-    """Load a state saved by :func:`save_state`."""
-    tensors, meta = load_tensors(path)
-    if not meta or "skeleton" not in meta:
-        raise CheckpointError(f"checkpoint file {path} has no state skeleton")
-    return unflatten_state(tensors, meta["skeleton"])
-
-
-# ---------------------------------------------------------------- manager
 
 
 def round_dir_name(round_idx: int) -> str:
@@ -206,7 +88,7 @@ class CheckpointManager:
         if final.exists():  # a resumed run re-taking the same round
             shutil.rmtree(final)
         os.replace(part, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return final
 
     def list_rounds(self) -> list[int]:
@@ -270,15 +152,6 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (best effort; not all filesystems allow it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+__all__ = ["MANIFEST", "CheckpointError", "CheckpointManager", "atomic_write_text", "flatten_state",
+           "load_state", "load_tensors", "round_dir_name", "save_state", "save_tensors", "sha256_file",
+           "unflatten_state", "write_json"]

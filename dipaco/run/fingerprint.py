@@ -19,13 +19,14 @@ makes, before the resume writes anything.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from dataclasses import fields
 from typing import Any, Callable, Optional
 
-from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, sha256_file, write_json
+from dipaco.run.atomic import write_json
+from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager
+from dipaco.run.hashing import sha256_file, sha256_json
 from dipaco.config import Config
 from dipaco.run.resume import allowed_on_resume, flat_config
 from dipaco.run.run_dir import RunDir, RunDirError
@@ -187,7 +188,7 @@ def checkpoint_stamp(run: RunDir) -> Optional[str]:
     rec = read_fingerprints(run).get("checkpoints")
     if rec is None:
         return None
-    return hashlib.sha256(json.dumps(rec, sort_keys=True).encode("utf-8")).hexdigest()
+    return sha256_json(rec)
 
 
 def verify_checkpoint(run: RunDir, ckpt: Path) -> None:

@@ -36,11 +36,11 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Iterable, Iterator, Optional, Union
 
+from dipaco.run.atomic import private_temp_dir, publish, temp_file_beside, write_atomically
 from dipaco.run.run_dir import RunDirError
 
 RECORD = ".dipaco-owned.json"
@@ -74,13 +74,12 @@ def read_record(folder: Union[str, os.PathLike]) -> dict[str, Optional[dict]]:
 
 
 def _write_record(folder: Path, files: dict[str, Optional[dict]], what: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=RECORD + ".", dir=folder)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump({"version": _VERSION, "written_by": what, "files": dict(sorted(files.items()))}, f, indent=1)
-        f.write("\n")
-    from dipaco.run.file_mode import follow_umask  # mkstemp: 0600
+    def fill(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"version": _VERSION, "written_by": what, "files": dict(sorted(files.items()))}, f, indent=1)
+            f.write("\n")
 
-    os.replace(follow_umask(tmp), folder / RECORD)
+    write_atomically(folder / RECORD, fill, prefix=RECORD + ".")
 
 
 def _as_written(p: Path, entry: Optional[dict]) -> bool:
@@ -219,13 +218,10 @@ class OwnedWrite:
     def __enter__(self) -> Path:
         check_owned(self.folder, (), self.what, replace=self.replace)
         self._created = not self.folder.exists()
-        from dipaco.run.file_mode import follow_umask
-
         with _writable(self.folder, self.what):
             self.folder.mkdir(parents=True, exist_ok=True)
             sweep_stale_staging(self.folder)
-            self.staging = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=self.folder))
-        follow_umask(self.staging)
+            self.staging = private_temp_dir(self.folder, f"{STAGING_PREFIX}{os.getpid()}-")
         return self.staging
 
     def __exit__(self, kind: Optional[type], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
@@ -292,15 +288,12 @@ def write_owned_file(path: Union[str, os.PathLike], data: Union[str, bytes], wha
     with _writable(folder, what):
         folder.mkdir(parents=True, exist_ok=True)
         sweep_stale_staging(folder)
-        fd, tmp = tempfile.mkstemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=folder)
+        tmp = temp_file_beside(folder / name, prefix=f"{STAGING_PREFIX}{os.getpid()}-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        from dipaco.run.file_mode import follow_umask
-
-        os.replace(follow_umask(tmp), folder / name)
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        publish(tmp, folder / name)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     record = read_record(folder)
     record[name] = _stamp(folder / name, what)
