@@ -1,4 +1,4 @@
-"""One writer for files (dipaco/run/atomic.py), tensor files (run/tensor_io.py) and hashes
+"""One writer for files (dipaco/storage/atomic.py), tensor files (run/tensor_io.py) and hashes
 (run/hashing.py): the write rules, and the bytes and values pinned to what the writers
 produced before they moved there (a checkpoint, a cache key or a split must not change)."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from dipaco.data.splits import id_unit_interval
-from dipaco.run import atomic
-from dipaco.run.atomic import atomic_write_bytes, atomic_write_text, write_atomically, write_json
+from dipaco.storage import atomic
+from dipaco.storage.atomic import atomic_write_bytes, atomic_write_text, write_atomically, write_json
 from dipaco.run.checkpoint import CheckpointManager
-from dipaco.run.hashing import sha256_digest, sha256_file, sha256_hex, short_key, stable_u64
-from dipaco.run.tensor_io import load_state, save_state, tensors_from_bytes, tensors_to_bytes
+from dipaco.storage.hashing import sha256_digest, sha256_file, sha256_hex, short_key, stable_u64
+from dipaco.storage.tensor_io import load_state, save_state, tensors_from_bytes, tensors_to_bytes
 
 # sha256 of the files the checkpoint writers produced for this state before they moved
 # into run/atomic.py and run/tensor_io.py (computed on the code they came from)

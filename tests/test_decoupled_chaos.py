@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco.run.tensor_io import load_state
+from dipaco.storage.tensor_io import load_state
 from dipaco.config import compose_config
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.metrics import ledger_report, pushed_ids

@@ -10,7 +10,7 @@ import torch
 
 from dipaco.plan.build import build_grid
 from dipaco.run.checkpoint import CheckpointError
-from dipaco.run.tensor_io import save_state
+from dipaco.storage.tensor_io import save_state
 from dipaco.config import compose_config
 from dipaco.rounds.early_stopping import PathEarlyStopping, load_best_path, read_best_record, write_validation_shards
 from dipaco.job.evaluation import path_models

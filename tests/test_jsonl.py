@@ -1,10 +1,10 @@
-"""One JSON-lines reader (dipaco/run/jsonl.py) for the records a run appends."""
+"""One JSON-lines reader (dipaco/storage/jsonl.py) for the records a run appends."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from dipaco.run import provenance
-from dipaco.run.jsonl import read_json_lines
+from dipaco.storage.jsonl import read_json_lines
 from dipaco.runtime import record_tail
 
 

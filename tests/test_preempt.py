@@ -43,7 +43,7 @@ def _documents(path: Path) -> list[str]:
 
 
 def _weights(run_dir: Path, round_idx: int) -> dict[str, dict[str, torch.Tensor]]:
-    from dipaco.run.tensor_io import load_state
+    from dipaco.storage.tensor_io import load_state
 
     ckpt = run_dir / "checkpoints" / f"round_{round_idx:06d}" / "modules"
     return {p.stem: load_state(p) for p in sorted(ckpt.glob("*.safetensors"))}

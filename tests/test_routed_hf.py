@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from dipaco.run.checkpoint import CheckpointError
-from dipaco.run.tensor_io import save_tensors
+from dipaco.storage.tensor_io import save_tensors
 from dipaco.cli import infer as infer_cli
 from dipaco.config import compose_config
-from dipaco.run.atomic import current_umask, follow_umask
+from dipaco.storage.atomic import current_umask, follow_umask
 from dipaco.inference import InferenceRun, export_routed_hf, load_routed
 from dipaco.job.train import train
 

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from dipaco.runtime import faults
-from dipaco.run.tensor_io import load_state, save_state
+from dipaco.storage.tensor_io import load_state, save_state
 from dipaco.config import ConfigError, DiLoCoConfig, to_config
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.merge import ModuleSynchronizer, Update

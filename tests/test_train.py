@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dipaco.run.tensor_io import load_state
+from dipaco.storage.tensor_io import load_state
 from dipaco.job.prepare import validation_ids
 from dipaco.run.run_dir import RunDir
 from dipaco.config import ConfigError, compose_config

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from dipaco.cli.errors import fail
 from dipaco.cli.infer_args import COMMON_EPILOG, add_run_args, emit, int_in, open_run, positive
-from dipaco.run.atomic import write_json
+from dipaco.storage.atomic import write_json
 from dipaco.run.path_guard import check_target
 from dipaco.run.run_dir import RunDirError
 

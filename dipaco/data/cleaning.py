@@ -14,7 +14,7 @@ import numpy as np
 
 from dipaco.data.errors import DataError
 from dipaco.data.readers import count_skip
-from dipaco.run.hashing import stable_u64
+from dipaco.storage.hashing import stable_u64
 
 if TYPE_CHECKING:  # the type only: dipaco.config pulls in modules (torch)
     from dipaco.config import DataConfig

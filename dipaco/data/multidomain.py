@@ -61,8 +61,8 @@ from dipaco.data.errors import DataError
 from dipaco.data.domain_files import Candidate, discover, requirement_closure  # noqa: F401 (re-exported)
 from dipaco.data.python_sources import pack_pieces, split_source, split_text
 from dipaco.data.readers import count_skip, read_text_head
-from dipaco.run.atomic import atomic_write_lines
-from dipaco.run.hashing import sha256, sha256_digest
+from dipaco.storage.atomic import atomic_write_lines
+from dipaco.storage.hashing import sha256, sha256_digest
 
 __all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
            "is_generated", "load_multidomain", "record_text", "requirement_closure"]

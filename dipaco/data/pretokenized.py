@@ -46,7 +46,7 @@ from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.readers import (count_skip, is_saved_dataset, iter_dataset, iter_json_file, iter_json_lines,
                                  iter_parquet, open_datasets)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
-from dipaco.run.hashing import sha256, short_key
+from dipaco.storage.hashing import sha256, short_key
 from dipaco.run.outputs import output_between
 from dipaco.data.textstore import Documents, TextStoreWriter, new_store_dir
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside

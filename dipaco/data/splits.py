@@ -8,7 +8,7 @@ then share a split, and validation never scores text whose neighbours were train
 """
 from __future__ import annotations
 
-from dipaco.run.hashing import sha256_digest
+from dipaco.storage.hashing import sha256_digest
 
 
 SPLITS = ("train", "validation", "test")

@@ -30,8 +30,8 @@ import numpy as np
 
 from dipaco.data.textstore import Documents
 from dipaco.data.tokenizer import Tokenizer
-from dipaco.run.atomic import private_temp_dir, publish
-from dipaco.run.hashing import sha256, short_key
+from dipaco.storage.atomic import private_temp_dir, publish
+from dipaco.storage.hashing import sha256, short_key
 from dipaco.runtime.progress import bars_enabled, progress_bar
 from router.tokens import TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs, sweep_stale_writes
 

@@ -23,8 +23,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dipaco.data.errors import DataError
-from dipaco.run.atomic import atomic_write_text
-from dipaco.run.hashing import sha256_hex
+from dipaco.storage.atomic import atomic_write_text
+from dipaco.storage.hashing import sha256_hex
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"

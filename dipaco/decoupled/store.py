@@ -40,7 +40,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from dipaco.run.tensor_io import flatten_state, tensors_from_bytes, tensors_to_bytes, unflatten_state
+from dipaco.storage.tensor_io import flatten_state, tensors_from_bytes, tensors_to_bytes, unflatten_state
 
 __all__ = ["Store", "FileStore", "encode_state", "decode_state", "decode_meta", "iter_jsonl"]
 

@@ -8,10 +8,10 @@ from typing import Any, Sequence
 
 import torch
 
-from dipaco.run.atomic import write_json
+from dipaco.storage.atomic import write_json
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from dipaco.run.hashing import sha256_file
-from dipaco.run.tensor_io import load_tensors, save_tensors
+from dipaco.storage.hashing import sha256_file
+from dipaco.storage.tensor_io import load_tensors, save_tensors
 from dipaco.data import Tokenizer
 from dipaco.rounds.early_stopping import load_best_path
 from dipaco.inference.model_card import write_provenance

@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dipaco.run.atomic import write_json
-from dipaco.run.tensor_io import save_tensors
+from dipaco.storage.atomic import write_json
+from dipaco.storage.tensor_io import save_tensors
 from dipaco.inference.export import EXPORT_MARKER, check_export_target, staged_export
 from dipaco.inference.model_card import MODEL_CARD, PROVENANCE_FILE, TRAINING_CONFIG, write_hf_extras
 from dipaco.inference.run import InferenceRun

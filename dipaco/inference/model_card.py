@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from dipaco.run.atomic import write_json
+from dipaco.storage.atomic import write_json
 from dipaco.run.provenance import collect, one_line, read
 
 PROVENANCE_FILE = "provenance.json"

@@ -27,9 +27,9 @@ from typing import Any, Sequence, Union
 import numpy as np
 import torch
 
-from dipaco.run.atomic import write_json
+from dipaco.storage.atomic import write_json
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from dipaco.run.hashing import sha256_file
+from dipaco.storage.hashing import sha256_file
 from dipaco.data import Tokenizer
 from dipaco.inference.export import EXPORT_MARKER, check_export_target, staged_export
 from dipaco.inference.export_hf import ExportError, write_llama_files

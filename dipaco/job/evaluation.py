@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dipaco.plan.build import build_grid
-from dipaco.run.tensor_io import load_state
+from dipaco.storage.tensor_io import load_state
 from dipaco.config import Config, eval_window
 from dipaco.rounds.early_stopping import load_best_path, read_best_record
 from dipaco.rounds.evaluate import evaluate_routed

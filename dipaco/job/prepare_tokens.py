@@ -22,7 +22,7 @@ from dipaco.config import Config, ConfigError, require
 from dipaco.data import DataError, Tokenizer, dataset_content_hash, load_corpus, tokenize_to_docs
 from dipaco.data.pretokenized import load_token_corpus
 from dipaco.data.tokenizer import tokenizer_beside
-from dipaco.job.token_record import describe_split, reuse_splits
+from dipaco.job.token_record import describe_split, evaluated_rows, reuse_splits
 from dipaco.run.fingerprint import Fingerprints
 from dipaco.runtime.progress import bars_enabled
 from dipaco.run.run_dir import RunDir, RunDirError
@@ -65,21 +65,6 @@ def release_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
-    """Rows of a split's ``n`` documents that the evaluation scores: all of them, or
-    ``max_documents`` spread evenly over the split (row ``floor(i * n / max_documents)``).
-
-    Spread, not the first rows: a split is in corpus order, i.e. sorted by domain (or by
-    package for python_sources), so its first 400 documents of the multidomain corpus were
-    python and C/C++ only. An even spread keeps every domain in proportion and is a
-    function of ``n`` alone, so every run and ``dipaco-infer score`` pick the same rows.
-    """
-    if max_documents is None or n <= int(max_documents):
-        return np.arange(n, dtype=np.int64)
-    k = int(max_documents)
-    return (np.arange(k, dtype=np.int64) * n) // k
 
 
 def _stage(timings: dict, name: str, t0: float) -> None:

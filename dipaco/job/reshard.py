@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from dipaco.run.atomic import write_json
+from dipaco.storage.atomic import write_json
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config
 from dipaco.data import progress_bars

@@ -107,13 +107,13 @@ def reuse_splits(cfg: Config, run: RunDir, fps: Fingerprints, cache_dir: str,
         ids[split] = got
     if "train" not in ids or "validation" not in ids or cfg.trainer.eval_split not in ids:
         return _recompute(log, "the token record lacks a split this run evaluates")
-    rows = _evaluated_rows(len(ids["validation"]), cfg.trainer.eval_max_documents)
+    rows = evaluated_rows(len(ids["validation"]), cfg.trainer.eval_max_documents)
     labels = _labels(Path(cache_dir), rec.get("labels"), len(rows), len(ids["train"]))
     if isinstance(labels, str):
         return _recompute(log, labels)
     val_labels, train_labels = labels
     eval_ids = ids[cfg.trainer.eval_split]
-    eval_ids = eval_ids.select(_evaluated_rows(len(eval_ids), cfg.trainer.eval_max_documents))
+    eval_ids = eval_ids.select(evaluated_rows(len(eval_ids), cfg.trainer.eval_max_documents))
     log(f"tokens: the token cache that {fps.path.name} records ({len(ids['train'])} train, "
         f"{len(ids['validation'])} validation documents in {cache_dir}); the corpus is not read again")
     return {"tokenizer": tokenizer, "train_ids": ids["train"], "val_ids": ids["validation"].select(rows),
@@ -121,10 +121,19 @@ def reuse_splits(cfg: Config, run: RunDir, fps: Fingerprints, cache_dir: str,
             "data_fp": rec["data"], "seconds": time.perf_counter() - t0}
 
 
-def _evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
-    from dipaco.job.prepare_tokens import evaluated_rows  # one rule for which rows are scored
+def evaluated_rows(n: int, max_documents: Optional[int]) -> np.ndarray:
+    """Rows of a split's ``n`` documents that the evaluation scores: all of them, or
+    ``max_documents`` spread evenly over the split (row ``floor(i * n / max_documents)``).
 
-    return evaluated_rows(n, max_documents)
+    Spread, not the first rows: a split is in corpus order, i.e. sorted by domain (or by
+    package for python_sources), so its first 400 documents of the multidomain corpus were
+    python and C/C++ only. An even spread keeps every domain in proportion and is a
+    function of ``n`` alone, so every run and ``dipaco-infer score`` pick the same rows.
+    """
+    if max_documents is None or n <= int(max_documents):
+        return np.arange(n, dtype=np.int64)
+    k = int(max_documents)
+    return (np.arange(k, dtype=np.int64) * n) // k
 
 
 def _recompute(log: Callable[[str], None], why: str) -> None:

@@ -26,9 +26,9 @@ from typing import Iterable, Optional
 
 # The writers and readers a checkpoint is made of. Also reachable by this module's name:
 # the sync and rounds packages (and other branches) import them from here.
-from dipaco.run.atomic import atomic_write_text, fsync_dir, write_json
-from dipaco.run.hashing import sha256_file
-from dipaco.run.tensor_io import (CheckpointError, flatten_state, load_state, load_tensors, save_state,
+from dipaco.storage.atomic import atomic_write_text, fsync_dir, write_json
+from dipaco.storage.hashing import sha256_file
+from dipaco.storage.tensor_io import (CheckpointError, flatten_state, load_state, load_tensors, save_state,
                                   save_tensors, unflatten_state)
 
 MANIFEST = "manifest.json"

@@ -24,9 +24,9 @@ from pathlib import Path
 from dataclasses import fields
 from typing import Any, Callable, Optional
 
-from dipaco.run.atomic import write_json
+from dipaco.storage.atomic import write_json
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager
-from dipaco.run.hashing import sha256_file, sha256_json
+from dipaco.storage.hashing import sha256_file, sha256_json
 from dipaco.config import Config
 from dipaco.run.resume import allowed_on_resume, flat_config
 from dipaco.run.run_dir import RunDir, RunDirError

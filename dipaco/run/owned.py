@@ -40,7 +40,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Iterable, Iterator, Optional, Union
 
-from dipaco.run.atomic import private_temp_dir, publish, temp_file_beside, write_atomically
+from dipaco.storage.atomic import private_temp_dir, publish, temp_file_beside, write_atomically
 from dipaco.run.run_dir import RunDirError
 
 RECORD = ".dipaco-owned.json"

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
-from dipaco.run.jsonl import read_json_lines
+from dipaco.storage.jsonl import read_json_lines
 
 PROVENANCE = "provenance.jsonl"
 # the libraries whose versions change what a run computes or how fast

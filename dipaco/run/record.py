@@ -16,7 +16,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 
 from dipaco.config import Config
-from dipaco.run.atomic import atomic_write_text, write_json
+from dipaco.storage.atomic import atomic_write_text, write_json
 from dipaco.run.run_dir import RunDir, RunDirError
 
 FINGERPRINTS = "fingerprints.json"  # the same file as dipaco.run.fingerprint's

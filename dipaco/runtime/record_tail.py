@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from dipaco.run.jsonl import read_json_lines
+from dipaco.storage.jsonl import read_json_lines
 from dipaco.runtime.tracking import MetricsWriter, round_scalars, step_scalars
 
 

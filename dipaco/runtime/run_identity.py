@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dipaco.config import Config
-from dipaco.run.atomic import atomic_write_text
+from dipaco.storage.atomic import atomic_write_text
 from dipaco.run.run_dir import RunDir
 
 __all__ = ["RUN_UID", "run_uid", "wandb_settings"]

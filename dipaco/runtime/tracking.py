@@ -40,7 +40,7 @@ from typing import Any, Iterator, Optional
 
 
 from dipaco.config import Config
-from dipaco.run.atomic import atomic_write_text
+from dipaco.storage.atomic import atomic_write_text
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log
 from dipaco.runtime.run_identity import RUN_UID, run_uid, wandb_settings

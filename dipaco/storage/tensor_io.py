@@ -2,7 +2,7 @@
 optimiser state in (no pickle: docs/design.md contract 5).
 
 :func:`save_tensors` writes a flat dict of tensors plus JSON metadata atomically
-(:mod:`dipaco.run.atomic`); :func:`save_state` any nested state (an optimiser's state
+(:mod:`dipaco.storage.atomic`); :func:`save_state` any nested state (an optimiser's state
 dict, a path's data position) as its tensors plus a JSON skeleton. The one wrapper of
 the ``safetensors`` library.
 """
@@ -18,7 +18,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_bytes
 
-from dipaco.run.atomic import write_atomically
+from dipaco.storage.atomic import write_atomically
 
 
 class CheckpointError(RuntimeError):
