@@ -234,6 +234,7 @@ def test_flat_diloco_baseline_trains(tmp_path: Path) -> None:
     assert summary["bytes_sent"] > 0 and summary["num_paths"] == 1
 
 
+@pytest.mark.slow
 def test_eval_split_test_scores_the_held_out_documents(local_run: tuple[Path, dict], tmp_path: Path) -> None:
     """Settings are chosen on validation, results reported on test: the same run scores
     other documents (and dipaco-infer's document list follows the setting)."""
