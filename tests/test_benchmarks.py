@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OWN = ["quality", "comm", "overhead", "sync_share", "memory", "gpu", "groups", "prepare", "link", "serving"]
 
 
+@pytest.mark.multiprocess
 def test_entry_point_help() -> None:
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
@@ -51,6 +52,7 @@ def test_link_benchmark_skips_with_a_message_when_it_cannot_shape(monkeypatch: p
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess  # dipaco-serve in a subprocess
 def test_the_serving_benchmark_runs_tiny(finished, tmp_path) -> None:
     """bench_serve --tiny: dipaco-serve and the in-process engine on the same 8 prompts."""
     from benchmarks import bench_serve
@@ -60,6 +62,8 @@ def test_the_serving_benchmark_runs_tiny(finished, tmp_path) -> None:
     assert out["server"]["latency_p99_s"] >= out["server"]["latency_p50_s"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess  # the per-process sides and the export are subprocesses
 def test_serving_benchmark_tiny_runs_every_side(finished, tmp_path: Path) -> None:
     """bench_serving --tiny on the shared tiny run: every side measured, the engine's greedy
     tokens equal to transformers' on the Llama export."""

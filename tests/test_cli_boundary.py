@@ -114,6 +114,7 @@ def test_an_unknown_error_is_one_line_naming_its_traceback_file(tmp_path: Path, 
     assert len(dumps) == 1 and str(dumps[0]) in err and "Traceback" in dumps[0].read_text()
 
 
+@pytest.mark.multiprocess
 def test_a_read_only_place_is_refused_before_work(tmp_path: Path, monkeypatch) -> None:
     """Root may write anywhere, so the read-only folder is simulated by os.access."""
     from dipaco.run.path_guard import check_run_root, check_target
@@ -131,6 +132,7 @@ def test_a_read_only_place_is_refused_before_work(tmp_path: Path, monkeypatch) -
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_real_console_script_prints_no_traceback(tmp_path: Path) -> None:
     """The installed entry point, in its own process: a non-UTF-8 --text."""
     proc = subprocess.run([sys.executable, "-c", "from dipaco.cli.infer import main; main()", "route",

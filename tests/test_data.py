@@ -95,6 +95,7 @@ def test_python_sources_listing_is_stdlib_only() -> None:
     assert any(f.startswith("json/") for f in files)
 
 
+@pytest.mark.multiprocess
 def test_python_sources_identical_across_runs(stdlib_corpus: Corpus) -> None:
     """A fresh interpreter (other str-hash salt) builds exactly the documents of this one."""
     import hashlib

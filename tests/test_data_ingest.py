@@ -254,6 +254,7 @@ tokenize_to_docs(corpus.dataset, tok, cache_dir=sys.argv[3], batch_size=4, progr
 """
 
 
+@pytest.mark.multiprocess
 def test_a_kill_mid_tokenization_leaves_nothing_a_later_run_trusts(tmp_path) -> None:
     """SIGKILL while the text store and a token entry are being written: no tokens-* entry
     is published; the next run sweeps what the dead one left and completes."""

@@ -67,6 +67,7 @@ def _fresh(run_dir: Path) -> None:
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
@@ -108,6 +109,7 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     assert abs(loss - sync_loss) <= LOSS_TOL, (loss, sync_loss)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_full_quorum_and_waiting_learners_reproduce_sync(sync_run: tuple[Path, float, dict]) -> None:

@@ -76,6 +76,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, FakeWandb]
     return tmp / "run", fake
 
 
+@pytest.mark.slow
 def test_tensorboard_has_the_health_metrics_every_logging_interval(tiny_run) -> None:
     run_dir, _ = tiny_run
     H = compose_config(TINY).diloco.inner_steps
@@ -112,6 +113,7 @@ def test_step_records_agree_with_the_round_totals(tiny_run) -> None:
             assert mean == pytest.approx(v["loss"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_metrics_do_not_change_the_results(tiny_run, tmp_path: Path) -> None:
     """The same run with no per-step metrics and no validation sample trains bit for bit
     the same: losses of every round and path, and the routed perplexity."""

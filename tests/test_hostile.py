@@ -68,6 +68,7 @@ def test_resume_with_a_shaping_override_is_refused(finished, tmp_path, override)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [["resume=true", "grid=4x4"], []], ids=["shaping_override", "fresh_run"])
+@pytest.mark.multiprocess
 def test_cli_refusal_leaves_even_hydra_files_untouched(finished, tmp_path, args):
     """The real `dipaco-train hydra.run.dir=D resume=true grid=4x4`, and a fresh run (no resume) into a run directory
     — one line, exit 2; Hydra's own `.hydra/` and log file are switched off for an existing run, so D is byte-identical."""
@@ -255,6 +256,7 @@ def test_fresh_run_refuses_a_foreign_tokenizer_and_router(finished, tmp_path, ca
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.multiprocess
 def test_second_run_in_a_locked_directory_is_refused_with_the_pid(tmp_path):
     """A second run while another holds the directory (live PID in `.dipaco.lock`)
     — `D is in use by another dipaco run (PID n on host); wait for it to finish or use another hydra.run.dir`; exit 2; byte-identical."""
@@ -274,6 +276,7 @@ def test_second_run_in_a_locked_directory_is_refused_with_the_pid(tmp_path):
         sleeper.wait()
 
 
+@pytest.mark.multiprocess
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     """A lock left by a killed run (its PID no longer exists)
     — taken over, logged: `taking over the stale lock D/.dipaco.lock (...: that process is gone)`; removed on exit."""

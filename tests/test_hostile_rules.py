@@ -154,6 +154,7 @@ def test_a_tokenizer_copied_from_another_run_is_refused_on_every_read(finished, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spelling", ["quoted", "symlink"])
+@pytest.mark.multiprocess
 def test_a_refused_resume_writes_nothing_however_the_directory_is_spelled(sigterm_stopped, tmp_path, spelling):
     """`dipaco-train hydra.run.dir=D resume=true trainer.keep_last=3` (an allowed change) when the data changed since D was made, with D spelled `'D'` (quoted, so the old check of `D/config.yaml` missed it) or through a symlink
     — refused in one line, exit 2, and D byte-identical: no `config.yaml` rewrite, no `resumes.jsonl` line, no `.hydra/`, no cache (a resume records its changes only once accepted; Hydra writes nothing into any single run)."""

@@ -221,6 +221,7 @@ def test_score_equals_trainer_routed_evaluation(trained_run, corpus_texts, tmp_p
     assert np.isclose(json.loads(stdout)["ppl"], summary["routed_ppl"], rtol=1e-9)
 
 
+@pytest.mark.slow  # trains its own run (it deletes the dense baseline)
 def test_score_dense_and_split(tmp_path, capsys):
     """`score --dense` scores the run's saved dense baseline with the routed rule: on the
     run's own evaluation documents it gives summary.json's dense_ppl and ratio_vs_dense;
@@ -388,6 +389,7 @@ def test_short_prompt_routes_on_what_exists(trained_run, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_corrupt_weights_file_is_refused_naming_it(trained_run, tmp_path, capsys):
     bad = _copy_run(trained_run, tmp_path / "corrupt")
     run = InferenceRun.open(bad)

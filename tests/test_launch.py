@@ -46,6 +46,7 @@ def test_slurm_renders_a_two_node_eight_gpu_job() -> None:
     assert job.launcher.name == "slurm" and job.launcher.nodes * job.launcher.nproc == 16
 
 
+@pytest.mark.multiprocess
 def test_slurm_without_a_partition_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         validate_config(compose_config(["launcher=slurm", "grid=4x4"]))

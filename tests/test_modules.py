@@ -212,6 +212,7 @@ def test_init_depends_only_on_seed_and_module_id():
     assert states_equal(ModuleGrid(tiny(), [1, 1], seed=3).module_state_dict("L1.0"), a.module_state_dict("L1.0"))
 
 
+@pytest.mark.multiprocess
 def test_modules_is_a_leaf_package():
     """modules/ imports torch only: never dipaco or router, nor the router's libraries."""
     code = (
@@ -225,6 +226,7 @@ def test_modules_is_a_leaf_package():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
+@pytest.mark.multiprocess
 def test_init_identical_in_another_process():
     g = ModuleGrid(tiny(), [2, 2], seed=7)
     code = (

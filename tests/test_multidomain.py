@@ -128,6 +128,7 @@ def test_build_is_deterministic_and_cached(fake_install, monkeypatch) -> None:
         load_multidomain(EXCLUDES, 600, 4000)
 
 
+@pytest.mark.slow
 def test_parallel_build_equals_sequential_build(fake_install) -> None:
     """Worker processes read and cut the files; the corpus, the cap and the skip counts are
     those of a build in one process (the parent keeps the files' order)."""
@@ -270,6 +271,7 @@ def test_real_install_small_build(tmp_path, monkeypatch) -> None:
         assert size >= 20_000, (d, size)
 
 
+@pytest.mark.slow
 def test_default_config_trains_on_multidomain(fake_install, tmp_path) -> None:
     """The default corpus end to end (on the fake install): routed, trained, scored, and the
     routing report measures NMI against the five domains."""

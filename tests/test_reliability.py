@@ -414,6 +414,7 @@ def _regridded_copy(base_run: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_router_from_a_different_grid_is_one_line_in_the_cli(base_run: Path, tmp_path: Path) -> None:
     run = _regridded_copy(base_run, tmp_path)
     proc = subprocess.run([sys.executable, "-c", "from dipaco.cli.train import main; main()",

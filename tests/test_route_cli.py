@@ -10,6 +10,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_dipaco_route_writes_router_shards_and_report(tmp_path: Path) -> None:
     run = tmp_path / "route"
     proc = subprocess.run(
@@ -26,6 +27,7 @@ def test_dipaco_route_writes_router_shards_and_report(tmp_path: Path) -> None:
     assert (run / "router" / "manifest.json").is_file() and (run / "shards" / "shards.json").is_file()
 
 
+@pytest.mark.multiprocess
 def test_dipaco_route_config_error_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", "from dipaco.cli.route import main; main()", "router.top_k=0",

@@ -37,6 +37,7 @@ def product44(corpus):
 
 
 # ----------------------------------------------------------------------------- boundaries
+@pytest.mark.multiprocess
 def test_router_never_imports_torch_dipaco_or_modules():
     code = (
         "import importlib, pkgutil, sys, router\n"

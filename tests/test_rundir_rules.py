@@ -158,6 +158,7 @@ def _edit_by_hand(run: RunDir, keys: list[str]) -> list[str]:
     return edited
 
 
+@pytest.mark.slow
 def test_every_key_edited_by_hand_in_config_yaml_is_honoured_as_recorded_or_refused(tmp_path):
     """`config.yaml` of a run edited by hand before `resume=true`, every key of the config (`trainer.precision`, the evaluation keys, the grid, the launcher, ...)
     — a key a resume may change is honoured and recorded as a change of the resume (`resumes.jsonl`: ran with → edited); any other is `config error: KEY: D/config.yaml says KEY=edited but the run ran with saved (fingerprints.json): it was edited by hand ... Fix: put KEY: saved back in config.yaml, ...`. No edit is used silently."""

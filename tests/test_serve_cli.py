@@ -116,6 +116,7 @@ def run(served):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_greedy_completions_are_the_runs_own_generation(served, run) -> None:
     url, run_dir = served
     name = Path(run_dir).resolve().name
@@ -137,6 +138,7 @@ def test_greedy_completions_are_the_runs_own_generation(served, run) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_concurrent_clients_share_batches_and_a_leaving_one_is_freed(served) -> None:
     url, run_dir = served
     name = Path(run_dir).resolve().name
@@ -168,6 +170,7 @@ def test_concurrent_clients_share_batches_and_a_leaving_one_is_freed(served) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_openai_client_against_the_real_engine(served) -> None:
     openai = pytest.importorskip("openai")
     url, run_dir = served

@@ -25,8 +25,9 @@ from dipaco.job.train import train
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.run.run_dir import RunStopped
 
-# three rounds: a stop that came one round late would run round 3, the last, and finish
-BASE = ["experiment=smoke", "data.max_documents=200", "trainer.rounds=3", "diloco.inner_steps=2",
+# three rounds: a stop that came one round late would run round 3, the last, and finish; two
+# paths (grid=2x1): the contract is about rounds, and a round of four paths costs twice as much
+BASE = ["experiment=smoke", "grid=2x1", "data.max_documents=200", "trainer.rounds=3", "diloco.inner_steps=2",
         "trainer.dense_baseline=false", "trainer.plots=false", "trainer.eval_max_documents=8", "trainer.threads=1"]
 MODES = {"sync": [], "streaming": ["diloco.streaming=true"],
          "decoupled": ["diloco.mode=decoupled", "launcher.nproc=2"]}
@@ -55,11 +56,14 @@ def _rounds(run: Path) -> list[int]:
 
 CASES = [("sync", "inner steps"), ("sync", "checkpoint write"), ("sync", "before re-shard"),
          ("streaming", "inner steps"), ("streaming", "checkpoint write"), ("decoupled", "inner steps")]
+# decoupled mode's workers are processes of their own
+PARAMS = [pytest.param(m, p, id=f"{m}-{p}", marks=[pytest.mark.multiprocess] if m == "decoupled" else [])
+          for m, p in CASES]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("mode", "phase"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
+@pytest.mark.parametrize(("mode", "phase"), PARAMS)
 def test_a_stop_checkpoints_the_last_complete_round_and_exits_within_one(
         mode: str, phase: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM in round 2 (sync, streaming) or after the first phase (decoupled): RunStopped

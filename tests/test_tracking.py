@@ -49,6 +49,7 @@ def captured_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_log_without_a_terminal_has_one_line_per_round(captured_run) -> None:
     _, proc = captured_run
     out = proc.stdout + proc.stderr
@@ -63,6 +64,7 @@ def test_log_without_a_terminal_has_one_line_per_round(captured_run) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_train_log_in_the_hydra_run_dir_holds_the_messages(captured_run) -> None:
     """Hydra's job log is switched off (a refused run must write nothing); the run writes
     its own train.log where Hydra would have: every console line of the logger is in it."""
@@ -75,6 +77,7 @@ def test_train_log_in_the_hydra_run_dir_holds_the_messages(captured_run) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tensorboard_events_hold_the_round_metrics_and_summary(captured_run) -> None:
     run_dir, _ = captured_run
     scalars = _scalars(run_dir / "tb")

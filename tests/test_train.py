@@ -139,6 +139,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+@pytest.mark.multiprocess
 def test_cli_config_error_is_one_line(tmp_path: Path) -> None:
     proc = _cli("diloco.inner_steps=0", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode == 2
@@ -147,6 +148,7 @@ def test_cli_config_error_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_cli_unknown_group_option_fails_before_work(tmp_path: Path) -> None:
     proc = _cli("model=nope", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
     assert proc.returncode != 0
@@ -155,6 +157,7 @@ def test_cli_unknown_group_option_fails_before_work(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_cli_multirun_sweep_of_two_points(tmp_path: Path) -> None:
     proc = _cli("-m", *SMOKE, "trainer.rounds=1", "diloco.inner_steps=2,3", "trainer.dense_baseline=false",
                 f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
@@ -231,6 +234,7 @@ def test_flat_diloco_baseline_trains(tmp_path: Path) -> None:
     assert summary["bytes_sent"] > 0 and summary["num_paths"] == 1
 
 
+@pytest.mark.slow
 def test_eval_split_test_scores_the_held_out_documents(local_run: tuple[Path, dict], tmp_path: Path) -> None:
     """Settings are chosen on validation, results reported on test: the same run scores
     other documents (and dipaco-infer's document list follows the setting)."""
