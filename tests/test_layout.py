@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_MODULES = 15
 
 # lowest first: a package may import the packages before it (docs/design.md shows this list)
-LAYERS = ["config", "run", "runtime", "data", "plan", "sync", "rounds", "decoupled", "job", "inference", "serve", "cli"]
+LAYERS = ["config", "run", "runtime", "data", "plan", "sync", "rounds", "decoupled", "sim", "job", "inference", "serve", "cli"]
 # module → the packages above it that it may import, and why (the design doc says the same)
 EXCEPTIONS = {
     # Hydra composition sets model.vocab_size from a given tokenizer file

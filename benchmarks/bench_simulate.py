@@ -1,0 +1,186 @@
+"""``dipaco-plan --simulate`` against this machine's measurements, then at scale.
+
+``--validate``: the simulator (dipaco/sim/) predicts the settings the repository measured
+(docs/results.md §21: benchmarks/bench_link.py on a shaped loopback; docs/decoupled.md:
+benchmarks/bench_decoupled.py with one worker 3x slower; docs/launch.md: an elastic
+departure and rejoin) from the recorded step time and link rate only, and prints
+prediction and measurement side by side. No parameter is fitted per row.
+
+``--scale``: experiment=paper (256 paths) on 10^3..10^6 chips and a 1.2M-chip case, goodput
+vs chip count and vs MTBF for sync, elastic, streaming and decoupled, the link rate at
+which each mode's exposed communication falls under 5%, and the wall time of a simulated
+week on 10^6 chips (the 60 s budget). ``--plot DIR`` draws the scale figures.
+
+    python -m benchmarks.bench_simulate --validate
+    nice -n 10 python -m benchmarks.bench_simulate --scale --plot /tmp/sim_plots
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Any
+
+from dipaco.config import compose_config
+from dipaco.sim.job import SimJob, sim_job
+from dipaco.sim.decoupled import simulate_decoupled
+from dipaco.sim.report import simulate_job
+from dipaco.sim.rounds import simulate_rounds
+
+DECOUPLED_S = 600.0  # simulated seconds of decoupled mode at scale (256 workers: ~300 phases each)
+
+# benchmarks/bench_link.py's settings (its overrides(), H=16, 16 x 128 tokens per rank and step)
+LINK = ["experiment=smoke", "model.vocab_size=300", "trainer.dense_baseline=false", "trainer.warmup_fraction=0",
+        "trainer.seq_len=128", "diloco.inner_steps=16", "grid=2x2", "trainer.batch_size=16", "trainer.rounds=6",
+        "trainer.checkpoint_every=6", "cluster.chips=4", "cluster.link_scope=shared"]
+# benchmarks/bench_decoupled.py --quick: [2,2], 4 paths x 6 phases x H=256, worker 0 3x slower
+DECOUPLED = ["experiment=smoke", "trainer.rounds=6", "diloco.inner_steps=256", "trainer.checkpoint_every=1000",
+             "cluster.chips=4", "cluster.slow_groups=1", "cluster.slow_factor=3", "diloco.decoupled.workers=4"]
+
+
+def _job(overrides: list[str], **cluster: Any) -> SimJob:
+    """The job of ``overrides`` with ``cluster.<key>=<value>`` for each of ``cluster``."""
+    return sim_job(compose_config(overrides + [f"cluster.{k}={v!r}" for k, v in cluster.items()]))
+
+
+def _modes(job: SimJob, modes: tuple[str, ...]) -> dict[str, Any]:
+    return {r.mode: r for r in simulate_job(job, modes).results}
+
+
+def validate() -> list[dict[str, Any]]:
+    """Prediction vs measurement rows (measured figures as docs/ record them)."""
+    rows: list[dict[str, Any]] = []
+
+    def row(setting: str, what: str, predicted: float, measured: float) -> None:
+        err = (predicted - measured) / measured if measured else float("nan")
+        rows.append({"setting": setting, "quantity": what, "predicted": round(predicted, 3),
+                     "measured": measured, "error": round(err, 3)})
+
+    # docs/results.md §21, idle host: 16 inner steps ~0.85 s; 12 Mbit/s, tau = 6
+    for mode, wall, exposed in (("sync", 1.46, 0.53), ("streaming", 0.94, 0.0), ("ddp", 12.06, 11.11)):
+        extra = ["diloco.streaming_delay=6"]
+        r = _modes(_job(LINK + extra, step_s=0.85 / 16, link_gbps=0.012), (mode,))[mode]
+        row(f"bench_link 12 Mbit/s idle, {mode}", "wall s/round", r.wall_per_round_s, wall)
+        row(f"bench_link 12 Mbit/s idle, {mode}", "exposed s/round", r.exposed_per_round_s, exposed)
+    # the shared-host table: the free link's sync round took 1.97 s of inner steps (16 steps)
+    for rate, mode, wall, exposed in ((4, "sync", 3.72, 1.62), (4, "streaming", 3.28, 0.07), (4, "ddp", 36.38, 34.03),
+                                      (40, "sync", 2.32, 0.13), (40, "streaming", 2.00, 0.14), (40, "ddp", 4.56, 2.20)):
+        r = _modes(_job(LINK + ["diloco.streaming_delay=4"], step_s=1.97 / 16, link_gbps=rate / 1000), (mode,))[mode]
+        row(f"bench_link {rate} Mbit/s shared, {mode}", "wall s/round", r.wall_per_round_s, wall)
+        row(f"bench_link {rate} Mbit/s shared, {mode}", "exposed s/round", r.exposed_per_round_s, exposed)
+    # docs/decoupled.md: sync 40.5 s for 6 rounds at the slow rank's pace (3 x 256 steps a round)
+    step = 40.5 / (6 * 256 * 3)
+    res = _modes(_job(DECOUPLED, step_s=step), ("sync", "decoupled"))
+    row("bench_decoupled, 1 of 4 workers 3x slower", "sync goodput", res["sync"].goodput, 0.52)
+    row("bench_decoupled, 1 of 4 workers 3x slower", "decoupled goodput", res["decoupled"].goodput, 0.833)
+    fixed = _modes(_job(DECOUPLED + ["diloco.decoupled.dynamic_steps=false", "diloco.decoupled.pull_wait_fraction=null"],
+                        step_s=step), ("decoupled",))["decoupled"]
+    row("bench_decoupled, fixed H", "decoupled goodput", fixed.goodput, 0.717)
+    row("bench_decoupled", "decoupled train window s", res["decoupled"].wall_s, 20.2)
+    # docs/launch.md: 16 rounds of H=50 on 4 groups, group 2 lost in round 2, back for round 8
+    # (rounds 2-7 on 3 groups); bytes 17.9 MB against 19.5 MB uninterrupted
+    el = _job(["experiment=smoke", "trainer.rounds=16", "diloco.inner_steps=50", "cluster.chips=4"], step_s=0.04)
+    full = _modes(el, ("sync",))["sync"].bytes_per_round
+    three = _modes(dataclasses.replace(el, groups=3, chips_per_group=1), ("sync",))["sync"].bytes_per_round
+    row("elastic departure and rejoin", "bytes sent MB", (10 * full + 6 * three) / 1e6, 17.9)
+    return rows
+
+
+def scale(plot_dir: str | None) -> dict[str, Any]:
+    """Goodput vs chips and vs MTBF; the 5% bandwidth; the 1.2M-chip week and its time."""
+    base = sim_job(compose_config(["experiment=paper", "cluster=paper_1m"]))
+    modes = ("sync", "elastic", "streaming", "decoupled")
+    out: dict[str, Any] = {"assumptions": dict(base.cluster.__dict__), "step_s": base.step_s}
+
+    def at(chips: int, **kw: Any) -> dict[str, float]:
+        """Goodput per mode on ``chips`` chips: the round modes over the preset's week;
+        decoupled over DECOUPLED_S (its failures are folded into each phase when a worker
+        stands for many groups, so its goodput is a stationary rate: docs/planning.md)."""
+        j = dataclasses.replace(base, groups=chips // base.chips_per_group,
+                                cluster=dataclasses.replace(base.cluster, chips=chips, **kw))
+        j = dataclasses.replace(j, workers=min(j.groups, base.paths))
+        horizon = j.cluster.horizon_hours * 3600.0
+        out = {m: simulate_rounds(j, m, horizon).goodput for m in modes if m != "decoupled"}
+        out["decoupled"] = simulate_decoupled(j, DECOUPLED_S).goodput
+        return out
+
+    out["goodput_vs_chips"] = {n: at(n) for n in (1_000, 10_000, 100_000, 1_000_000)}
+    out["goodput_vs_mtbf_1m"] = {h: at(1_000_000, mtbf_hours=h) for h in (1e4, 3e4, 1e5, 3e5, 1e6)}
+    out["paper_1_2m"] = at(1_200_000)
+    t0 = time.time()  # the 60 s budget: every round mode over a simulated week on 10^6 chips
+    j6 = dataclasses.replace(base, groups=1_000_000 // base.chips_per_group)
+    week = {m: simulate_rounds(j6, m, 168 * 3600.0).to_dict() for m in ("sync", "elastic", "streaming", "ddp")}
+    out["seconds_for_1m_week_round_modes"] = round(time.time() - t0, 1)
+    out["week_1m"] = {m: {k: r[k] for k in ("goodput", "failures", "rounds", "wall_per_round_s", "exposed_share")}
+                      for m, r in week.items()}
+    t0 = time.time()
+    out["decoupled_1m"] = simulate_decoupled(dataclasses.replace(j6, workers=base.paths), DECOUPLED_S).to_dict()
+    out["seconds_for_decoupled_1m"] = round(time.time() - t0, 1)
+    rates: dict[str, float] = {}
+    for mode in ("sync", "streaming", "ddp"):
+        for gbps in (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000):
+            j = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, link_gbps=gbps, mtbf_hours=None,
+                                                                       horizon_hours=1.0))
+            if simulate_rounds(j, mode, 3600.0).exposed_share < 0.05:
+                rates[mode] = gbps
+                break
+    for gbps in (0.1, 0.3, 1, 3, 10, 30, 100):  # decoupled: the push of a phase's update
+        j = dataclasses.replace(base, workers=base.paths,
+                                cluster=dataclasses.replace(base.cluster, link_gbps=gbps, mtbf_hours=None))
+        if simulate_decoupled(j, DECOUPLED_S).exposed_share < 0.05:
+            rates["decoupled"] = gbps
+            break
+    out["gbps_for_exposed_under_5pct"] = rates
+    if plot_dir:
+        _plot(out, plot_dir)
+    return out
+
+
+def _plot(out: dict[str, Any], folder: str) -> None:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(folder, exist_ok=True)
+    for key, xlabel in (("goodput_vs_chips", "chips"), ("goodput_vs_mtbf_1m", "chip MTBF (hours), 10^6 chips")):
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        xs = sorted(out[key])
+        for mode in out[key][xs[0]]:
+            ax.plot(xs, [out[key][x][mode] for x in xs], marker="o", label=mode)
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("goodput")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(folder, f"{key}.png"), dpi=90)
+        plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--scale", action="store_true")
+    ap.add_argument("--plot", default=None, help="folder for the scale plots")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    res: dict[str, Any] = {}
+    if args.validate or not args.scale:
+        res["validation"] = validate()
+        print(f"{'setting':<44}{'quantity':<28}{'predicted':>10}{'measured':>10}{'error':>8}")
+        for r in res["validation"]:
+            print(f"{r['setting']:<44}{r['quantity']:<28}{r['predicted']:>10}{r['measured']:>10}{r['error']:>8.0%}")
+    if args.scale:
+        res["scale"] = scale(args.plot)
+        print(json.dumps(res["scale"], indent=1, default=str))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
