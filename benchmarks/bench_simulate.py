@@ -88,10 +88,15 @@ def validate() -> list[dict[str, Any]]:
 
 
 def scale(plot_dir: str | None) -> dict[str, Any]:
-    """Goodput vs chips and vs MTBF; the 5% bandwidth; the 1.2M-chip week and its time."""
+    """Goodput vs chips and vs MTBF; the 5% bandwidth; the 10^6-chip week and its CPU time.
+    Each result is printed as it lands (a shared host may be slow to finish them all)."""
     base = sim_job(compose_config(["experiment=paper", "cluster=paper_1m"]))
     modes = ("sync", "elastic", "streaming", "decoupled")
-    out: dict[str, Any] = {"assumptions": dict(base.cluster.__dict__), "step_s": base.step_s}
+    out: dict[str, Any] = {"step_s": base.step_s, "paths": base.paths}
+
+    def note(key: str, value: Any) -> None:
+        out[key] = value
+        print(json.dumps({key: value}, default=str), flush=True)
 
     def at(chips: int, **kw: Any) -> dict[str, float]:
         """Goodput per mode on ``chips`` chips: the round modes over the preset's week;
@@ -101,37 +106,43 @@ def scale(plot_dir: str | None) -> dict[str, Any]:
                                 cluster=dataclasses.replace(base.cluster, chips=chips, **kw))
         j = dataclasses.replace(j, workers=min(j.groups, base.paths))
         horizon = j.cluster.horizon_hours * 3600.0
-        out = {m: simulate_rounds(j, m, horizon).goodput for m in modes if m != "decoupled"}
-        out["decoupled"] = simulate_decoupled(j, DECOUPLED_S).goodput
-        return out
+        res = {m: round(simulate_rounds(j, m, horizon).goodput, 4) for m in modes if m != "decoupled"}
+        res["decoupled"] = round(simulate_decoupled(j, DECOUPLED_S).goodput, 4)
+        return res
 
-    out["goodput_vs_chips"] = {n: at(n) for n in (1_000, 10_000, 100_000, 1_000_000)}
-    out["goodput_vs_mtbf_1m"] = {h: at(1_000_000, mtbf_hours=h) for h in (1e4, 3e4, 1e5, 3e5, 1e6)}
-    out["paper_1_2m"] = at(1_200_000)
-    t0 = time.time()  # the 60 s budget: every round mode over a simulated week on 10^6 chips
+    t0 = time.process_time()  # the 60 s budget: every round mode over a simulated week on 10^6 chips
     j6 = dataclasses.replace(base, groups=1_000_000 // base.chips_per_group)
     week = {m: simulate_rounds(j6, m, 168 * 3600.0).to_dict() for m in ("sync", "elastic", "streaming", "ddp")}
-    out["seconds_for_1m_week_round_modes"] = round(time.time() - t0, 1)
-    out["week_1m"] = {m: {k: r[k] for k in ("goodput", "failures", "rounds", "wall_per_round_s", "exposed_share")}
-                      for m, r in week.items()}
-    t0 = time.time()
-    out["decoupled_1m"] = simulate_decoupled(dataclasses.replace(j6, workers=base.paths), DECOUPLED_S).to_dict()
-    out["seconds_for_decoupled_1m"] = round(time.time() - t0, 1)
+    note("cpu_s_for_1m_week_round_modes", round(time.process_time() - t0, 1))
+    note("week_1m", {m: {k: r[k] for k in ("goodput", "failures", "rounds", "wall_per_round_s", "exposed_share")}
+                     for m, r in week.items()})
+    t0 = time.process_time()
+    dec = simulate_decoupled(dataclasses.replace(j6, workers=base.paths), DECOUPLED_S).to_dict()
+    note("cpu_s_for_decoupled_1m_600s", round(time.process_time() - t0, 1))
+    note("decoupled_1m", {k: dec[k] for k in ("goodput", "wall_per_round_s", "exposed_share")})
+    note("paper_1_2m", at(1_200_000))
+    chips_curve: dict[int, Any] = {}
+    for n in (1_000, 10_000, 100_000, 1_000_000):
+        chips_curve[n] = at(n)
+    note("goodput_vs_chips", chips_curve)
+    mtbf_curve: dict[float, Any] = {}
+    for h in (1e4, 1e5, 1e6):
+        mtbf_curve[h] = at(1_000_000, mtbf_hours=h)
+    note("goodput_vs_mtbf_1m", mtbf_curve)
     rates: dict[str, float] = {}
     for mode in ("sync", "streaming", "ddp"):
-        for gbps in (0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000, 3000):
-            j = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, link_gbps=gbps, mtbf_hours=None,
-                                                                       horizon_hours=1.0))
-            if simulate_rounds(j, mode, 3600.0).exposed_share < 0.05:
+        for gbps in (1, 10, 100, 1000, 10000):
+            j = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, link_gbps=gbps, mtbf_hours=None))
+            if simulate_rounds(j, mode, 600.0).exposed_share < 0.05:
                 rates[mode] = gbps
                 break
-    for gbps in (0.1, 0.3, 1, 3, 10, 30, 100):  # decoupled: the push of a phase's update
+    for gbps in (0.1, 1, 10, 100):  # decoupled: the push of a phase's update
         j = dataclasses.replace(base, workers=base.paths,
                                 cluster=dataclasses.replace(base.cluster, link_gbps=gbps, mtbf_hours=None))
-        if simulate_decoupled(j, DECOUPLED_S).exposed_share < 0.05:
+        if simulate_decoupled(j, 60.0).exposed_share < 0.05:
             rates["decoupled"] = gbps
             break
-    out["gbps_for_exposed_under_5pct"] = rates
+    note("gbps_for_exposed_under_5pct", rates)
     if plot_dir:
         _plot(out, plot_dir)
     return out
@@ -176,7 +187,6 @@ def main() -> None:
             print(f"{r['setting']:<44}{r['quantity']:<28}{r['predicted']:>10}{r['measured']:>10}{r['error']:>8.0%}")
     if args.scale:
         res["scale"] = scale(args.plot)
-        print(json.dumps(res["scale"], indent=1, default=str))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1, default=str)
