@@ -58,6 +58,12 @@ class _RoundSim:
         self.committed: list[tuple[float, float]] = []  # (steps, factor) of each round since the last checkpoint
         self.rounds_done = 0
         self.block: Optional[tuple[float, list[float], list[tuple[float, float, float, float, float]]]] = None
+        # per round the same: a path's bytes, each fragment's (launch, land, seconds on the link)
+        self.path_bytes = job.rank_bytes()
+        frags: dict[tuple[int, int], int] = {}
+        for m, pt in job.points.items():
+            frags[pt] = max(frags.get(pt, 0), job.module_bytes[m])  # a path holds one module of a stage
+        self.fragments = [(a, b, job.transfer_s(n)) for (a, b), n in sorted(frags.items())]
         self.finished = self.env.event()
         self.trainer = self.env.process(self._train())
         self.env.process(self._failures())
@@ -65,13 +71,10 @@ class _RoundSim:
     # ------------------------------------------------------------------ one round
     def _streaming_stall(self, step: float) -> float:
         """Seconds the inner loop stands in a staggered round of ``step``-second steps."""
-        frags: dict[tuple[int, int], int] = {}
-        for m, pt in self.job.points.items():
-            frags[pt] = max(frags.get(pt, 0), self.job.module_bytes[m])  # a path holds one module of a stage
         stall, link_free = 0.0, 0.0
-        for (a, b), nbytes in sorted(frags.items()):
+        for a, b, seconds in self.fragments:
             start = max(a * step + stall, link_free)
-            link_free = start + self.job.transfer_s(nbytes)
+            link_free = start + seconds
             stall += max(0.0, link_free - (b * step + stall))
         return stall
 
@@ -87,10 +90,10 @@ class _RoundSim:
             nbytes = H * job.ddp_rank_bytes_per_step * ranks
         elif self.mode == "streaming":
             exposed = self._streaming_stall(step)
-            nbytes = job.rank_bytes() * ranks
+            nbytes = self.path_bytes * ranks
         else:
-            exposed = job.transfer_s(job.rank_bytes())
-            nbytes = job.rank_bytes() * ranks
+            exposed = job.transfer_s(self.path_bytes)
+            nbytes = self.path_bytes * ranks
         return H * step + exposed, exposed, nbytes, steps, self.faults.mean_factor(up)
 
     # ------------------------------------------------------------------ accounting
