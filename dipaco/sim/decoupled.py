@@ -214,7 +214,7 @@ class _DecoupledSim:
                 yield self.env.timeout(dur)
                 push = job.transfer_s(job.rank_bytes(list(job.path_modules[path])))
                 yield self.env.timeout(push)
-                self.tally.exposed_s += push
+                self.tally.exposed_s += push / job.workers  # per worker: the share of each one's wall
             except simpy.Interrupt:
                 self.in_phase[i] = False
                 self.tally.failures += 1
