@@ -208,6 +208,9 @@ class _RoundSim:
     def run(self) -> ModeResult:
         until = self.finished if self.horizon_s is None else self.horizon_s
         self.env.run(until=until)
+        if self.block is not None and not self.finished.triggered:  # the horizon cut a block: keep its ended rounds
+            start, cum, rounds = self.block
+            self._commit(rounds[:bisect.bisect_right(cum, self.env.now - start + 1e-12) - 1])
         job = self.job
         return result(self.mode, self.tally, float(self.env.now), job.chips, job.step_s * job.chips_per_group,
                       job.tokens_per_step)
