@@ -134,3 +134,11 @@ def test_the_cli_simulates_a_tiny_config_and_writes_json(tmp_path, capsys) -> No
     data = json.loads(out.read_text())
     assert set(data["modes"]) == set(MODES) and data["job"]["paths"] == 4
     assert data["modes"]["sync"]["wall_per_round_s"] > 0
+
+
+def test_a_horizon_keeps_the_rounds_that_ended_before_it(job: SimJob) -> None:
+    slow = on(job, link_gbps=0.01)
+    rnd = slow.inner_steps * slow.step_s + slow.rank_bytes() * 8 / 0.01e9
+    r = simulate_rounds(slow, "sync", horizon_s=10.5 * rnd)  # inside the first block of rounds
+    assert r.rounds == 10 and r.exposed_share > 0
+    assert r.tokens_applied == 10 * slow.paths * slow.inner_steps * slow.tokens_per_step
