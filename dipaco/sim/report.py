@@ -43,12 +43,12 @@ class SimReport:
                 f"{mtbf}, straggler {c.straggler}, seed {c.seed}")
         cols = ("wall/round s", "exposed s", "exposed %", "bytes/round", "goodput", "steps lost", "failures",
                 "to tokens h")
-        lines = [head, f"{'mode':<11}" + "".join(f"{x:>14}" for x in cols), "-" * (11 + 14 * len(cols))]
+        lines = [head, f"{'mode':<11}" + "".join(f"{x:>17}" for x in cols), "-" * (11 + 17 * len(cols))]
         for r in self.results:
             tt = "-" if r.time_to_tokens_s is None else f"{r.time_to_tokens_s / 3600:.4g}"
             vals = (f"{r.wall_per_round_s:.4g}", f"{r.exposed_per_round_s:.4g}", f"{100 * r.exposed_share:.1f}",
                     f"{r.bytes_per_round:,.0f}", f"{r.goodput:.3f}", f"{r.steps_lost:,.0f}", f"{r.failures:,}", tt)
-            lines.append(f"{r.mode:<11}" + "".join(f"{v:>14}" for v in vals))
+            lines.append(f"{r.mode:<11}" + "".join(f"{v:>17}" for v in vals))
         return "\n".join(lines)
 
     def write_json(self, path: str) -> None:
