@@ -5,7 +5,7 @@ reading it means parsing the whole standard library (a few CPU seconds each time
 seventy times a session). The walk is a pure function of its arguments and of files that
 do not change during a session, so the corpus loader is given a memo of it: the first call
 walks for real and keeps the documents and the skip counts; later calls with the same
-arguments replay both. Only the name the loader calls (``dipaco.data.corpus``) is
+arguments replay both. Only the name the loader calls (``dipaco.data.sources``) is
 replaced: the tests of ``iter_python_sources`` itself still run the walk.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ import logging  # noqa: E402
 
 import pytest  # noqa: E402
 
-import dipaco.data.corpus  # noqa: E402
+import dipaco.data.sources  # noqa: E402
 from _corpus_memo import memo_walk  # noqa: E402
 # the hostile-input tests' two shared tiny runs, made once per session when asked for
 from _hostile import finished, sigterm_stopped  # noqa: E402,F401
@@ -25,7 +25,7 @@ def _stdlib_corpus_walked_once():
     """The corpus loader's walk of the standard library, memoised for the session
     (tests/_corpus_memo.py says why that keeps every test's meaning)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dipaco.data.corpus, "iter_python_sources", memo_walk(dipaco.data.corpus.iter_python_sources))
+        mp.setattr(dipaco.data.sources, "iter_python_sources", memo_walk(dipaco.data.sources.iter_python_sources))
         yield
 
 

@@ -13,11 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 MAX_MODULES = 15
 
 # lowest first: a package may import the packages before it (docs/design.md shows this list)
-LAYERS = ["config", "storage", "run", "runtime", "data", "plan", "sync", "rounds", "decoupled", "job", "inference", "serve", "cli"]
+LAYERS = ["config", "storage", "run", "runtime", "data", "plan", "sync", "rounds", "decoupled", "sim", "job", "inference", "serve", "cli"]
 
 
 def _dipaco_imports(path: Path) -> set[str]:
@@ -72,6 +74,7 @@ def test_the_config_imports_no_other_package() -> None:
     assert not bad, f"config modules importing other dipaco packages: {bad}"
 
 
+@pytest.mark.multiprocess  # a fresh interpreter: the only way to see what an import loads
 def test_importing_the_config_loads_no_torch_faiss_or_other_package() -> None:
     """In a fresh interpreter, the whole config (schema, domains, checks, composition)
     loads neither torch nor faiss nor any dipaco package but itself."""

@@ -9,6 +9,14 @@ bytes a path has in flight (:mod:`dipaco.plan.stagger`). Then each rank's parame
 Takes the same overrides as ``dipaco-train``, so a plan can be read before launching::
 
     dipaco-plan grid=4x4 diloco.codec=int8 diloco.inner_steps=100
+
+``--simulate`` puts the run on a described cluster (``cluster=...`` and ``cluster.*``:
+chips, failures, stragglers, links) and prints, per sync mode (sync, elastic,
+streaming, decoupled, DDP of one path), the simulated wall time per round, exposed
+communication, bytes, goodput, steps lost to failures and time to the run's tokens
+(:mod:`dipaco.sim`, docs/planning.md); ``--json FILE`` and ``--plot FILE`` write them::
+
+    dipaco-plan --simulate experiment=paper cluster=paper_1m --json sim.json --plot sim.png
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ from typing import Optional
 import torch
 
 from dipaco.plan.build import build_comm_plan, build_grid, build_topology, format_streaming_plan
-from dipaco.cli.errors import report_user_errors
+from dipaco.cli.errors import fail, report_user_errors
 from dipaco.cli.help import plain
 from dipaco.plan.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, ConfigError
@@ -111,6 +119,43 @@ def format_memory(cfg: Config, rows: list[tuple[str, RankMemory]]) -> str:
     return "\n".join(lines)
 
 
+def _options(argv: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
+    """``--simulate``, ``--json FILE``, ``--plot FILE`` out of ``argv``; the rest are overrides."""
+    opts: dict[str, Optional[str]] = {"--simulate": None, "--json": None, "--plot": None}
+    rest, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        if a == "--simulate":
+            opts[a] = "1"
+        elif name in ("--json", "--plot"):
+            if not eq:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                    fail(f"{name} needs a file: {name} FILE")
+                i, val = i + 1, argv[i + 1]
+            opts[name] = val
+        elif a.startswith("--"):
+            fail(f"unknown option {a}: dipaco-plan takes --simulate, --json FILE, --plot FILE and overrides")
+        else:
+            rest.append(a)
+        i += 1
+    if (opts["--json"] or opts["--plot"]) and not opts["--simulate"]:
+        fail("--json and --plot write the simulation: add --simulate")
+    return opts, rest
+
+
+def _simulate(cfg: Config, opts: dict[str, Optional[str]]) -> None:
+    """Print (and write) the simulation of ``cfg`` on ``cfg.cluster``."""
+    from dipaco.sim.report import simulate
+
+    report = simulate(cfg)
+    print(report.format())
+    if opts["--json"]:
+        report.write_json(opts["--json"])
+    if opts["--plot"]:
+        report.plot(opts["--plot"])
+
+
 @report_user_errors
 def main(argv: Optional[list[str]] = None) -> None:
     """Print the plan for ``argv`` (Hydra-style overrides)."""
@@ -119,8 +164,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         if any(a in ("-h", "--help") for a in overrides):
             print(plain(__doc__), end="")
             return
+        opts, overrides = _options(overrides)
         cfg = compose(overrides)
         preflight(cfg)
+        if opts["--simulate"]:
+            _simulate(cfg, opts)
+            return
         print(format_plan(plan_for(cfg)))
         if cfg.diloco.streaming:
             print(format_streaming_plan(cfg, planned_ranks(cfg)))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
 
 from dipaco.config import Config, ConfigError
+from dipaco.config.cluster import CLUSTER_DOMAINS
 from dipaco.config.names import BACKENDS, CODECS, DATA_SOURCES, DEVICES, PRECISIONS
 from router.methods import METHODS as ROUTER_METHODS, Setting, method_settings
 
@@ -207,6 +208,7 @@ DOMAINS: dict[str, Domain] = {
     "logging.val_documents": Int(0, 10**6, why="each is scored every round"),
     "logging.peak_tflops": Real(0, 1e6, lo_open=True, null=True, why="the device's dense peak, for MFU"),
     "resume": FLAG, "run_dir": PATH, "tag": MAYBE_TEXT,
+    **{k: Domain(*spec) for k, spec in CLUSTER_DOMAINS.items()},  # dipaco-plan --simulate's cluster.*
 }
 
 

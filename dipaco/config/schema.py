@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from dipaco.config.cluster import ClusterConfig
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.config.names import codec_options
 from modules.config import ModelConfig
@@ -315,6 +316,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # dipaco-plan --simulate only
     resume: bool = False
     # the run directory; the CLIs fill it from Hydra's output dir, tests pass a tmp dir
     run_dir: Optional[str] = None

@@ -39,13 +39,13 @@ SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from dipaco.decoupled.alternatives import Alternatives
+from dipaco.decoupled import quorum as rules
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.sync.module_core import RESIDUAL, ModuleCore, contribution
 
@@ -131,7 +131,7 @@ class ModuleSynchronizer:
         self.sharing_paths = sorted(int(p) for p in sharing_paths)
         self.cfg = cfg
         self.sharing_rescale = bool(sharing_rescale)
-        self.quorum = max(1, math.ceil(cfg.quorum * len(self.sharing_paths) - 1e-9))
+        self.quorum = rules.quorum_size(cfg.quorum, len(self.sharing_paths))
         self.version = 0
         # ledger (persisted with every version): id → version it went into / drop reason
         self.applied: dict[str, int] = {}
@@ -179,7 +179,7 @@ class ModuleSynchronizer:
         slot = f"{u.path_id}:{u.phase}"
         if slot in self.phases:
             return self._drop(u, "duplicate_phase")
-        if self.version - u.base_version > self.cfg.max_staleness:
+        if rules.is_stale(self.version, u.base_version, self.cfg.max_staleness):
             return self._drop(u, "stale")
         self.phases[slot] = u.update_id
         u.arrived_at = now
@@ -196,9 +196,7 @@ class ModuleSynchronizer:
 
     def grace_s(self) -> float:
         """The current grace window: grace_factor × EMA(fill time), clipped."""
-        c = self.cfg
-        base = c.grace_init_s if self.fill_ema is None else c.grace_factor * self.fill_ema
-        return min(c.grace_max_s, max(c.grace_min_s, base))
+        return rules.grace_window(self.cfg, self.fill_ema)
 
     def due(self, now: float, done: Optional[set[int]] = None) -> Optional[str]:
         """Why a step is due now ("quorum" / "grace"), or None.
@@ -209,22 +207,12 @@ class ModuleSynchronizer:
         """
         if not self.pending:
             return None
-        quorum = self.quorum
-        if done:
-            # paths that can still count: those running, and finished ones whose last
-            # update is pending (a finished path's last update must not step alone while
-            # the others' updates of the same phase are still coming)
-            can = {p for p in self.sharing_paths if p not in done} | {u.path_id for u in self.pending}
-            quorum = max(1, min(quorum, len(can)))
-        if self.pending_paths() >= quorum:
-            return "quorum"
-        if now - float(self.first_pending_at) >= self.grace_s():
-            return "grace"
-        return None
+        return rules.step_due({u.path_id for u in self.pending}, self.sharing_paths, self.quorum,
+                              self.first_pending_at, now, self.grace_s(), done)
 
     # ------------------------------------------------------------------ step
     def discount(self, staleness: int) -> float:
-        return (1.0 + max(0, staleness)) ** (-self.cfg.staleness_power)
+        return rules.discount(staleness, self.cfg.staleness_power)
 
     @torch.no_grad()
     def step(self, now: float, trigger: str = "quorum") -> Optional[StepRecord]:
@@ -237,12 +225,12 @@ class ModuleSynchronizer:
             return None
         if trigger == "quorum" and self.first_pending_at is not None:
             fill = now - self.first_pending_at
-            self.fill_ema = fill if self.fill_ema is None else 0.7 * self.fill_ema + 0.3 * fill
+            self.fill_ema = rules.next_fill_ema(self.fill_ema, fill)
         # (a grace expiry leaves the EMA alone: widening it would make every worker that
         # waits for this module wait longer whenever one sharing path is slow)
         keep: list[Update] = []
         for u in self.pending:
-            if self.version - u.base_version > self.cfg.max_staleness:
+            if rules.is_stale(self.version, u.base_version, self.cfg.max_staleness):
                 self._drop(u, "stale")
             else:
                 keep.append(u)

@@ -1,0 +1,99 @@
+"""Every mode of one job on one cluster: :func:`simulate`, its table, JSON and plot."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from dipaco.config import Config
+from dipaco.sim.decoupled import simulate_decoupled
+from dipaco.sim.job import SimJob, sim_job
+from dipaco.sim.rounds import ROUND_MODES, simulate_rounds
+from dipaco.sim.tally import ModeResult
+
+__all__ = ["MODES", "SimReport", "simulate", "simulate_job"]
+
+#: simulated seconds of decoupled mode when its workers stand for many groups each
+STATIONARY_S = 600.0
+#: every mode the simulator knows, in the order the table prints them
+MODES = ("sync", "elastic", "streaming", "decoupled", "ddp")
+
+
+@dataclass(frozen=True)
+class SimReport:
+    """The job's numbers and one :class:`ModeResult` per mode."""
+
+    job: SimJob
+    results: tuple[ModeResult, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        j, c = self.job, self.job.cluster
+        return {"cluster": dict(c.__dict__), "job": {
+            "paths": j.paths, "groups": j.groups, "chips": j.chips, "chips_per_group": j.chips_per_group,
+            "inner_steps": j.inner_steps, "step_s": j.step_s, "rounds": j.rounds, "workers": j.workers,
+            "path_params": j.path_params, "rank_bytes_per_round": j.rank_bytes()},
+            "modes": {r.mode: r.to_dict() for r in self.results}}
+
+    def format(self) -> str:
+        j, c = self.job, self.job.cluster
+        mtbf = "no failures" if c.mtbf_hours is None else f"chip MTBF {c.mtbf_hours:g} h"
+        head = (f"simulated: {j.chips:,} chips in {j.groups:,} worker groups of {j.chips_per_group}, {j.paths} paths, "
+                f"inner step {j.step_s:.4g} s, H={j.inner_steps}, link {c.link_gbps:g} Gbit/s ({c.link_scope}), "
+                f"{mtbf}, straggler {c.straggler}, seed {c.seed}")
+        cols = ("wall/round s", "exposed s", "exposed %", "bytes/round", "goodput", "steps lost", "failures",
+                "to tokens h")
+        lines = [head, f"{'mode':<11}" + "".join(f"{x:>17}" for x in cols), "-" * (11 + 17 * len(cols))]
+        for r in self.results:
+            tt = "-" if r.time_to_tokens_s is None else f"{r.time_to_tokens_s / 3600:.4g}"
+            vals = (f"{r.wall_per_round_s:.4g}", f"{r.exposed_per_round_s:.4g}", f"{100 * r.exposed_share:.1f}",
+                    f"{r.bytes_per_round:,.0f}", f"{r.goodput:.3f}", f"{r.steps_lost:,.0f}", f"{r.failures:,}", tt)
+            lines.append(f"{r.mode:<11}" + "".join(f"{v:>17}" for v in vals))
+        return "\n".join(lines)
+
+    def write_json(self, path: str) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
+
+    def plot(self, path: str) -> None:
+        """Goodput and wall-time split (compute vs exposed communication) per mode."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        modes = [r.mode for r in self.results]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+        a.bar(modes, [r.goodput for r in self.results], color="tab:green")
+        a.set_ylim(0, 1)
+        a.set_title("goodput")
+        exposed = [r.exposed_per_round_s for r in self.results]
+        rest = [r.wall_per_round_s - e for r, e in zip(self.results, exposed)]
+        b.bar(modes, rest, label="compute and waits")
+        b.bar(modes, exposed, bottom=rest, label="exposed communication")
+        b.set_title("wall per round (s)")
+        b.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
+
+def simulate_job(job: SimJob, modes: Sequence[str] = MODES) -> SimReport:
+    """Simulate ``modes`` of ``job`` (horizon: ``cluster.horizon_hours``)."""
+    h = job.cluster.horizon_hours
+    horizon: Optional[float] = None if h is None else h * 3600.0
+    # a decoupled worker standing for many groups folds their failures into each phase: its
+    # goodput is a stationary rate, and ten simulated minutes measure it (a week of phases
+    # of 256 workers would be millions of events)
+    dec = horizon if job.groups <= job.workers or horizon is None else min(horizon, STATIONARY_S)
+    out = [simulate_decoupled(job, dec) if m == "decoupled" else simulate_rounds(job, m, horizon)
+           for m in modes]
+    return SimReport(job, tuple(out))
+
+
+def simulate(cfg: Config, modes: Sequence[str] = MODES) -> SimReport:
+    """``dipaco-plan --simulate``: every mode of validated ``cfg`` on ``cfg.cluster``."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}: choose from {MODES}")
+    assert set(ROUND_MODES) | {"decoupled"} == set(MODES)
+    return simulate_job(sim_job(cfg), modes)

@@ -1,0 +1,144 @@
+"""``dipaco-plan --simulate`` (dipaco/sim/): the simulated clock reproduces the plan's
+compute time, a failure's exact cost, decoupled mode's own quorum decisions, a seed's
+history; a bad cluster is refused in one line; the CLI writes its JSON."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from dipaco.cli import plan as plan_cli
+from dipaco.config import compose_config
+from dipaco.config.decoupled import DecoupledConfig
+from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.sim.decoupled import Synchronizers, simulate_decoupled
+from dipaco.sim.job import SimJob, sim_job
+from dipaco.sim.report import MODES, simulate_job
+from dipaco.sim.rounds import simulate_rounds
+
+TINY = ["experiment=smoke", "cluster.chips=4", "cluster.step_s=0.5"]
+
+
+@pytest.fixture(scope="module")
+def job() -> SimJob:
+    return sim_job(compose_config(TINY))
+
+
+def on(job: SimJob, **cluster) -> SimJob:
+    """``job`` on a cluster with ``cluster`` changed (no recomposition)."""
+    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, **cluster))
+
+
+def test_no_failures_and_an_infinitely_fast_link_take_the_plans_compute_time(job: SimJob) -> None:
+    fast = on(job, link_gbps=1e12)
+    compute = fast.inner_steps * fast.step_s  # one path per group: a round is H inner steps
+    for r in simulate_job(fast, MODES).results:
+        assert r.wall_per_round_s == pytest.approx(compute, rel=1e-6), r.mode
+        assert r.time_to_tokens_s == pytest.approx(fast.rounds * compute, rel=1e-6), r.mode
+        assert r.failures == 0 and r.steps_lost == 0
+        if r.mode != "decoupled":
+            assert r.goodput == pytest.approx(1.0, rel=1e-6), r.mode
+    # a link of finite rate: sync exposes the whole exchange, as the plan's bytes say
+    slow = on(job, link_gbps=0.01)
+    r = simulate_rounds(slow, "sync")
+    assert r.exposed_per_round_s == pytest.approx(slow.rank_bytes() * 8 / 0.01e9)
+    assert r.bytes_per_round == slow.rank_bytes() * slow.groups
+
+
+def test_a_failure_costs_exactly_the_work_since_the_checkpoint_plus_the_restart(job: SimJob) -> None:
+    j = dataclasses.replace(on(job, link_gbps=1e12, detect_s=7.0, restart_s=100.0), rounds=6, checkpoint_every=2)
+    rnd = j.inner_steps * j.step_s
+    clean = simulate_rounds(j, "sync")
+    at = 2 * rnd + 1.5 * rnd  # in round 4: round 3 ran since the checkpoint after round 2
+    hit = simulate_rounds(j, "sync", failures_at=[at])
+    lost = 1.5 * rnd  # round 3 and half of round 4
+    assert hit.wall_s == pytest.approx(clean.wall_s + lost + 7.0 + 100.0)
+    assert hit.steps_lost == pytest.approx(1.5 * j.inner_steps * j.paths)
+    assert hit.failures == 1 and hit.goodput < clean.goodput
+    # elastic: the survivors lose only the round in flight and go on without the group
+    el = simulate_rounds(dataclasses.replace(j, checkpoint_every=1), "elastic", failures_at=[at])
+    assert el.steps_lost == pytest.approx(0.5 * j.inner_steps * j.paths)
+
+
+def _real_triggers(arrivals: list[tuple[float, int, int]], sharing: list[int], cfg: DecoupledConfig) -> list[tuple]:
+    """The trainer's ModuleSynchronizer on the arrivals, checked at each arrival and at
+    each grace expiry (what its service loop does, without the polling delay)."""
+    sync = ModuleSynchronizer("m", torch.zeros(3), sharing, cfg, {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    out, queue = [], list(arrivals)
+    while queue or sync.pending:
+        deadline = (sync.first_pending_at + sync.grace_s()) if sync.pending else math.inf
+        if queue and queue[0][0] < deadline:
+            now, path, base = queue.pop(0)
+            sync.offer(Update(f"u{len(out)}-{now}", "m", path, int(now * 1000), base, 1.0, torch.ones(3)), now)
+        else:
+            now = deadline
+        why = sync.due(now)
+        if why:
+            rec = sync.step(now, why)
+            out.append((now, why, sorted(rec.paths), rec.version))
+    return out
+
+
+def test_decoupled_quorum_decisions_equal_the_real_policy() -> None:
+    import simpy
+
+    cfg = DecoupledConfig(quorum=0.5, grace_init_s=2.0, grace_factor=2.0, grace_min_s=0.1, grace_max_s=30.0,
+                          max_staleness=1)
+    sharing = [0, 1, 2, 3]
+    # (time, path, base version): quorum fills, a straggler waits out the grace window, stale ones drop
+    arrivals = [(0.0, 0, 0), (0.5, 1, 0), (1.0, 2, 0), (4.0, 3, 0), (4.2, 0, 1), (9.0, 1, 1), (9.1, 2, 0),
+                (9.3, 3, 2), (20.0, 0, 3)]
+    env = simpy.Environment()
+    sim = Synchronizers(env, cfg, {"m": sharing}, lambda p: None, lambda p, s, t: None)
+
+    def feed():
+        for t, path, base in arrivals:
+            yield env.timeout(t - env.now)
+            sim.offer("m", path, base, 1.0)
+
+    env.process(feed())
+    env.run(until=100)
+    got = [(pytest.approx(t), why, paths, v) for t, why, paths, v in sim.modules["m"].steps]
+    assert got == _real_triggers(arrivals, sharing, cfg)
+    assert {w for _, w, _, _ in sim.modules["m"].steps} == {"quorum", "grace"}
+
+
+def test_a_seed_gives_one_history(job: SimJob) -> None:
+    rough = on(job, mtbf_hours=0.02, detect_s=1.0, restart_s=3.0, straggler="lognormal", straggler_sigma=0.3,
+               link_gbps=0.05)
+    a = [r.to_dict() for r in simulate_job(rough, MODES).results]
+    b = [r.to_dict() for r in simulate_job(rough, MODES).results]
+    c = [r.to_dict() for r in simulate_job(on(rough, seed=1), MODES).results]
+    assert a == b and a != c
+    assert simulate_decoupled(rough).failures >= 0
+
+
+@pytest.mark.parametrize("override, key", [("cluster.link_gbps=0", "cluster.link_gbps"),
+                                           ("cluster.mtbf_hours=-5", "cluster.mtbf_hours"),
+                                           ("cluster.chips_per_group=8", "cluster.chips_per_group")])
+def test_a_bad_cluster_is_refused_in_one_line(override: str, key: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main(["--simulate", *TINY, override])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and key in err, err
+
+
+def test_the_cli_simulates_a_tiny_config_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "sim.json"
+    plan_cli.main(["--simulate", *TINY, "--json", str(out)])
+    text = capsys.readouterr().out
+    assert all(m in text for m in MODES) and "goodput" in text
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == set(MODES) and data["job"]["paths"] == 4
+    assert data["modes"]["sync"]["wall_per_round_s"] > 0
+
+
+def test_a_horizon_keeps_the_rounds_that_ended_before_it(job: SimJob) -> None:
+    slow = on(job, link_gbps=0.01)
+    rnd = slow.inner_steps * slow.step_s + slow.rank_bytes() * 8 / 0.01e9
+    r = simulate_rounds(slow, "sync", horizon_s=10.5 * rnd)  # inside the first block of rounds
+    assert r.rounds == 10 and r.exposed_share > 0
+    assert r.tokens_applied == 10 * slow.paths * slow.inner_steps * slow.tokens_per_step
