@@ -13,15 +13,20 @@ split has fewer documents than prompts, the next piece of each document follows)
   rate extrapolated to every prompt (the result says so).
 * ``engine_process``: one ``dipaco-infer generate --file`` process for every prompt
   (start-up included): the batched engine.
-* ``engine_loop``: the engine's ``generate`` in this process (loop only, for the profile).
+* ``engine_fast_process``: the same with ``--fast`` (``RoutedEngine(exact=False)``: one
+  matrix product per layer over the batch, padded batched prefill).
+* ``engine_loop`` / ``engine_fast_loop``: the engine's ``generate`` in this process (loop
+  only), exact / fast.
 * ``hf``: Hugging Face ``transformers`` ``generate`` on the same prompts, each sent to its
   path of ``dipaco-infer export --format hf --all`` (routed by the same router), batched
   the same way (``--batch-size`` rows per path, left padding); timed as a whole process
   and its loop alone.
 
 Each side reports prompts/s, generated tokens/s (tokens up to and including end-of-text)
-and peak RSS (``wait4`` of its process; ``engine_loop`` shares this process). Targets:
+and peak RSS (``wait4`` of its process; the loops share this process). Targets:
 engine_process ≥ 100× per_process in prompts/s, ≥ 1.0× hf in generated tokens/s.
+``--sides a,b`` runs only those (the verdicts need per_process, engine_process, engine_loop
+and hf); ``--profile`` adds a cProfile of the exact loop (top functions by own time).
 
 Hook for more sides (the HTTP server): a module ``benchmarks.bench_serve`` defining
 ``serving_side(setup: Setup) -> dict`` (keys ``prompts_s``, ``tokens_s``, ``peak_rss_mib``,
@@ -58,6 +63,7 @@ class Setup:
     batch_size: int
     sample: int
     work: Path
+    profile: bool = False
 
 
 def _run_child(cmd: Sequence[str], out_path: Optional[Path] = None) -> tuple[float, float, str]:
@@ -94,29 +100,64 @@ def side_per_process(s: Setup) -> dict:
             "seconds_per_prompt": per_prompt, "note": f"{len(walls)} whole processes timed, extrapolated"}
 
 
-def side_engine_process(s: Setup) -> dict:
-    out = s.work / "engine.jsonl"
+def _engine_process(s: Setup, *flags: str) -> dict:
+    out = s.work / ("engine_fast.jsonl" if flags else "engine.jsonl")
     out.unlink(missing_ok=True)
     wall, rss, _ = _run_child(_infer("generate", s.run_dir, "--file", s.prompt_file, "--max-new-tokens", s.new_tokens,
-                                     "--temperature", "0", "--batch-size", s.batch_size, "--out", out))
+                                     "--temperature", "0", "--batch-size", s.batch_size, "--out", out, *flags))
     lines = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
     tokens = sum(x["new_tokens"] for x in lines)
-    return {"prompts_s": len(lines) / wall, "tokens_s": tokens / wall, "peak_rss_mib": rss, "seconds": wall,
-            "tokens": tokens}
+    res = {"prompts_s": len(lines) / wall, "tokens_s": tokens / wall, "peak_rss_mib": rss, "seconds": wall,
+           "tokens": tokens}
+    exact = s.work / "engine.jsonl"
+    if flags and exact.exists():
+        mine = [json.loads(x)["tokens"] for x in exact.read_text(encoding="utf-8").splitlines()]
+        res["same_tokens_as_engine"] = sum(a == x["tokens"] for a, x in zip(mine, lines)) / max(1, len(lines))
+    return res
 
 
-def side_engine_loop(s: Setup) -> dict:
+def side_engine_process(s: Setup) -> dict:
+    return _engine_process(s)
+
+
+def side_engine_fast_process(s: Setup) -> dict:
+    return _engine_process(s, "--fast")
+
+
+def _engine_loop(s: Setup, exact: bool, profile: bool = False) -> dict:
     from dipaco.inference import InferenceRun, Request, RoutedEngine
 
     run = InferenceRun.open(s.run_dir)
     reqs = [Request(run.encode(t), max_new_tokens=s.new_tokens) for t in s.texts]
-    engine = RoutedEngine(run, max_batch_size=s.batch_size)
+    engine = RoutedEngine(run, max_batch_size=s.batch_size, exact=exact)
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     gens = engine.generate(reqs)
     wall = time.perf_counter() - t0
     tokens = sum(len(g.tokens) for g in gens)
-    return {"prompts_s": len(gens) / wall, "tokens_s": tokens / wall, "peak_rss_mib": float("nan"), "seconds": wall,
-            "tokens": tokens, "path_loads": engine.loader.loads}
+    res = {"prompts_s": len(gens) / wall, "tokens_s": tokens / wall, "peak_rss_mib": float("nan"), "seconds": wall,
+           "tokens": tokens, "path_loads": engine.loader.loads}
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+        top = sorted(st.items(), key=lambda kv: -kv[1][2])[:15]
+        res["profile_top_own_seconds"] = {f"{k[2]} ({Path(k[0]).name}:{k[1]})": round(v[2], 3) for k, v in top}
+    return res
+
+
+def side_engine_loop(s: Setup) -> dict:
+    return _engine_loop(s, True, s.profile)
+
+
+def side_engine_fast_loop(s: Setup) -> dict:
+    return _engine_loop(s, False)
 
 
 def side_hf(s: Setup) -> dict:
@@ -166,6 +207,18 @@ def hf_worker(export: str, prompt_file: str, new_tokens: int, batch_size: int) -
             for i, row in zip(chunk, gen[:, width:].tolist()):
                 out[i] = row[: row.index(eos) + 1] if eos in row else row
     print(json.dumps({"loop_s": time.perf_counter() - t0, "tokens": out}))
+
+
+def _verdicts(results: dict[str, dict]) -> dict[str, float]:
+    """The ratios the targets are stated in, for the sides that ran."""
+    r = results
+    pairs = {"engine_vs_per_process_prompts": ("engine_process", "prompts_s", "per_process", "prompts_s"),
+             "engine_vs_hf_tokens_whole_process": ("engine_process", "tokens_s", "hf", "tokens_s"),
+             "engine_fast_vs_hf_tokens_whole_process": ("engine_fast_process", "tokens_s", "hf", "tokens_s"),
+             "engine_fast_vs_per_process_prompts": ("engine_fast_process", "prompts_s", "per_process", "prompts_s"),
+             "engine_loop_vs_hf_loop_tokens": ("engine_loop", "tokens_s", "hf", "loop_tokens_s"),
+             "engine_fast_loop_vs_hf_loop_tokens": ("engine_fast_loop", "tokens_s", "hf", "loop_tokens_s")}
+    return {k: r[a][x] / r[b][y] for k, (a, x, b, y) in pairs.items() if a in r and b in r}
 
 
 def make_prompts(run_dir: Path, n: int, prompt_tokens: int, path: Path) -> list[str]:
@@ -218,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=32, help="tokens each held-out document is cut to")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--sample", type=int, default=None, help="per-prompt processes timed (default 8; 1 with --tiny)")
+    ap.add_argument("--sides", default=None, help="comma-separated sides to run (default: all)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the exact engine loop (engine_loop)")
     args = ap.parse_args(argv)
     load_before = load_average()
     work = work_dir("serving", args.work_dir)
@@ -226,22 +281,26 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     n = args.prompts or (8 if args.tiny else 256)
     setup = Setup(run_dir=run_dir, texts=[], prompt_file=work / "prompts.jsonl",
                   new_tokens=args.new_tokens or (4 if args.tiny else 64), batch_size=args.batch_size,
-                  sample=args.sample or (1 if args.tiny else 8), work=work)
+                  sample=args.sample or (1 if args.tiny else 8), work=work, profile=args.profile)
     setup.texts = make_prompts(run_dir, n, args.prompt_tokens, setup.prompt_file)
-    sides = {"per_process": side_per_process, "engine_process": side_engine_process, "engine_loop": side_engine_loop,
-             "hf": side_hf}
+    sides = {"per_process": side_per_process, "engine_process": side_engine_process,
+             "engine_fast_process": side_engine_fast_process, "engine_loop": side_engine_loop,
+             "engine_fast_loop": side_engine_fast_loop, "hf": side_hf}
     try:
         sides["server"] = importlib.import_module("benchmarks.bench_serve").serving_side
     except (ImportError, AttributeError):
         pass
+    if args.sides:
+        wanted = args.sides.split(",")
+        unknown = sorted(set(wanted) - set(sides))
+        if unknown:
+            ap.error(f"unknown side(s) {unknown}; known: {sorted(sides)}")
+        sides = {k: v for k, v in sides.items() if k in wanted}
     results = {}
     for name, fn in sides.items():
         print(f"-- {name} (load {load_average():.2f})", flush=True)
         results[name] = fn(setup)
-    eng, per, hf = results["engine_process"], results["per_process"], results["hf"]
-    verdicts = {"engine_vs_per_process_prompts": eng["prompts_s"] / per["prompts_s"],
-                "engine_vs_hf_tokens_whole_process": eng["tokens_s"] / hf["tokens_s"],
-                "engine_loop_vs_hf_loop_tokens": results["engine_loop"]["tokens_s"] / hf["loop_tokens_s"]}
+    verdicts = _verdicts(results)
     rows = [{"side": k, **{c: v.get(c) for c in ("prompts_s", "tokens_s", "peak_rss_mib")}} for k, v in results.items()]
     print_table(rows, ["side", "prompts_s", "tokens_s", "peak_rss_mib"],
                 title=f"{len(setup.texts)} prompts, {setup.new_tokens} new tokens, batch {setup.batch_size}, greedy")

@@ -71,22 +71,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # ---------------------------------------------------------------------------- block parts
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+# Positions a decode step reads, in blocks of this many: any multiple of it gives a row
+# the same bits as the whole buffer (measured on AVX2 CPUs: the softmax and the
+# probability-value product reduce in 32-wide lanes, and masked lanes add exact zeros;
+# a 16-wide span did change bits). tests/test_engine.py checks it on this machine.
+DECODE_SPAN_BLOCK = 64
+
+
+def decode_span(live: int, buffer: int) -> int:
+    """Cache positions a decode step reads when the longest row has ``live`` of them:
+    ``live`` rounded up to :data:`DECODE_SPAN_BLOCK`, at most ``buffer``."""
+    return min(buffer, -(-int(live) // DECODE_SPAN_BLOCK) * DECODE_SPAN_BLOCK)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                     live: int | None = None) -> torch.Tensor:
     """Attention of one new token per row over a cache buffer: ``q [B, H, 1, hd]``,
     ``keys``/``values`` ``[B, H, max_len, hd]`` (whole buffers), row ``b`` sees positions
-    ``[0, lengths[b])``.
+    ``[0, lengths[b])``. ``live`` (host int, ``>= max(lengths)``): read only the first
+    :func:`decode_span` positions instead of the whole buffer; the bits do not change.
 
     Why not SDPA over ``keys[:, :, :length]``: its result for a row depends on the key length
     and on the other rows of the call (its kernel blocks both), so a row would decode to
-    different bits in a batch than alone. Plain matmuls over the full buffer reduce the same
-    way for every row and batch size; masked positions weigh exactly zero.
+    different bits in a batch than alone. Plain matmuls over a span that is a whole number
+    of blocks reduce the same way for every row, batch size and span; masked positions
+    weigh exactly zero.
     """
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, 1, max_len]
+    if live is not None:
+        span = decode_span(live, keys.shape[2])
+        keys, values = keys[:, :, :span], values[:, :, :span]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5)  # [B, H, 1, span]
     seen = torch.arange(keys.shape[2], device=q.device) < lengths.view(-1, 1)
     scores = scores.float().masked_fill(~seen.view(q.shape[0], 1, 1, -1), float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
-
-
 
 
 class Attention(nn.Module):
@@ -129,7 +146,7 @@ class Attention(nn.Module):
                 # as a serving batch does (modules/row_decode.py), so a row decodes to the same
                 # bits alone or beside others.
                 lengths = torch.full((B,), start + 1, dtype=torch.long, device=x.device)
-                y = decode_attention(q, kv_cache.k[layer], kv_cache.v[layer], lengths)
+                y = decode_attention(q, kv_cache.k[layer], kv_cache.v[layer], lengths, start + 1)
             else:
                 # SDPA's is_causal aligns the mask top-left, which is wrong when queries
                 # start at `start`; query i (absolute start+i) may see keys 0..start+i.

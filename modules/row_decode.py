@@ -13,8 +13,10 @@ other prompts shared its batch. Here:
 
 * every linear layer is one ``bmm`` over a stride-0 view of the weight: each row's
   product runs as a batch-1 product does (the same kernel, the same reduction);
-* attention is :func:`layers.decode_attention` over the whole cache buffer with a length
-  mask, the function a batch-1 decode with a :class:`KVCache` uses too;
+* attention is :func:`layers.decode_attention` with a length mask, the function a batch-1
+  decode with a :class:`KVCache` uses too, over the first positions of the buffer that cover
+  the longest row, in whole blocks of ``DECODE_SPAN_BLOCK`` (a span of whole blocks gives a
+  row the bits the whole buffer gives it; the rest of the buffer is never read);
 * embedding, norms, rotary, SwiGLU's gate and residuals are per-row (elementwise or
   row-wise reductions), so batching does not touch them.
 
@@ -46,7 +48,7 @@ def _batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: "RowCache", layer: int, rows: torch.Tensor, pos: torch.Tensor,
+               cache: "RowCache", layer: int, rows: torch.Tensor, pos: torch.Tensor, live: int,
                linear=_linear) -> torch.Tensor:
     """:class:`layers.Attention` for one new token per row, row ``i`` in slot ``i`` of ``cache``."""
     B, T, C = x.shape
@@ -58,7 +60,7 @@ def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: t
     keys, values = cache.k[layer, :B], cache.v[layer, :B]  # [B, H, max_len, hd]
     keys[rows, :, pos] = k[:, :, 0]
     values[rows, :, pos] = v[:, :, 0]
-    y = decode_attention(q, keys, values, pos + 1)
+    y = decode_attention(q, keys, values, pos + 1, live)
     y = y.transpose(1, 2).contiguous().view(B, T, C)
     return linear(y, attn.proj.weight)
 
@@ -78,6 +80,7 @@ class RowCache:
         self.v = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         self.max_len = model.cfg.max_seq_len
         self.lengths = [0] * slots
+        self.rows = torch.arange(slots, device=weight.device)  # slot indices, made once
         # a batch-1 cache for encoding one row's context (prefill) before it joins a slot
         self.scratch = KVCache(model.num_layers, 1, model.cfg.n_heads, model.cfg.head_dim, self.max_len,
                                dtype=weight.dtype, device=weight.device)
@@ -86,11 +89,11 @@ class RowCache:
     def slots(self) -> int:
         return len(self.lengths)
 
-    def fill(self, slot: int, scratch: KVCache) -> None:
-        """Slot ``slot`` takes the positions a batch-1 cache holds."""
-        n = scratch.length
-        self.k[:, slot, :, :n] = scratch.k[:, 0, :, :n]
-        self.v[:, slot, :, :n] = scratch.v[:, 0, :, :n]
+    def fill(self, slot: int, scratch: KVCache, row: int = 0, n: int | None = None) -> None:
+        """Slot ``slot`` takes the first ``n`` positions (default: all) of ``scratch``'s row ``row``."""
+        n = scratch.length if n is None else int(n)
+        self.k[:, slot, :, :n] = scratch.k[:, row, :, :n]
+        self.v[:, slot, :, :n] = scratch.v[:, row, :, :n]
         self.lengths[slot] = n
 
     def move(self, src: int, dst: int) -> None:
@@ -114,22 +117,23 @@ def decode_rows(model: "PathModel", ids: torch.Tensor, cache: RowCache, exact: b
     B = int(ids.shape[0])
     if not 0 < B <= cache.slots:
         raise ValueError(f"decode_rows needs 1 to {cache.slots} rows, got {B}")
-    if max(cache.lengths[:B]) >= cache.max_len:
+    longest = max(cache.lengths[:B])
+    if longest >= cache.max_len:
         raise ValueError(f"a row is full ({cache.max_len} positions): re-encode its trailing window first")
     pos = torch.tensor(cache.lengths[:B], dtype=torch.long, device=ids.device)
-    rows = torch.arange(B, device=ids.device)
+    rows = cache.rows[:B]
     cos = model.rope_cos[pos].view(B, 1, 1, -1)  # broadcast over heads, as [1, hd/2] does
     sin = model.rope_sin[pos].view(B, 1, 1, -1)
     x = model.embed(ids.view(B, 1))  # [B, 1, C]
     layer = 0
     for level in model.levels:
         for block in level.blocks:
-            x = x + _attention(block.attn, block.attn_norm(x), cos, sin, cache, layer, rows, pos, linear)
+            x = x + _attention(block.attn, block.attn_norm(x), cos, sin, cache, layer, rows, pos, longest + 1,
+                               linear)
             h, mlp = block.mlp_norm(x), block.mlp
             x = x + linear(F.silu(linear(h, mlp.gate.weight)) * linear(h, mlp.up.weight), mlp.down.weight)
             layer += 1
     x = model.head.norm(x)
     weight = model.embed.weight if model.cfg.tie_embeddings else model.head.proj.weight
-    for i in range(B):
-        cache.lengths[i] += 1
+    cache.lengths[:B] = [n + 1 for n in cache.lengths[:B]]
     return linear(x, weight)[:, 0]

@@ -15,6 +15,9 @@ import torch
 
 from dipaco.inference import InferenceRun, Request, RoutedEngine
 from modules import ModelConfig, ModuleGrid, PathModel
+from dipaco.inference.engine_rows import PathBatch, Row
+from dipaco.inference.generate import Generation
+from modules.layers import DECODE_SPAN_BLOCK, decode_attention, decode_span
 from modules.row_decode import RowCache, decode_rows
 
 
@@ -98,6 +101,47 @@ def test_decode_rows_is_bit_identical_to_batch_one() -> None:
         out = decode_rows(model, nxt, cache)
     assert all(torch.equal(out[i], ref[i]) for i in range(len(seqs)))
     assert cache.lengths[:len(seqs)] == [len(s) + 1 for s in seqs]
+
+
+def test_attention_over_the_live_span_has_the_bits_of_the_whole_buffer() -> None:
+    """A decode step reads only the blocks that cover the longest row; that must not move a
+    bit, for a batch or a row alone, at any length (on this machine's kernels)."""
+    torch.manual_seed(0)
+    bad = []
+    for max_len in (128, 256, 512):
+        for B in (1, 3, 16):
+            q, keys, values = torch.randn(B, 2, 1, 32), torch.randn(B, 2, max_len, 32), torch.randn(B, 2, max_len, 32)
+            lengths = torch.randint(1, max_len + 1, (B,))
+            whole = decode_attention(q, keys, values, lengths)
+            live = decode_attention(q, keys, values, lengths, int(lengths.max()))
+            bad += [("batch", max_len, B)] * (not torch.equal(live, whole))
+            for i in range(B):
+                alone = decode_attention(q[i:i + 1], keys[i:i + 1], values[i:i + 1], lengths[i:i + 1], int(lengths[i]))
+                bad += [("alone", max_len, int(lengths[i]))] * (not torch.equal(alone[0], whole[i]))
+    assert not bad, f"the live span changed bits: {bad[:5]}"
+    assert decode_span(1, 256) == DECODE_SPAN_BLOCK and decode_span(255, 256) == 256
+
+
+def test_fast_padded_prefill_is_each_rows_own_prefill_up_to_rounding() -> None:
+    """exact=False encodes fresh rows of different lengths in one right-padded forward: each
+    row's logits and cached keys are what encoding it alone gives, up to rounding."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_heads=2, layers_per_level=1, max_seq_len=64)
+    model = PathModel(ModuleGrid(cfg, [2, 2], seed=0), 1).eval()
+    seqs = [torch.randint(0, 97, (n,)).tolist() for n in (1, 5, 17, 40, 63)]
+    batch = PathBatch(model, 1, 8, True, exact=False)
+    for i, s in enumerate(seqs):
+        batch.join(Row(i, Request(s), Generation(prompt=s), list(s)))
+    with torch.no_grad():
+        rows = list(batch.fresh)
+        padded = batch._encode_padded(rows)
+        for i, row in enumerate(rows):
+            alone = model.new_kv_cache(1)
+            ref = model(torch.tensor([row.seq]), alone)[0, -1]
+            torch.testing.assert_close(padded[i], ref, rtol=1e-5, atol=1e-5)
+            n = len(row.seq)
+            assert batch.cache.lengths[row.slot] == n
+            torch.testing.assert_close(batch.cache.k[:, row.slot, :, :n], alone.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_fast_decode_is_the_exact_decode_up_to_rounding() -> None:

@@ -89,8 +89,9 @@ class RoutedEngine:
         patience: steps a row of another path may wait before the current path stops admitting.
         exact: ``True`` (default): every row gets the tokens one-prompt generation gives it
             (each linear layer one matrix-vector product per row). ``False``: one matrix
-            product per layer for the whole batch, faster; a row's float bits may then
-            depend on its batch, so a greedy near-tie can differ from one-prompt generation.
+            product per layer for the whole batch and the prompts joining at a step encoded
+            in one padded forward, faster; a row's float bits may then depend on its batch,
+            so a greedy near-tie can differ from one-prompt generation.
     """
 
     def __init__(self, run: "InferenceRun", *, max_batch_size: int = 32, max_loaded_paths: int = 1,

@@ -17,6 +17,7 @@ from dipaco.inference.generate import Generation
 from dipaco.inference.sampling import sample_token
 from dipaco.runtime.device import model_device
 from modules import PathModel
+from modules.kv_cache import KVCache
 from modules.row_decode import RowCache, decode_rows
 
 if TYPE_CHECKING:
@@ -128,6 +129,9 @@ class PathBatch:
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
+    def _ids_rows(self, ids: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
     def _encode(self, row: Row) -> torch.Tensor:
         """Next-token logits of ``row`` from its last ``max_seq_len`` tokens, alone (batch 1)."""
         row.start = max(0, len(row.seq) - self.max_len)
@@ -137,6 +141,29 @@ class PathBatch:
         scratch = self.cache.scratch
         scratch.reset()
         return self.model(self._ids(window), scratch)[0, -1]
+
+    def _slot(self, row: Row, scratch: KVCache, i: int = 0, n: Optional[int] = None) -> None:
+        """``row`` takes the next slot, with the positions of ``scratch``'s row ``i``."""
+        row.slot = len(self.slotted)
+        self.cache.fill(row.slot, scratch, i, n)
+        self.slotted.append(row)
+
+    def _encode_padded(self, rows: list[Row]) -> torch.Tensor:
+        """Next-token logits ``[len(rows), V]`` of rows whose whole context fits a slot, in one
+        forward (``exact=False`` only): the contexts right-padded to the longest, so under the
+        causal mask a row's real positions never see its padding; each row then takes a slot
+        with its own positions. A row's bits may depend on the others (the products are over
+        the whole batch), which is what fast mode allows."""
+        lengths = [len(r.seq) for r in rows]
+        width = max(lengths)
+        ids = self._ids_rows([r.seq + [0] * (width - len(r.seq)) for r in rows])
+        scratch = self.model.new_kv_cache(len(rows), width)
+        logits = self.model(ids, scratch)  # [G, width, V]
+        for i, row in enumerate(rows):
+            row.start = 0
+            self._slot(row, scratch, i, lengths[i])
+        last = torch.tensor([n - 1 for n in lengths], device=logits.device)
+        return logits[torch.arange(len(rows), device=logits.device), last]
 
     @torch.no_grad()
     def step(self) -> tuple[list[Row], list[int]]:
@@ -153,13 +180,18 @@ class PathBatch:
             rows.append(row)
             parts.append(self._encode(row).unsqueeze(0))
         fresh, self.fresh = self.fresh, []
+        if not self.exact and self.cache is not None:
+            # fast mode: every fresh row whose context fits a slot is encoded in one padded call
+            fits = [r for r in fresh if len(r.seq) < self.max_len]
+            if len(fits) > 1:
+                fresh = [r for r in fresh if len(r.seq) >= self.max_len]
+                rows.extend(fits)
+                parts.append(self._encode_padded(fits))
         for row in fresh:
             rows.append(row)
             parts.append(self._encode(row).unsqueeze(0))
             if self.cache is not None and self.cache.scratch.length < self.max_len:
-                row.slot = len(self.slotted)
-                self.cache.fill(row.slot, self.cache.scratch)
-                self.slotted.append(row)
+                self._slot(row, self.cache.scratch)
             else:
                 self.windowed.append(row)
         logits = torch.cat(parts).float()
