@@ -68,6 +68,7 @@ def _same(a, b) -> bool:
                                                                          b.stopped_at_eos)
 
 
+@pytest.mark.slow  # a few hundred prompts decoded twice: 30-70 s of CPU
 @pytest.mark.parametrize("reroute", [None, 3])
 def test_engine_gives_every_prompt_its_one_prompt_tokens(run, prompts, reroute) -> None:
     reqs = _requests(prompts if reroute is None else prompts[:60], reroute)
@@ -164,6 +165,7 @@ def test_fast_decode_is_the_exact_decode_up_to_rounding() -> None:
     torch.testing.assert_close(out[False], out[True], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # both engines over the prompt set: ~17 s of CPU
 def test_the_fast_engine_answers_like_the_exact_one(run, prompts) -> None:
     reqs = [Request(p, max_new_tokens=4) for p in prompts[:40]]
     exact = RoutedEngine(run, max_batch_size=16).generate(reqs)

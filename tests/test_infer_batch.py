@@ -55,6 +55,7 @@ def test_file_writes_each_prompt_in_order_with_its_one_prompt_tokens(finished, t
         assert lines[i]["prompt_tokens"] == len(ids) and lines[i]["path_sequence"] == ref.window_paths
 
 
+@pytest.mark.multiprocess  # the --file run is a subprocess killed mid-write
 def test_a_killed_run_leaves_whole_lines_and_resume_finishes_it(finished, tmp_path, capsys, monkeypatch) -> None:
     run_dir = finished[0]
     texts = [t + str(k) for k in range(6) for t in TEXTS]  # 48 prompts
