@@ -142,3 +142,17 @@ def test_a_horizon_keeps_the_rounds_that_ended_before_it(job: SimJob) -> None:
     r = simulate_rounds(slow, "sync", horizon_s=10.5 * rnd)  # inside the first block of rounds
     assert r.rounds == 10 and r.exposed_share > 0
     assert r.tokens_applied == 10 * slow.paths * slow.inner_steps * slow.tokens_per_step
+
+
+def test_only_the_simulator_reads_the_cluster() -> None:
+    """A cluster key set for dipaco-train (or any command that does not simulate) is
+    refused in one line naming it; dipaco-plan --simulate takes it; the default passes."""
+    from dipaco.config import ConfigError
+    from dipaco.job.preflight import compose, preflight
+
+    preflight(compose(["experiment=smoke"]))  # the default cluster: nothing to refuse
+    cfg = compose(TINY)
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert "cluster.chips" in str(e.value) and "dipaco-plan --simulate" in str(e.value)
+    preflight(compose(TINY), simulating=True)

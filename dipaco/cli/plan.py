@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
         opts, overrides = _options(overrides)
         cfg = compose(overrides)
-        preflight(cfg)
+        preflight(cfg, simulating=bool(opts["--simulate"]))
         if opts["--simulate"]:
             _simulate(cfg, opts)
             return

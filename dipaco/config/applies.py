@@ -23,7 +23,7 @@ from dipaco.config.names import CODECS, DATA_SOURCES, SourceEntry
 from dipaco.config.schema import Config
 from router.methods import METHODS, method_class, method_settings
 
-__all__ = ["APPLIES", "Where", "check_applies", "not_applying"]
+__all__ = ["APPLIES", "Where", "check_applies", "check_not_simulated", "not_applying"]
 
 
 @dataclass(frozen=True)
@@ -180,3 +180,16 @@ def check_applies(cfg: Config) -> None:
     """Raise :class:`ConfigError` for the first key set where it does not apply."""
     for key, problem, fix in not_applying(cfg):
         raise ConfigError(key, problem, fix)
+
+
+def check_not_simulated(cfg: Config) -> None:
+    """Refuse a ``cluster.*`` key set away from its default by a command that does not
+    simulate: only ``dipaco-plan --simulate`` reads the cluster description, so a training,
+    routing or plain planning run would ignore it (the rule of this module)."""
+    for f in fields(type(cfg.cluster)):
+        key = f"cluster.{f.name}"
+        value, default = value_of(cfg, key), value_of(_DEFAULTS, key)
+        if value != default:
+            raise ConfigError(key, f"{key}={_show(value)} describes a cluster for the simulator, which only "
+                                   "dipaco-plan --simulate reads, so this command would ignore it",
+                              f"run dipaco-plan --simulate with it, or drop {key} (its default is {_show(default)})")

@@ -17,6 +17,7 @@ import torch
 
 from dipaco.config import Config, ConfigError, compose_config, require
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
+from dipaco.config.applies import check_not_simulated
 from dipaco.config.validate import validate_config
 from dipaco.runtime.device import config_problems as device_problems
 from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
@@ -26,10 +27,14 @@ from modules import ModuleGrid
 __all__ = ["compose", "preflight", "resolve_tokenizer_vocab", "tokenizer_size"]
 
 
-def preflight(cfg: Config) -> None:
+def preflight(cfg: Config, simulating: bool = False) -> None:
     """Raise :class:`ConfigError` for the first problem of ``cfg``: the config's checks
-    (``validate_config``, which also fills derived settings), then the implementation's."""
+    (``validate_config``, which also fills derived settings), then the implementation's.
+    ``simulating``: the command reads ``cluster.*`` (``dipaco-plan --simulate``); every
+    other command refuses those keys set away from their defaults."""
     validate_config(cfg)
+    if not simulating:
+        check_not_simulated(cfg)
     check_implementation(cfg)
 
 
