@@ -154,14 +154,14 @@ def test_disk_full_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
                                                                                    monkeypatch):
     """Disk full (`OSError: [Errno 28]`, or safetensors' `StorageFull`) while writing a checkpoint
     — `disk full while writing FILE; last complete checkpoint: D/checkpoints/round_000001; free space, then continue with: dipaco-train hydra.run.dir=D resume=true`; exit 1; the earlier checkpoint still verifies."""
-    import dipaco.run.checkpoint as ckpt
+    import dipaco.storage.tensor_io as tensor_io  # every checkpoint tensor file is written there
 
     run_dir = copy_run(sigterm_stopped[0], tmp_path / "run")
 
     def full(_tensors: Any, filename: str, metadata: Any = None) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", filename)
 
-    monkeypatch.setattr(ckpt, "save_file", full)
+    monkeypatch.setattr(tensor_io, "save_file", full)
     with pytest.raises(RunStopped) as err:
         train(compose_config(["resume=true"], run_dir), overrides=["resume=true"])
     msg = str(err.value)
