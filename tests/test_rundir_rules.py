@@ -158,6 +158,22 @@ def _edit_by_hand(run: RunDir, keys: list[str]) -> list[str]:
     return edited
 
 
+
+def test_a_key_a_newer_schema_added_is_no_hand_edit(tmp_path):
+    """A run recorded by a dipaco whose schema lacked some keys (the `cluster` group, added
+    since): its config.yaml now reads them at their defaults, nobody edited them, and a
+    resume must not be refused for them; a recorded key edited by hand still is seen."""
+    run = _saved_run(tmp_path)
+    fps = run.root / "fingerprints.json"
+    record = json.loads(fps.read_text())
+    record["config"] = {k: v for k, v in record["config"].items() if not k.startswith("cluster.")}
+    fps.write_text(json.dumps(record))
+    assert hand_edits(run, run.load_config()) == {}
+    doc = OmegaConf.load(run.config)
+    doc.trainer.lr = float(doc.trainer.lr) * 2
+    run.config.write_text(OmegaConf.to_yaml(doc))
+    assert list(hand_edits(run, run.load_config())) == ["trainer.lr"]
+
 @pytest.mark.slow
 def test_every_key_edited_by_hand_in_config_yaml_is_honoured_as_recorded_or_refused(tmp_path):
     """`config.yaml` of a run edited by hand before `resume=true`, every key of the config (`trainer.precision`, the evaluation keys, the grid, the launcher, ...)

@@ -74,7 +74,9 @@ def hand_edits(run: RunDir, saved: Config, log: Callable[[str], None] = lambda _
         log(f"{path} records no config (a run from an older dipaco): {run.config} is taken as what ran")
         return {}
     now = {k: v for k, v in _flat(saved).items() if k not in _NOT_SETTINGS}
-    return {k: [record.get(k), now.get(k)] for k in sorted(set(record) | set(now)) if record.get(k) != now.get(k)}
+    # a key the record lacks was not a setting of the dipaco that ran (a newer schema adds it
+    # at its default): nobody edited it, so only the recorded keys can have been edited
+    return {k: [v, now.get(k)] for k, v in sorted(record.items()) if v != now.get(k)}
 
 
 __all__ = ["CONFIG_RECORD", "hand_edits", "write_run_config"]
