@@ -42,11 +42,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight.t().unsqueeze(0).expand(x.shape[0], -1, -1))
 
 
-def _batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` over the whole batch: one matrix product (``exact=False``)."""
-    return F.linear(x, weight)
-
-
 def _attention(attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: "RowCache", layer: int, rows: torch.Tensor, pos: torch.Tensor, live: int,
                linear=_linear) -> torch.Tensor:
@@ -113,7 +108,7 @@ def decode_rows(model: "PathModel", ids: torch.Tensor, cache: RowCache, exact: b
     ``exact=False`` runs each linear layer as one matrix product over the batch (what a
     padded-batch ``generate`` does): faster, but a row's float bits may then depend on the
     other rows, so a greedy near-tie can pick another token than batch-1 decoding."""
-    linear = _linear if exact else _batched_linear
+    linear = _linear if exact else F.linear  # F.linear: one matrix product over the batch
     B = int(ids.shape[0])
     if not 0 < B <= cache.slots:
         raise ValueError(f"decode_rows needs 1 to {cache.slots} rows, got {B}")
