@@ -26,17 +26,18 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-try:  # FSDP2 (public in torch >= 2.6; the library floor is older)
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover - depends on the installed torch
-    fully_shard = None  # type: ignore[assignment]
-    DTensor = ()  # type: ignore[assignment,misc]  # isinstance(x, ()) is always False
+# FSDP2 is imported where it is used, not here: importing torch.distributed.fsdp pulls in
+# DTensor, torch.fx and sympy (about 1 s on 2 cores), and every spawned rank and every
+# inference process imports this module while only launcher.group_parallel=fsdp shards.
+_FSDP_MODULE = "torch.distributed.fsdp"
+_DTENSOR_MODULE = "torch.distributed.tensor"
 
 __all__ = [
     "FSDP_MISSING",
@@ -59,14 +60,31 @@ FSDP_MISSING = "torch.distributed.fsdp.fully_shard (FSDP2) is not in this torch;
 
 
 def fsdp_available() -> bool:
-    """Whether this torch has FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
-    return fully_shard is not None
+    """Whether this torch has FSDP2 (``torch.distributed.fsdp.fully_shard``, public in torch
+    >= 2.6; the library floor is older). Looked up on disk: asking importlib for the
+    submodule would import ``torch.distributed.fsdp``, which is what this module avoids."""
+    return os.path.isdir(os.path.join(os.path.dirname(dist.__file__), "fsdp", "_fully_shard"))
+
+
+def _fully_shard() -> Any:
+    if not fsdp_available():
+        raise RuntimeError(FSDP_MISSING)
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
+def _dtensor() -> Any:
+    """``torch.distributed.tensor`` if something has imported it, else ``None``: a DTensor
+    can only exist once its module is loaded, so an unloaded module means nothing is sharded."""
+    return sys.modules.get(_DTENSOR_MODULE)
 
 
 def worker_mesh(group: Any, device: torch.device) -> "DeviceMesh":
     """A 1-D DeviceMesh over the worker group's process group (its ranks, ascending)."""
-    if fully_shard is None:
-        raise RuntimeError(FSDP_MISSING)
+    _fully_shard()  # FSDP2 present, or one line saying what to install
+    from torch.distributed.device_mesh import DeviceMesh
+
     kind = torch.device(device).type
     if kind == "cuda" and dist.get_backend(group) != "nccl":
         # ranks sharing a GPU fall back to gloo (dipaco/runtime/device.py), which FSDP2 cannot use on CUDA
@@ -81,8 +99,7 @@ def apply_fsdp(modules: dict[str, nn.Module], mesh: "DeviceMesh") -> None:
     Call it before any optimiser or sync object takes the modules' parameters: FSDP2
     replaces each parameter by a DTensor parameter.
     """
-    if fully_shard is None:
-        raise RuntimeError(FSDP_MISSING)
+    fully_shard = _fully_shard()
     for module in modules.values():
         for block in getattr(module, "blocks", ()):
             fully_shard(block, mesh=mesh)
@@ -91,7 +108,8 @@ def apply_fsdp(modules: dict[str, nn.Module], mesh: "DeviceMesh") -> None:
 
 def is_sharded(t: Any) -> bool:
     """Whether ``t`` is a DTensor (an FSDP2 parameter, gradient or AdamW moment)."""
-    return isinstance(t, DTensor)
+    tensor_mod = _dtensor()
+    return tensor_mod is not None and isinstance(t, tensor_mod.DTensor)
 
 
 def local_shard(p: torch.Tensor) -> torch.Tensor:
@@ -183,6 +201,8 @@ def shard_optimizer_state(state: dict[str, Any], params: Iterable[torch.Tensor])
             if is_sharded(p) and torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape):
                 mesh = p.device_mesh
                 local = v.chunk(mesh.size(), dim=0)[mesh.get_local_rank()].to(local_shard(p).device)
+                from torch.distributed.tensor import DTensor, Shard
+
                 v = DTensor.from_local(local.contiguous(), mesh, [Shard(0)], run_check=False)
             row[k] = v
         out[i] = row
