@@ -31,7 +31,6 @@ from dipaco.inference.export import DIPACO_EXPORT_FILES, check_export_target
 from dipaco.inference.export_hf import HF_EXPORT_FILES
 from dipaco.run.owned import check_owned, write_owned_file
 from dipaco.run.path_guard import check_target
-from dipaco.job.prepare import validation_ids
 from dipaco.run.run_dir import RunDirError
 
 __all__ = ["main", "build_parser", "read_jsonl", "VERBS"]
@@ -140,6 +139,10 @@ def cmd_score(args: argparse.Namespace) -> None:
         fail(f"--seq-len {args.seq_len} exceeds model.max_seq_len {run.cfg.model.max_seq_len}: "
              f"use --seq-len {run.cfg.model.max_seq_len}")
     if from_corpus:
+        # imported here: the training job's data preparation loads ``datasets`` and the
+        # corpus readers, which every other verb of this command does without
+        from dipaco.job.prepare import validation_ids
+
         docs = validation_ids(run.cfg, run.run, split=args.split)
     else:
         docs = [run.encode(t) for t in texts]

@@ -16,7 +16,6 @@ from dipaco.cli.help import usage, wants_help
 from dipaco.cli.hydra_app import (command_line_overrides, config_from_hydra, hydra_record, protect_run_dir,
                                   register_launcher, run_protected)
 from dipaco.config import register_configs
-from dipaco.job.train import train
 
 register_configs()
 
@@ -24,6 +23,11 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="pkg://dipaco.conf", config_name="config")
 @report_user_errors
 def _app(cfg: DictConfig) -> float:
+    # imported here: every rank that launcher=spawn starts re-imports this console script
+    # (multiprocessing's spawn runs the parent's main module), and the job's data
+    # preparation would cost each of them a second of imports it never uses
+    from dipaco.job.train import train
+
     conf = config_from_hydra(cfg)
     summary = train(conf, overrides=command_line_overrides(), hydra_files=hydra_record(cfg))
     # Returned for Hydra sweepers that optimise an objective.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
-from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from dipaco.config.errors import ConfigError, composition_error
@@ -71,8 +70,11 @@ def compose_config(overrides: Optional[List[str]] = None, run_dir: Optional[str]
     ``data.tokenizer`` (or ``data=tokens``), compose with :func:`dipaco.job.preflight.compose`,
     which also sets ``model.vocab_size`` from the tokenizer as the CLIs do.
     """
+    # Hydra is imported here, not at the top: a spawned rank and an inference process read
+    # a config (OmegaConf) but never compose one, and ``import hydra`` costs them 0.1-0.4 s
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
 
     register_configs()
     if GlobalHydra.instance().is_initialized():

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from dipaco.data.errors import DataError
-from dipaco.data.tokenize import dataset_token_stream
 from router import load_shard
 from router.tokens import TokenDocs
 
@@ -133,6 +132,10 @@ class TokenStream:
     def from_dataset(cls, ds: Any, seq_len: int, batch_size: int, seed: int, path_id: int,
                      eos_id: int, *, rank: int = 0, world: int = 1) -> "TokenStream":
         """Build from a tokenized ``Dataset`` (``input_ids`` column) without a Python loop per row."""
+        # imported here: dipaco.data.tokenize loads ``datasets`` (about 1 s), and a rank
+        # reading its shard's memory-mapped tokens never needs it
+        from dipaco.data.tokenize import dataset_token_stream
+
         return cls([], seq_len, batch_size, seed, path_id, eos_id, rank=rank, world=world,
                    stream=dataset_token_stream(ds, eos_id))
 

@@ -16,10 +16,6 @@ import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from dipaco.data.errors import DataError
 from dipaco.data.files import open_regular
 
@@ -220,6 +216,8 @@ def _iter_array(f: Any, rel: str, skipped: Dict[str, int]) -> Iterator[Tuple[str
 
 def iter_parquet(path: str, rel: str, columns: List[str], skipped: Dict[str, int]) -> Iterator[Tuple[str, Any]]:
     """Stream a parquet file in record batches, reading only the columns we use."""
+    import pyarrow.parquet as pq  # pyarrow loads only where parquet is read
+
     f = open_regular(path)
     if f is None:
         count_skip(skipped, "unreadable_file")
@@ -281,6 +279,8 @@ def open_datasets(path: str, hub_config: Optional[str], hub_split: str, streamin
     A ``save_to_disk`` folder loads with ``datasets.load_from_disk`` (no network);
     anything else with ``datasets.load_dataset`` (a hub name, or a local folder of data
     files). Failures are one :class:`DataError`."""
+    import datasets  # heavy (pyarrow, pandas): only where a dataset is opened
+
     if path.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(path)):
         # a hub name never starts so: a mistyped local path must not read as a network fault
         raise DataError(f"data.path={path} does not exist. Fix: point data.path at the dataset folder "
@@ -326,6 +326,9 @@ def iter_dataset(ds: Any, prefix: str, columns: List[str], skipped: Dict[str, in
     it touched in the process's RSS). Other datasets, streamed ones included, are
     iterated. A failure mid-way costs the rest of that split (``unreadable_shard``).
     """
+    import datasets
+    import pyarrow as pa
+
     row = 0
     try:
         files = [c["filename"] for c in getattr(ds, "cache_files", None) or []]
