@@ -214,7 +214,10 @@ class ModuleGrid:
         """A fresh, uninitialised module of one kind (on the current default device)."""
         cfg = self.cfg
         if kind == EMBED:
-            return nn.Embedding(cfg.vocab_size, cfg.d_model)
+            # its weight given, not drawn: on "meta" nn.Embedding's own normal_ init runs
+            # torch's Python reference kernel, whose first call imports torch._dynamo (3-5 s
+            # per process on 2 cores), and module() draws every weight afresh anyway
+            return nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         if kind == HEAD:
             return LMHead(cfg)
         return LevelModule(cfg)

@@ -6,6 +6,8 @@ so the one-GPU/many-ranks cases that crashed on a real H100 are checked on any m
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,6 +119,18 @@ def test_set_deterministic_switches_torch_and_cublas(monkeypatch: pytest.MonkeyP
         assert torch.utils.deterministic.fill_uninitialized_memory  # torch's default again
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_set_deterministic_does_not_load_the_compiler_and_compiling_gives_it_the_flag() -> None:
+    """In a fresh interpreter: the kernel switch without torch._inductor (3-7 s per process);
+    then a compiled model's Inductor config carries the same flag (dipaco/runtime/device.py)."""
+    code = ("import sys, torch; from dipaco.runtime.device import set_deterministic, maybe_compile; "
+            "set_deterministic(True); assert torch.are_deterministic_algorithms_enabled(); "
+            "print('inductor' if 'torch._inductor' in sys.modules else 'none'); "
+            "maybe_compile(torch.nn.Linear(2, 2), True); import torch._inductor.config as c; print(c.deterministic)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["none", "True"]
 
 
 def test_rank_device_describes_a_gpu_this_host_lacks() -> None:

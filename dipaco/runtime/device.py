@@ -150,7 +150,7 @@ def set_deterministic(enabled: bool) -> None:
     """
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(bool(enabled))
+    _set_kernel_determinism(bool(enabled))
     # deterministic mode would also fill every torch.empty with NaN (a guard against
     # reading uninitialised memory, which correct code never does): a write over every
     # new buffer, for no change in the numbers
@@ -158,6 +158,24 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.deterministic = bool(enabled)
     if enabled:
         torch.backends.cudnn.benchmark = False
+
+
+def _set_kernel_determinism(enabled: bool) -> None:
+    """``torch.use_deterministic_algorithms(enabled)`` for the eager kernels, without its import.
+
+    Since torch 2.6 the public call also sets Inductor's ``deterministic`` flag, and imports
+    ``torch._inductor`` to do it (Dynamo, torch.fx, sympy): 3 to 7 s in every process on 2
+    cores (cProfile of a spawned rank, 4 ranks on 2 AMD EPYC cores), for a compiler that
+    only ``trainer.compile`` uses. The kernel switch alone is torch's own
+    ``_C._set_deterministic_algorithms``; :func:`maybe_compile` makes the public call before
+    it compiles, so Inductor gets the flag. A torch without the switch, or with Inductor
+    already loaded, takes the public call.
+    """
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None or "torch._inductor.config" in sys.modules:
+        torch.use_deterministic_algorithms(enabled)
+    else:
+        switch(enabled, warn_only=False)
 
 
 # ------------------------------------------------------------------ speed options
@@ -176,6 +194,10 @@ def maybe_compile(model: torch.nn.Module, enabled: bool, backend: str = "inducto
     """
     if not enabled:
         return model
+    # the public call now, so the compiler's own determinism flag follows the kernels'
+    # (set_deterministic skips it to spare processes that never compile its import)
+    torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled(),
+                                       warn_only=torch.is_deterministic_algorithms_warn_only_enabled())
     return torch.compile(model, backend=backend)
 
 
