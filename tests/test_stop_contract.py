@@ -99,6 +99,10 @@ def test_a_stop_checkpoints_the_last_complete_round_and_exits_within_one(
 
 LAUNCHERS = {"spawn": ["launcher=spawn", "launcher.nproc=2", "launcher.backend=gloo"],
              "elastic": ["launcher=spawn", "launcher.nproc=2", "launcher.backend=gloo", "launcher.elastic=true"]}
+# BASE's rounds of 2 inner steps take about 0.1 s on a warm host: shorter than the way a
+# stop takes from the launching process to the ranks (the elastic launcher looks at the
+# signal every 20 ms, its agents then pass it on), so "round 2 in flight" needs a longer round
+LONG_ROUNDS = ["diloco.inner_steps=16"]
 
 
 @pytest.mark.slow
@@ -121,7 +125,7 @@ def test_a_stop_of_a_spawned_launch_checkpoints_the_last_complete_round_and_exit
 
     threading.Thread(target=watch, daemon=True).start()
     with pytest.raises(RunStopped) as stop:
-        train(compose_config(BASE + LAUNCHERS[launcher], str(run)))
+        train(compose_config(BASE + LONG_ROUNDS + LAUNCHERS[launcher], str(run)))
     done = _rounds(run)
     assert done and max(done) in (1, 2), done
     assert f"round_{max(done):06d}" in str(stop.value) and "resume=true" in str(stop.value)

@@ -62,6 +62,10 @@ RESTART_EXIT = 75  # a rank stopped for a restart of its agent: never 0 (module 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES = 1, 5  # a lost agent leaves the rendezvous after ~5 s of silence
 LAST_CALL_S = 2  # how long a forming rendezvous waits for more agents once it has enough
 MONITOR_S = 0.5
+# how often the launcher looks at its agents and at a stop signal: a stop reaches the ranks
+# within this, and must come before the round in flight ends (a smoke round is ~0.1 s);
+# a look is a few process and queue polls, so 50 a second cost nothing measurable
+POLL_S = 0.02
 # how long an agent waits in the rendezvous (torch's join_timeout): a late or rejoining agent
 # waits there while the running ranks finish their round (torch stops them within 30 s)
 # and restart; at least launcher.timeout_s
@@ -232,7 +236,7 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
                 for p in agents.values():
                     _signal(p, signal.SIGTERM)
                 done = True
-            time.sleep(0.2)
+            time.sleep(POLL_S)
     finally:
         for p in agents.values():  # an exception here (Ctrl-C twice): leave nothing behind
             _signal(p, signal.SIGKILL, group=True)
