@@ -242,7 +242,7 @@ class ModuleGrid:
         # building modules in any order never changes anyone else's random numbers.
         with torch.device("meta"):
             mod = self._construct(kind)
-        mod = mod.to_empty(device="cpu")
+        mod = _materialize(mod, "cpu")
         generator = torch.Generator(device="cpu")
         generator.manual_seed(module_seed(self.seed, module_id))
         init_parameters_(mod, generator, self.cfg.init_std)
@@ -389,3 +389,12 @@ def init_grid_from_dense(grid: ModuleGrid, dense_state: Mapping[str, StateDict])
     for mid, mod in grid.built_modules().items():
         mod.load_state_dict(snapshot[grid.dense_source_id(mid)])
     return grid
+
+
+def _materialize(mod: nn.Module, device: str) -> nn.Module:
+    """``mod.to_empty(device=device)`` without its meta kernel: ``to_empty`` allocates each
+    tensor as ``empty_like`` of a meta tensor, whose first call imports torch's meta
+    registrations and sympy (about 1 s of an inference process's start on 2 cores);
+    ``torch.empty`` of the same shape and dtype allocates the same uninitialised storage.
+    ``_apply`` is the traversal ``to_empty`` itself uses (parameters stay parameters)."""
+    return mod._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
