@@ -5,12 +5,18 @@ Every rank that ``launcher=spawn`` starts imports the rank's entry (and re-impor
 console script, as multiprocessing's spawn does), and every ``dipaco-infer`` call starts a
 Python: a library loaded there and never used is paid once per rank and once per prompt.
 Measured on 2 AMD EPYC cores: ``datasets`` (with pyarrow and pandas) about 1 s,
-``torch.distributed.fsdp`` (with DTensor, torch.fx and sympy) about 1 s, ``hydra`` 0.1-0.4 s.
-The rule, checked in a fresh interpreter for each entry: those load only in the commands
-that use them (data preparation, ``launcher.group_parallel=fsdp``, composing a config).
+``torch.distributed.fsdp`` (with DTensor, torch.fx and sympy) about 1 s, ``torch._dynamo``
+3-5 s, ``hydra`` 0.1-0.4 s. The rule: those load only in the commands that use them (data
+preparation, ``launcher.group_parallel=fsdp``, ``trainer.compile`` or a torch optimiser,
+composing a config).
+
+One fresh interpreter takes the steps below in order (a fresh one per step would cost a
+torch import each) and reports the heavy modules loaded after each; a step may add only
+what it is allowed, and the last step shows that the probe sees a heavy import at all.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,57 +24,55 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.multiprocess  # a fresh interpreter: not in the fast lane
 
-# heavy libraries and the modules that load them, by who may import them
-HEAVY = ("datasets", "pyarrow", "pandas", "torch.distributed.fsdp", "torch.distributed.tensor", "sympy", "hydra")
+HEAVY = ("datasets", "pyarrow", "pandas", "torch.distributed.fsdp", "torch.distributed.tensor", "sympy",
+         "torch._dynamo", "torch._inductor", "hydra")
 
-ENTRIES = {
+# (step, code, what it may add): in this order, in one interpreter
+STEPS = [
+    # asked by the preflight of every run: answered without importing FSDP2
+    ("fsdp presence", "from dipaco.sync.fsdp import fsdp_available; fsdp_available()", ()),
     # a spawned or torchrun rank: the launcher's entry and the synchronous and decoupled loops
-    "rank": "import dipaco.runtime.launch, dipaco.rounds.loop, dipaco.decoupled.worker",
-    # the console script dipaco-train: what every spawned rank re-imports
-    "dipaco-train script": "import dipaco.cli.train",
-    # every inference verb, the batched engine and the server's app
-    "dipaco-infer": "import dipaco.cli.infer, dipaco.inference.engine, dipaco.inference.run",
-}
-
-# what the console script itself needs: Hydra runs the app (it composes the config)
-ALLOWED = {"dipaco-train script": ("hydra",)}
-
-
-def _loaded(code: str) -> list[str]:
-    probe = (f"import sys; {code}; "
-             f"print(' '.join(sorted(m for m in sys.modules if m in {HEAVY!r})))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout.split()
+    ("rank", "import dipaco.runtime.launch, dipaco.rounds.loop, dipaco.decoupled.worker", ()),
+    # every inference verb, the batched engine and the run it opens
+    ("dipaco-infer", "import dipaco.cli.infer, dipaco.inference.engine, dipaco.inference.run", ()),
+    # what a rank and an inference process do with modules: build on meta, materialise,
+    # deterministic kernels, forward and backward (no optimiser: torch.optim loads Dynamo)
+    ("a path built and trained",
+     "import torch; from modules import ModelConfig, ModuleGrid, PathModel; "
+     "from dipaco.runtime.device import set_deterministic; set_deterministic(True); "
+     "g = ModuleGrid(ModelConfig(vocab_size=64, d_model=16, n_heads=2, max_seq_len=16), [2, 2], seed=0); "
+     "PathModel(g, 0)(torch.zeros(1, 8, dtype=torch.long)).sum().backward()", ()),
+    # the console script dipaco-train, which every spawned rank re-imports: Hydra runs its app
+    ("dipaco-train script", "import dipaco.cli.train", ("hydra",)),
+    # the data preparation does load datasets: the probe can see a heavy import
+    ("data preparation", "import dipaco.job.prepare", ("datasets", "pyarrow", "pandas")),
+]
 
 
-@pytest.mark.parametrize("entry", sorted(ENTRIES))
-def test_an_entry_loads_no_heavy_library_it_does_not_use(entry: str) -> None:
-    loaded = [m for m in _loaded(ENTRIES[entry]) if m not in ALLOWED.get(entry, ())]
-    assert loaded == [], f"{entry} imports {loaded}; import them where they are used"
+@pytest.fixture(scope="module")
+def loaded_after_each_step() -> dict[str, list[str]]:
+    lines = ["import json, sys", "out = {}"]
+    for name, code, _ in STEPS:
+        lines += [code, f"out[{name!r}] = sorted(m for m in sys.modules if m in {HEAVY!r})"]
+    lines.append("print(json.dumps(out))")
+    res = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=300,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_building_and_training_a_path_loads_no_compiler() -> None:
-    """A process builds its modules on "meta", materialises them and sets deterministic
-    kernels: none of it may import torch._dynamo (3-5 s a process) or sympy (1 s), which
-    inference never uses (modules/grid.py, dipaco/runtime/device.py). A rank still loads
-    Dynamo with its first torch optimiser (torch.optim's own ``_disable_dynamo``)."""
-    code = ("import sys, torch; from modules import ModelConfig, ModuleGrid, PathModel; "
-            "from dipaco.runtime.device import set_deterministic; set_deterministic(True); "
-            "g = ModuleGrid(ModelConfig(vocab_size=64, d_model=16, n_heads=2, max_seq_len=16), [2, 2], seed=0); "
-            "m = PathModel(g, 0); m(torch.zeros(1, 8, dtype=torch.long)).sum().backward(); "
-            "print(*[m for m in ('torch._dynamo', 'torch._inductor', 'sympy') if m in sys.modules] or ['none'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["none"], f"building or training a path imported {out.stdout.split()}"
+@pytest.mark.parametrize("step", [name for name, _, _ in STEPS[:-1]])
+def test_a_step_loads_no_heavy_library_it_does_not_use(step: str, loaded_after_each_step: dict) -> None:
+    allowed: set[str] = set()
+    for name, _, may in STEPS:
+        allowed |= set(may)
+        if name == step:
+            break
+    extra = sorted(set(loaded_after_each_step[step]) - allowed)
+    assert extra == [], f"{step} imports {extra}; import them where they are used"
 
 
-def test_the_probe_sees_a_heavy_import() -> None:
-    """The check can fail: the data preparation does load ``datasets``."""
-    assert "datasets" in _loaded("import dipaco.job.prepare")
-
-
-def test_fsdp_presence_is_answered_without_importing_it() -> None:
-    code = "from dipaco.sync.fsdp import fsdp_available; assert fsdp_available() in (True, False)"
-    assert "torch.distributed.fsdp" not in _loaded(code)
+def test_the_probe_sees_a_heavy_import(loaded_after_each_step: dict) -> None:
+    assert "datasets" in loaded_after_each_step["data preparation"]
