@@ -190,6 +190,9 @@ def hf_worker(export: str, prompt_file: str, new_tokens: int, batch_size: int) -
     texts = [json.loads(x)["text"] for x in Path(prompt_file).read_text(encoding="utf-8").splitlines()]
     ids = [routed.encode(t) for t in texts]
     eos = routed.tokenizer.eos_id
+    with torch.no_grad():  # one token first: transformers' first generate pays lazy imports (2 s
+        # measured, torch._dynamo among them) that belong to its start-up, not to its loop
+        routed.model(0).generate(torch.tensor([ids[0][:1]]), max_new_tokens=1, do_sample=False, pad_token_id=eos)
     t0 = time.perf_counter()
     paths = routed.router.route_batch([np.asarray(x, dtype=np.int64) for x in ids])
     out: list[list[int]] = [[] for _ in ids]

@@ -122,6 +122,29 @@ def test_text_held_back_for_a_stop_string_is_released_at_the_end() -> None:
     assert text.finish() == "a" and not text.stopped
 
 
+def test_add_all_gives_the_text_of_adding_each_token() -> None:
+    """The whole-row hand-over decodes once (dipaco/serve/completions.py); same text as one by one."""
+    ids = TOKENIZER.encode("aé b") + [0] + TOKENIZER.encode("c")  # a split character and an eos inside
+    for cut in range(len(ids) + 1):
+        one, whole = TextAssembler(TOKENIZER, eos_id=0), TextAssembler(TOKENIZER, eos_id=0)
+        sent = "".join(one.add(t) for t in ids[:cut]) + one.finish()
+        assert whole.add_all(ids[:cut]) + whole.finish() == sent and whole.text == one.text
+
+
+def test_a_whole_completion_wakes_the_event_loop_once_per_row(server, client) -> None:
+    """No stream and no stop string: the engine thread hands each row over once, at its end
+    (the event loop shares the GIL with the engine; dipaco/serve/mailbox.py), with the text,
+    paths and usage a streamed or per-token hand-over gives."""
+    service = server[2]
+    boxes = list(service._mailboxes.values())  # the server's one loop, once a request has come
+    before = boxes[0].deliveries if boxes else 0
+    out = complete(client, prompt=["ab", "cd"], max_tokens=24, temperature=0)
+    (box,) = service._mailboxes.values()
+    assert [c["text"] for c in out["choices"]] == [script_text(24)] * 2
+    assert out["usage"]["completion_tokens"] == 48
+    assert box.deliveries - before <= 2  # 48 tokens, 2 rows: at most one wake-up each
+
+
 # --------------------------------------------------------------------------- batching
 
 

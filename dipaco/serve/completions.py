@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from dipaco.serve.engine_thread import ENGINE_FAILED, EngineDown, EngineThread
 from dipaco.serve.errors import APIError, bad_request
+from dipaco.serve.mailbox import LoopMailbox
 from dipaco.serve.model import ServedModel, ServeLimits
 from dipaco.serve.schemas import CompletionRequest, check_sampling, prompts_of, stops_of
 from dipaco.serve.text import TextAssembler
@@ -64,6 +65,15 @@ class CompletionService:
         self.engine = engine
         self.limits = limits
         self.make_request = make_request
+        self._mailboxes: dict[asyncio.AbstractEventLoop, LoopMailbox] = {}
+
+    def mailbox(self, loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+        """The one mailbox of ``loop`` (its requests' events share its wake-ups)."""
+        box = self._mailboxes.get(loop)
+        if box is None:
+            box = self._mailboxes[loop] = LoopMailbox(loop)
+            self.engine.add_step_listener(box.flush)  # one wake-up of the loop per step
+        return box
 
     def check(self, req: CompletionRequest) -> tuple[list[list[int]], dict[str, Any], list[str]]:
         """Prompts as token ids, the engine request's settings and the stop strings; or an :class:`APIError`."""
@@ -111,7 +121,7 @@ class CompletionService:
     async def open(self, req: CompletionRequest) -> "Completion":
         """Check ``req``, submit its rows; raise :class:`APIError` (4xx, or 503 when the engine is down)."""
         ids, settings, stops = await asyncio.to_thread(self.check, req)
-        done = Completion(self, req, ids, stops, asyncio.get_running_loop())
+        done = Completion(self, req, ids, stops, self.mailbox(asyncio.get_running_loop()))
         await asyncio.to_thread(done.submit, settings)
         return done
 
@@ -120,7 +130,7 @@ class Completion:
     """The rows of one request and the asyncio queue their events arrive on."""
 
     def __init__(self, service: CompletionService, req: CompletionRequest, prompts: list[list[int]],
-                 stops: list[str], loop: asyncio.AbstractEventLoop) -> None:
+                 stops: list[str], mailbox: LoopMailbox) -> None:
         self.service = service
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -128,15 +138,26 @@ class Completion:
         tok = service.model.tokenizer
         self.choices = [Choice(i, p, TextAssembler(tok, stops, tok.eos_id)) for i, p in enumerate(prompts)]
         self._queue: "asyncio.Queue[Any]" = asyncio.Queue()
-        self._loop = loop
+        self._mailbox = mailbox
+        # nobody reads the text before the end (no stream) and no stop string can cut it:
+        # the engine thread keeps a row's events and hands them over once, when it finishes,
+        # so the event loop (which shares the GIL with the engine) does one wake-up and one
+        # decode per row instead of one per token
+        self._whole = not req.stream and not stops
+        self._held: dict[int, list[Any]] = {}  # request id -> its events so far (engine thread only)
         self._by_request: dict[int, Choice] = {}
 
     def _sink(self, event: Any) -> None:
-        """Called on the engine thread: hand the event to the request's event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:  # the loop has closed (server shutting down): nobody is waiting
-            pass
+        """Called on the engine thread: hand the event to the request's event loop (the
+        loop's mailbox wakes it once for all the events of a step: dipaco/serve/mailbox.py);
+        a whole completion's row is handed over once, at its end, as a list of its events."""
+        if self._whole and event is not ENGINE_FAILED:
+            held = self._held.setdefault(event.request_id, [])
+            held.append(event)
+            if not event.finished:
+                return
+            event = self._held.pop(event.request_id)
+        self._mailbox.post(self._queue, event)
 
     def submit(self, settings: dict[str, Any]) -> None:
         """One engine request per prompt; all or none (a refused one cancels the others)."""
@@ -172,6 +193,11 @@ class Completion:
             event = await self._queue.get()
             if event is ENGINE_FAILED:
                 raise APIError(503, self.service.engine.error or "the engine failed", code="engine_down")
+            if isinstance(event, list):  # a whole row at once (no stream, no stop string)
+                update = self._whole_row(event)
+                if update is not None:
+                    yield update
+                continue
             c = self._by_request.get(event.request_id)
             if c is None or c.finish_reason is not None:
                 continue  # a row already cut by a stop string
@@ -190,6 +216,22 @@ class Completion:
                 c.finish_reason = FINISH_REASONS.get(str(event.finish_reason), str(event.finish_reason))
             if text or event.finished:
                 yield c, text, event.finished
+
+    def _whole_row(self, events: list[Any]) -> Optional[tuple[Choice, str, bool]]:
+        """The update of a row handed over whole: its tokens and paths, one decode."""
+        c = self._by_request.get(events[-1].request_id)
+        if c is None or c.finish_reason is not None:
+            return None
+        tokens = []
+        for ev in events:
+            if ev.token is not None:
+                c.tokens += 1
+                c.record_path(ev.path)
+                tokens.append(ev.token)
+        text = c.text.add_all(tokens) + c.text.finish()
+        last = events[-1]
+        c.finish_reason = FINISH_REASONS.get(str(last.finish_reason), str(last.finish_reason))
+        return c, text, True
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(c.prompt_ids) for c in self.choices)

@@ -77,6 +77,7 @@ class EngineThread:
         self._lock = threading.Lock()  # sinks, stats; held around submit so no event outruns its sink
         self._wake = threading.Condition(threading.Lock())
         self._stopping = False
+        self._step_listeners: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     # ---------------------------------------------------------------- control
@@ -102,6 +103,19 @@ class EngineThread:
         """Requests submitted and not yet finished."""
         with self._lock:
             return len(self._sinks)
+
+    def add_step_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` on the engine thread after each step's events went to their
+        sinks (and after a failure's): a sink may hold events back until then and hand the
+        whole step over at once (dipaco/serve/mailbox.py)."""
+        self._step_listeners.append(listener)
+
+    def _steps_ended(self) -> None:
+        for listener in self._step_listeners:
+            try:
+                listener()
+            except Exception:  # a listener costs its own requests only
+                log.exception("a step listener failed")
 
     # ---------------------------------------------------------------- requests
 
@@ -184,6 +198,7 @@ class EngineThread:
                     sink(ev)
                 except Exception:  # one request's sink costs that request only
                     log.exception("dropping an event of request %s", rid)
+        self._steps_ended()
 
     def _fail(self, message: str) -> None:
         with self._lock:
@@ -194,3 +209,4 @@ class EngineThread:
                 sink(ENGINE_FAILED)
             except Exception:
                 log.exception("telling a request the engine failed")
+        self._steps_ended()

@@ -44,6 +44,17 @@ class TextAssembler:
         safe = min(safe, len(full) - self._stop_prefix_len(full))
         return self._emit(full, safe)
 
+    def add_all(self, tokens: "Sequence[int]") -> str:
+        """:meth:`add` of each token in turn; without stop strings, one decode for all of them."""
+        if self.stops:
+            return "".join(self.add(t) for t in tokens)
+        if self.stopped:
+            return ""
+        self.ids.extend(int(t) for t in tokens if t != self.eos_id)
+        full = self.tokenizer.decode(self.ids)
+        safe = len(full.rstrip(_REPLACEMENT)) if full.endswith(_REPLACEMENT) else len(full)
+        return self._emit(full, safe)
+
     def finish(self) -> str:
         """The held-back rest, once no token will follow."""
         if self.stopped or not self.ids:
