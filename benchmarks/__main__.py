@@ -89,6 +89,8 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
              lambda d: ", ".join(f"{r['rate_mbit']} Mbit/s {r['setting']}: {fmt(r['hidden'])}" for r in d.get("rows", [])
                                  if r.get("hidden") is not None) or d.get("skipped", "see link.json"),
              "share of sync DiLoCo's exposed comm streaming hides, 4 gloo ranks, shaped loopback", ">= 0.8"),
+    "launch": (_module("launch"), _get(["verdicts", "second_launch_speedup"]),
+               "4-rank launch time, fresh interpreters / forked from the preloaded server", ">= 3"),
     "serving": (_module("serving"),
                 lambda d: f"{fmt(d['verdicts']['engine_vs_per_process_prompts'])}x prompts/s, "
                           f"{fmt(d['verdicts']['engine_vs_hf_tokens_whole_process'])}x HF tokens/s",

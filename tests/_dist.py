@@ -1,4 +1,4 @@
-"""Spawn gloo ranks for multi-process tests, with a bounded wall-clock timeout.
+"""Start gloo ranks for multi-process tests, with a bounded wall-clock timeout.
 
 Usage (``fn`` must be importable by the spawned children: a module-level function)::
 
@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from dipaco.runtime import process_start
+
 __all__ = ["free_port", "run_ranks"]
 
 
@@ -35,9 +37,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, init_method: str, timeout: float, args: Sequence[Any]) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, init_method: str, timeout: float, args: Sequence[Any],
+           handover: process_start.Handover) -> None:
     import torch.distributed as dist
 
+    process_start.enter(handover)  # started as the package starts its ranks (forked from its server)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group(
@@ -82,10 +86,10 @@ def run_ranks(
     t0 = time.monotonic()
     ctx = mp.start_processes(
         _entry,
-        args=(fn, world_size, init_method, float(timeout), tuple(args)),
+        args=(fn, world_size, init_method, float(timeout), tuple(args), process_start.handover()),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=process_start.start_method(),
     )
     deadline = t0 + timeout
     try:

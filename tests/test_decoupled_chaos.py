@@ -76,7 +76,7 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     _fresh(run_dir)
     cfg = compose_config(SMOKE, run_dir)
     # the one fault-injection mechanism of both modes (dipaco/runtime/faults.py); spawned workers inherit it
-    monkeypatch.setenv("DIPACO_FAULT", "worker_kill:every_s=1:max=4:seed=3;worker_delay:prob=0.5:s=0.8:seed=3")
+    monkeypatch.setenv("DIPACO_FAULT", "worker_kill:every_s=0.4:max=4:seed=3;worker_delay:prob=0.5:s=0.8:seed=3")
     dcfg = DecoupledConfig(workers=4, lease_s=1.5, heartbeat_s=0.3, timeout_s=200)
     res = run_decoupled(cfg, RunDir.at(run_dir), dcfg)
     m = res.decoupled

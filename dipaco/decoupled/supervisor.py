@@ -27,7 +27,7 @@ from dipaco.decoupled.service import SyncService
 from dipaco.decoupled.store import Store
 from dipaco.decoupled.worker import worker_main
 from dipaco.run.run_dir import RunDir
-from dipaco.runtime import faults
+from dipaco.runtime import faults, process_start
 from dipaco.runtime.launch import StopSignals
 
 __all__ = ["DecoupledError", "Supervisor", "sync_main"]
@@ -38,8 +38,10 @@ class DecoupledError(RuntimeError):
 
 
 def sync_main(store_url: str, module_ids: list[str], sharing: dict[str, list[int]], rounds: int,
-              dcfg_dict: dict, outer: dict, name: str, inner_steps: int, sharing_rescale: bool = False) -> None:
-    """Entry point of a spawned synchroniser process."""
+              dcfg_dict: dict, outer: dict, name: str, inner_steps: int, sharing_rescale: bool = False,
+              handover: Optional[process_start.Handover] = None) -> None:
+    """Entry point of a started synchroniser process (``handover``: :func:`process_start.enter`)."""
+    process_start.enter(handover)
     torch.set_num_threads(1)
     SyncService(open_store(store_url), module_ids, sharing, rounds, DecoupledConfig(**dcfg_dict), outer,
                 name=name, inner_steps=inner_steps, sharing_rescale=sharing_rescale).run()
@@ -72,7 +74,7 @@ class Supervisor:
         self.dcfg, self.outer, self.n_workers = dcfg, outer, n_workers
         self.cfg_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         self.dcfg_dict = dataclasses.asdict(dcfg)
-        self.ctx = mp.get_context("spawn")
+        self.ctx = process_start.context()
         # modules dealt round-robin to synchroniser processes: exactly one owner per module
         self.nsync = min(dcfg.sync_procs, len(plan["module_ids"]))
         self.sync_mods = [plan["module_ids"][i::self.nsync] for i in range(self.nsync)]
@@ -99,7 +101,8 @@ class Supervisor:
         proc = self.ctx.Process(target=sync_main, name=f"dipaco-sync-{i}",
                                 args=(self.store_url, self.sync_mods[i],
                                       {m: plan["sharing"][m] for m in self.sync_mods[i]}, plan["rounds"],
-                                      self.dcfg_dict, self.outer, f"sync-{i}", H, self.cfg.diloco.sharing_rescale))
+                                      self.dcfg_dict, self.outer, f"sync-{i}", H, self.cfg.diloco.sharing_rescale),
+                                kwargs={"handover": process_start.handover()})
         proc.start()
         return proc
 
@@ -107,7 +110,8 @@ class Supervisor:
         slot.incarnation += 1
         slot.proc = self.ctx.Process(target=worker_main, name=f"dipaco-worker-{slot.index}",
                                      args=(self.cfg_dict, str(self.run.root), self.store_url, slot.index,
-                                           slot.incarnation, self.dcfg_dict))
+                                           slot.incarnation, self.dcfg_dict),
+                                     kwargs={"handover": process_start.handover()})
         slot.proc.start()
         self.event({"e": "start", "slot": slot.index, "incarnation": slot.incarnation, "pid": slot.proc.pid})
 

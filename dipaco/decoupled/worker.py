@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from dipaco.runtime import faults
+from dipaco.runtime import faults, process_start
 from dipaco.plan.build import build_grid
 from dipaco.config import Config, codec_kwargs, to_config
 from dipaco.data import Tokenizer, TokenStream
@@ -362,8 +362,9 @@ class DecoupledWorker(WorkerScheduling):
 
 
 def worker_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarnation: int,
-                dcfg_dict: dict) -> None:
-    """Entry point of a spawned decoupled worker process."""
+                dcfg_dict: dict, handover: Optional[process_start.Handover] = None) -> None:
+    """Entry point of a started decoupled worker process (``handover``: :func:`process_start.enter`)."""
+    process_start.enter(handover)
     torch.set_num_threads(1)  # several workers share the host's cores
     cfg = to_config(cfg_dict)
     dcfg = DecoupledConfig(**dcfg_dict)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from dipaco.run.run_dir import RunDir
-from dipaco.runtime.faults import NODE_ENV, START_ENV
+from dipaco.runtime.faults import NODE_ENV, START_ENV, agent_pid
 
 __all__ = ["Membership", "join", "started", "current_change", "changes", "launch_first_round", "LAUNCH_ENV"]
 
@@ -60,13 +60,13 @@ def _proc_start(pid: int) -> str:
 
 def agent_id() -> str:
     """This rank's agent (the process that started it): ``host:pid:start``."""
-    ppid = os.getppid()
-    return f"{socket.gethostname()}:{ppid}:{_proc_start(ppid)}"
+    pid = agent_pid()
+    return f"{socket.gethostname()}:{pid}:{_proc_start(pid)}"
 
 
 def node_name() -> str:
     """A readable name of this rank's agent: ``launcher.elastic``'s slot name, or host/PID."""
-    return os.environ.get(NODE_ENV) or f"{socket.gethostname()}/agent-{os.getppid()}"
+    return os.environ.get(NODE_ENV) or f"{socket.gethostname()}/agent-{agent_pid()}"
 
 
 @dataclass

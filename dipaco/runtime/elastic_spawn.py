@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -48,7 +47,8 @@ from typing import Any, Callable, Optional
 
 from dipaco.config import Config
 from dipaco.run.run_dir import RunDir
-from dipaco.runtime.faults import NODE_ENV
+from dipaco.runtime import process_start
+from dipaco.runtime.faults import AGENT_PID_ENV, NODE_ENV
 from dipaco.runtime.placement import agent_env
 from dipaco.runtime.progress import log, say
 
@@ -92,9 +92,14 @@ class ElasticOutcome:
 
 
 def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, out: Any,
-                first: Optional[int] = None) -> None:
+                first: Optional[int] = None, handover: Optional[process_start.Handover] = None) -> None:
     """Body of one agent process: torch's elastic agent for the ranks of worker group ``slot``.
-    ``first``: one of the launch's first ``first`` agents, which all meet before the rendezvous."""
+    ``first``: one of the launch's first ``first`` agents, which all meet before the rendezvous.
+    ``handover``: the launcher's environment and streams (:func:`process_start.enter`). The
+    agent's ranks are forked from the agent's own process server, which starts (preloaded)
+    at its first rank, after the lines below set the environment: they inherit it as meant."""
+    process_start.enter(handover)
+    process_start.start_method()  # this process's own server preloads too
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -103,6 +108,7 @@ def _agent_main(slot: int, lc: dict, entry: Callable[..., Any], fn_args: tuple, 
 
     os.setpgrp()  # a Ctrl-C in the terminal reaches the launcher only, which stops the agents
     os.environ[NODE_ENV] = f"spawn-{slot}"  # the ranks inherit it: the name in membership.jsonl
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # their parent is this agent's process server
     # torch numbers ranks within this agent only: the ranks learn their place on the host
     # (their GPU, their share of the cores) from where this agent's block starts
     os.environ.update(agent_rank_env(slot, lc))
@@ -154,7 +160,8 @@ def agent_config(la: Any, port: int) -> dict:
                 rdzv_configs={"is_host": False, "join_timeout": int(max(JOIN_TIMEOUT_S, la.timeout_s)),
                               "last_call_timeout": LAST_CALL_S, "keep_alive_interval": KEEP_ALIVE_S,
                               "keep_alive_max_attempt": KEEP_ALIVE_TRIES},
-                max_restarts=la.max_restarts, monitor_interval=MONITOR_S, start_method="spawn")
+                max_restarts=la.max_restarts, monitor_interval=MONITOR_S,
+                start_method=process_start.start_method())
 
 
 def agent_rank_env(slot: int, lc: dict) -> dict[str, str]:
@@ -175,7 +182,7 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
     store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=la.timeout_s))
     lc = agent_config(la, port)
-    ctx = mp.get_context("spawn")
+    ctx = process_start.context()
     _quiet_resource_tracker()  # before the first semaphore (the queue's) starts the tracker
     out = ctx.Queue()
     agents: dict[int, Any] = {}
@@ -184,7 +191,8 @@ def run_agents(cfg: Config, run: RunDir, entry: Callable[..., Any], fn_args: tup
     result = ElasticOutcome()
 
     def start(slot: int, first: Optional[int] = None) -> None:
-        p = ctx.Process(target=_agent_main, args=(slot, lc, entry, fn_args, out, first), name=f"dipaco-agent-{slot}")
+        p = ctx.Process(target=_agent_main, args=(slot, lc, entry, fn_args, out, first, process_start.handover()),
+                        name=f"dipaco-agent-{slot}")
         p.start()
         agents[slot] = p
 

@@ -42,10 +42,19 @@ import torch
 ENV = "DIPACO_FAULT"
 START_ENV = "DIPACO_START"  # which start of an elastic launch's ranks this process is (0 the first)
 NODE_ENV = "DIPACO_NODE"  # the name of this rank's elastic agent (dipaco.runtime.elastic)
+# the PID of this rank's elastic agent, which sets it: a rank forked from the agent's server
+# (dipaco.runtime.process_start) has that server, not the agent, as its parent
+AGENT_PID_ENV = "DIPACO_AGENT_PID"
 KINDS = ("kill", "node_kill", "signal", "nan", "inf", "worker_kill", "worker_delay")
 # field name -> type; which fields a kind reads is in the module doc
 FIELDS = {"round": int, "rank": int, "path": int, "module": str, "every_s": float, "max": int, "prob": float,
           "s": float, "seed": int, "sig": str, "start": int}
+
+
+def agent_pid() -> int:
+    """This rank's agent: the PID its agent announced (:data:`AGENT_PID_ENV`), else its
+    parent (torchrun's agent starts its ranks as its own children)."""
+    return int(os.environ.get(AGENT_PID_ENV) or os.getppid())
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ def inject(where: str, *, round_idx: int, rank: Optional[int], path: int, grid: 
             if NODE_ENV not in os.environ:  # the parent is the launching process (a test's!)
                 raise RuntimeError(f"{ENV}: node_kill needs ranks under an agent of their own "
                                    "(launcher.elastic=true, or torchrun)")
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(agent_pid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if where == "before_inner" and f.kind == "signal" and f not in _SIGNALLED:
             _SIGNALLED.add(f)  # once per process, as SLURM sends it: a second one means "stop now"

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from typing import Any, Callable, Optional
 
@@ -30,17 +31,14 @@ from omegaconf import OmegaConf
 
 from dipaco.run.checkpoint import CheckpointManager
 from dipaco.config import Config, to_config
-from dipaco.runtime import elastic
+from dipaco.runtime import elastic, process_start
+from dipaco.runtime.process_start import LaunchError
 from dipaco.runtime.placement import Placement, apply_placement, placement_of
 from dipaco.runtime.elastic_spawn import RESTART_EXIT, run_agents
 from dipaco.runtime.faults import NODE_ENV
 from dipaco.run.results import RoundsResult
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log, share_run_log
-
-
-class LaunchError(RuntimeError):
-    """A rank failed; the message says which and where its log is."""
 
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -139,8 +137,23 @@ def init_distributed(placement: Placement, timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple) -> Any:
-    """Body of one spawned or torchrun rank."""
+# how long a rank whose collective failed because a peer vanished waits before it fails
+# too: three of the agent's looks (monitor_interval below), so the agent reports the rank
+# that died, not the ones it took with it (which rank it finds first is a race otherwise)
+PEER_LOSS_GRACE_S = 1.5
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for it
+
+
+def lost_a_peer(e: BaseException) -> bool:
+    """Whether a collective failed because another rank's process is gone."""
+    return any(w in str(e) for w in _PEER_LOST)
+
+
+def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple,
+                handover: Optional[process_start.Handover] = None) -> Any:
+    """Body of one spawned or torchrun rank (``handover``: the launcher's environment and
+    streams, for a rank forked from the server of :mod:`dipaco.runtime.process_start`)."""
+    process_start.enter(handover)
     cfg = to_config(cfg_dict)
     if os.environ.get("RANK") == "0":  # a spawned rank 0: its messages join the job's train.log
         share_run_log(run.log_file)
@@ -149,7 +162,14 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple
         with StopSignals():  # the elastic agent forwards SIGTERM to its workers
             if cfg.launcher.elastic and elastic.join(run, rank, world).restart:
                 cfg = dataclasses.replace(cfg, resume=True)  # a restart of the launch continues it
-            out = fn(cfg, run, rank, world, *args)
+            try:
+                out = fn(cfg, run, rank, world, *args)
+            except RuntimeError as e:
+                if not cfg.launcher.elastic and lost_a_peer(e):
+                    # the dead peer is the failure to report: the agent names the first
+                    # failed rank it finds at its next look, and would find this one too
+                    time.sleep(PEER_LOSS_GRACE_S)
+                raise
             if cfg.launcher.elastic and StopSignals.received and not getattr(out, "finished", True):
                 # stopped at a round boundary for a restart (or a stop) of the agents: an exit
                 # code 0 would tell an agent that has not seen the change the run is over
@@ -205,11 +225,11 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
         rdzv_configs={"rank": 0, "timeout": int(cfg.launcher.timeout_s)},
         max_restarts=0,
         monitor_interval=0.5,
-        start_method="spawn",
+        start_method=process_start.start_method(),
         **extra,
     )
     try:
-        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args)
+        results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args, process_start.handover())
     except ChildFailedError as e:
         failures = "; ".join(
             f"rank {r} exited with {f.exitcode} ({f.message or 'no message'})"
