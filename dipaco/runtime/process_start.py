@@ -25,6 +25,10 @@ HAZARDS, and why each holds here:
   :func:`enter`: its environment becomes the launcher's plus whatever its own starter
   (torch's agent: ``RANK``, ``MASTER_PORT``, ...) set for it, and its stdout and stderr the
   launcher's.
+* Libraries that read the environment once, when they load, read the server's: OpenMP's
+  ``OMP_NUM_THREADS`` above all. So no started process relies on it: each sets its torch
+  thread count itself (the rank's placement, ``dipaco/runtime/placement.py``; decoupled
+  workers and synchronisers use one thread).
 * A fork also shares the server's pseudo-random state. Python's ``random`` reseeds itself
   after a fork; numpy's global generator does not, and torch's default generator starts
   from the same seed in every process under ``spawn`` too. Nothing here draws from an
