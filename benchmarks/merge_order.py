@@ -16,7 +16,7 @@ import torch
 
 from dipaco.config import DiLoCoConfig
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.sync.outer import outer_options
 
 OUTERS = {"sgd (lr 1, no momentum)": {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False},
@@ -31,7 +31,7 @@ def _update(i: int, path: int, phase: int, base: int, delta: float) -> Update:
 
 def arrival(outer: dict, apart: bool, history: int) -> float:
     """θ after two phases of path 0 from the same base, one step apart or together."""
-    s = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), outer)
+    s = MergingModuleSync("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), outer)
     for k in range(history):
         s.offer(_update(10 + k, 0, 10 + k, s.version, -0.1), 0.0)
         s.step(0.0)
@@ -46,7 +46,7 @@ def arrival(outer: dict, apart: bool, history: int) -> float:
 
 def discount_pull(staleness: int, power: float) -> float:
     """θ after one fresh (Δ = −1) and one stale (Δ = +1) update of two sharing paths (SGD, lr 1)."""
-    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0, staleness_power=power),
+    s = MergingModuleSync("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0, staleness_power=power),
                            OUTERS["sgd (lr 1, no momentum)"])
     s.version = staleness
     s.offer(_update(0, 0, 0, staleness, -1.0), 0.0)

@@ -20,7 +20,7 @@ from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.metrics import ledger_report, worker_events
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
-from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_finished, path_steps_done,
                                       progress_key, write_module)
 from dipaco.decoupled.store import FileStore, decode_state, encode_state
@@ -37,9 +37,9 @@ def upd(uid: str, path: int, delta, *, phase: int = 0, base: int = 0, tokens: fl
     return Update(uid, module, path, phase, base, tokens, torch.as_tensor(delta, dtype=torch.float32))
 
 
-def sync_of(paths=(0, 1), theta=(0.0, 0.0), outer=None, **kw) -> ModuleSynchronizer:
+def sync_of(paths=(0, 1), theta=(0.0, 0.0), outer=None, **kw) -> MergingModuleSync:
     cfg = DecoupledConfig(**kw)
-    return ModuleSynchronizer("m", torch.tensor(theta), list(paths), cfg, outer or AVG, now=0.0)
+    return MergingModuleSync("m", torch.tensor(theta), list(paths), cfg, outer or AVG, now=0.0)
 
 
 # ------------------------------------------------------------------ delayed Nesterov
@@ -299,8 +299,8 @@ def _push(st: FileStore, module: str, uid: str, path: int, phase: int, base: int
 def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None:
     st = FileStore(tmp_path)
     cfg = DecoupledConfig(quorum=1.0, poll_s=0.01, grace_init_s=60)
-    write_module(st, ModuleSynchronizer("m", torch.zeros(4), [0, 1], cfg, AVG))
-    write_module(st, ModuleSynchronizer("p", torch.zeros(4), [1], cfg, AVG))
+    write_module(st, MergingModuleSync("m", torch.zeros(4), [0, 1], cfg, AVG))
+    write_module(st, MergingModuleSync("p", torch.zeros(4), [1], cfg, AVG))
     svc = SyncService(st, ["m", "p"], {"m": [0, 1], "p": [1]}, rounds=1, cfg=cfg, outer=AVG, inner_steps=1)
     _push(st, "m", "u0", 0, 0, 0, [1.0, 1.0, 1.0, 1.0], codec="fp16")
     assert svc.poll_once() == 0  # quorum 2 of m's paths: waiting
@@ -337,7 +337,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
 
 def test_ledger_report_flags_lost_updates(tmp_path: Path) -> None:
     st = FileStore(tmp_path)
-    write_module(st, ModuleSynchronizer("m", torch.zeros(2), [0], DecoupledConfig(), AVG))
+    write_module(st, MergingModuleSync("m", torch.zeros(2), [0], DecoupledConfig(), AVG))
     _push(st, "m", "orphan", 0, 0, 0, [1.0, 1.0])
     rep = ledger_report(st, ["m"])
     assert not rep["ok"] and rep["modules"]["m"]["lost"] == ["orphan"]

@@ -1,7 +1,7 @@
 """The decoupled merge does not depend on arrival order within a version, whatever the
 outer optimiser: two stale phases of a path from the same base land where both at once
 would, with plain SGD, Nesterov every step, the default delayed Nesterov and AdamW
-(dipaco/decoupled/merge.py, ModuleSynchronizer._outer_step; docs/decoupled.md)."""
+(dipaco/decoupled/merge.py, MergingModuleSync._outer_step; docs/decoupled.md)."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +11,7 @@ import torch
 
 from dipaco.config import DiLoCoConfig
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.sync.outer import outer_options
 
 OUTERS = {
@@ -22,11 +22,11 @@ OUTERS = {
 }
 
 
-def phase(s: ModuleSynchronizer, path: int, k: int, base: int, delta: float, tokens: float = 1.0) -> None:
+def phase(s: MergingModuleSync, path: int, k: int, base: int, delta: float, tokens: float = 1.0) -> None:
     assert s.offer(Update(f"p{path}k{k}", "m", path, k, base, tokens, torch.full((3,), delta)), 0.0) is None
 
 
-def history(s: ModuleSynchronizer) -> None:
+def history(s: MergingModuleSync) -> None:
     """A few earlier fresh steps, so the optimiser state (momentum, moments) is not zero."""
     for k in range(3):
         phase(s, 0, 10 + k, s.version, -0.3)
@@ -40,7 +40,7 @@ def test_two_stale_phases_from_one_base_land_the_same_in_either_order(outer: str
     cfg: Any = DecoupledConfig(quorum=0.5, max_staleness=8)
     runs = []
     for order in ("together", "first_then_second", "second_then_first"):
-        s = ModuleSynchronizer("m", torch.zeros(3), [0, 1], cfg, OUTERS[outer])
+        s = MergingModuleSync("m", torch.zeros(3), [0, 1], cfg, OUTERS[outer])
         history(s)
         base = s.version
         phase(s, 1, 20, base, -0.4)  # the other path's fresh update: the version moves on
@@ -63,11 +63,11 @@ def test_two_stale_phases_from_one_base_land_the_same_in_either_order(outer: str
 def test_a_restart_between_them_falls_back_to_a_correction_step() -> None:
     """The state before the last step is not saved: after a restart the late phase steps
     alone (the bounded, order-dependent case docs/decoupled.md measures)."""
-    s = ModuleSynchronizer("m", torch.zeros(3), [0, 1], DecoupledConfig(quorum=0.5), OUTERS["nesterov"])
+    s = MergingModuleSync("m", torch.zeros(3), [0, 1], DecoupledConfig(quorum=0.5), OUTERS["nesterov"])
     phase(s, 0, 1, 0, -0.9)
     s.step(0.0)
     state = s.state_dict()
-    t = ModuleSynchronizer("m", torch.zeros(3), [0, 1], DecoupledConfig(quorum=0.5), OUTERS["nesterov"])
+    t = MergingModuleSync("m", torch.zeros(3), [0, 1], DecoupledConfig(quorum=0.5), OUTERS["nesterov"])
     t.load_state_dict(state)
     phase(t, 0, 2, 0, -0.9)
     assert not t.step(0.0).amended

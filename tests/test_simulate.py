@@ -13,7 +13,7 @@ import torch
 from dipaco.cli import plan as plan_cli
 from dipaco.config import compose_config
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.sim.decoupled import Synchronizers, simulate_decoupled
 from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.report import MODES, simulate_job
@@ -64,9 +64,9 @@ def test_a_failure_costs_exactly_the_work_since_the_checkpoint_plus_the_restart(
 
 
 def _real_triggers(arrivals: list[tuple[float, int, int]], sharing: list[int], cfg: DecoupledConfig) -> list[tuple]:
-    """The trainer's ModuleSynchronizer on the arrivals, checked at each arrival and at
+    """The trainer's MergingModuleSync on the arrivals, checked at each arrival and at
     each grace expiry (what its service loop does, without the polling delay)."""
-    sync = ModuleSynchronizer("m", torch.zeros(3), sharing, cfg, {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
+    sync = MergingModuleSync("m", torch.zeros(3), sharing, cfg, {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
     out, queue = [], list(arrivals)
     while queue or sync.pending:
         deadline = (sync.first_pending_at + sync.grace_s()) if sync.pending else math.inf

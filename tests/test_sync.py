@@ -242,7 +242,7 @@ def test_error_feedback_drives_accumulated_error_to_zero(lossy_exchange: str) ->
 
 # ----------------------------------------------------------------------------- two-phase exchange
 def _chunked(codec: Any, ex: Exchange, x: torch.Tensor, G: int) -> list[list[tuple[torch.Tensor, ...]]]:
-    """What ModuleSync sends: slice r zero-padded to k·c and encoded chunk by chunk."""
+    """What CollectiveModuleSync sends: slice r zero-padded to k·c and encoded chunk by chunk."""
     s, c = ex.slice_numel, ex.chunk_numel
     out = []
     for r in range(G):

@@ -24,7 +24,7 @@ from dipaco.runtime import faults
 from dipaco.storage.tensor_io import load_state, save_state
 from dipaco.config import ConfigError, DiLoCoConfig, to_config
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.decoupled.service import read_update
 from dipaco.decoupled.store import encode_state
 from dipaco.decoupled.worker import encode_contribution
@@ -78,9 +78,9 @@ def _run_sync(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: boo
 
 
 def _run_decoupled(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: bool,
-                   orders: list[tuple[int, ...]]) -> dict[str, ModuleSynchronizer]:
+                   orders: list[tuple[int, ...]]) -> dict[str, MergingModuleSync]:
     mods = _modules()
-    syncs = {m: ModuleSynchronizer(m, flatten_params(list(mods[m].parameters())),
+    syncs = {m: MergingModuleSync(m, flatten_params(list(mods[m].parameters())),
                                    [p for p in range(3) if m in PATHS[p]], FULL, outer, sharing_rescale=rescale)
              for m in IDS}
     lossy = make_codec(codec, **codec_kw)
@@ -152,7 +152,7 @@ def test_the_lossy_equivalence_holds_where_sync_encodes_once(codec: str, codec_k
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
 def test_issue_example_unequal_alpha_is_the_token_weighted_mean(order: tuple[int, int]) -> None:
     """2 paths, quorum 1, lr 1, Δ = 1 each, α = 300 and 100: θ = −1.0 (it was −0.769)."""
-    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
+    s = MergingModuleSync("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
                            {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
     alphas = {0: 300.0, 1: 100.0}
     for p in order:
@@ -167,7 +167,7 @@ def test_one_paths_piled_up_phases_move_the_module_once(piled: int) -> None:
     same pulled θ (its own pending update cannot be in it): they are alternatives, so a
     step moves the module as far as one of them, not ``piled`` times as far (the sum
     drove a loaded chaos run above its initial loss)."""
-    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
+    s = MergingModuleSync("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
                            {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
     for k in range(piled):  # path 0 alone, every phase from version 0
         s.offer(Update(f"u{k}", "m", 0, k, 0, 100.0, torch.ones(1)), 0.0)
@@ -181,7 +181,7 @@ def test_one_paths_piled_up_phases_move_the_module_once(piled: int) -> None:
 def test_piled_up_phases_weigh_as_one_contributor_beside_other_paths() -> None:
     """Path 0 with two pending phases (Δ 1 and 3) and path 1 with one (Δ 2), equal α:
     path 0 counts once, with the mean of its two, so θ = −(mean(1, 3) + 2) / 2."""
-    s = ModuleSynchronizer("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
+    s = MergingModuleSync("m", torch.zeros(1), [0, 1], DecoupledConfig(quorum=1.0),
                            {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False})
     s.offer(Update("a", "m", 0, 0, 0, 100.0, torch.full((1,), 1.0)), 0.0)
     s.offer(Update("b", "m", 0, 1, 0, 100.0, torch.full((1,), 3.0)), 0.0)
@@ -193,7 +193,7 @@ def test_piled_up_phases_weigh_as_one_contributor_beside_other_paths() -> None:
 TOY = {"name": "sgd", "lr": 1.0, "momentum": 0.0, "nesterov": False}
 
 
-def _toy_phase(s: ModuleSynchronizer, phase: int, base: int, delta: float) -> None:
+def _toy_phase(s: MergingModuleSync, phase: int, base: int, delta: float) -> None:
     assert s.offer(Update(f"u{phase}", "m", 0, phase, base, 1.0, torch.full((1,), delta)), 0.0) is None
 
 
@@ -203,11 +203,11 @@ def test_a_late_alternative_lands_where_both_at_once_would(d1: float, d2: float)
     θ = 0. Two phases from the same base (the second pulled before the first was applied)
     gave θ = 0.900 in one step but 1.536 when the synchroniser stepped between them (past
     the optimum: loss 0.010 → 0.288). Now both timings land on the mean of the two."""
-    together = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), TOY)
+    together = MergingModuleSync("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), TOY)
     _toy_phase(together, 0, 0, d1)
     _toy_phase(together, 1, 0, d2)
     together.step(0.0)
-    apart = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), TOY)
+    apart = MergingModuleSync("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), TOY)
     _toy_phase(apart, 0, 0, d1)
     apart.step(0.0)
     _toy_phase(apart, 1, 0, d2)  # staleness 1: its discount must not change the outcome
@@ -236,7 +236,7 @@ def test_a_synchronous_optimiser_state_loads_into_the_default_decoupled_synchron
     assert set(state) == {"global", "outer.momentum_buffer"}
     outer = outer_options(DiLoCoConfig(mode="decoupled"))
     assert outer["name"] == "delayed_nesterov" and outer["every"] == 4
-    dec = ModuleSynchronizer("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), outer)
+    dec = MergingModuleSync("m", torch.zeros(1), [0], DecoupledConfig(quorum=1.0), outer)
     dec.load_state_dict(state)
     applied = []
     for k in range(4):  # each step's outer gradient is 1 (one path, α = 1, Δ = 1)
@@ -248,7 +248,7 @@ def test_a_synchronous_optimiser_state_loads_into_the_default_decoupled_synchron
 
 
 def test_decoupled_runs_a_non_sgd_outer_optimiser() -> None:
-    s = ModuleSynchronizer("m", torch.zeros(4), [0, 1], DecoupledConfig(quorum=0.5), ADAMW)
+    s = MergingModuleSync("m", torch.zeros(4), [0, 1], DecoupledConfig(quorum=0.5), ADAMW)
     assert isinstance(s.core.outer_optimizer, torch.optim.AdamW)
     for k in range(3):
         s.offer(Update(f"u{k}", "m", k % 2, k, s.version, 100.0, torch.ones(4)), 0.0)
@@ -277,7 +277,7 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
     saved = load_state(tmp_path / "s.safetensors")
     assert {"global", "outer.momentum_buffer", "residual.0"} <= set(saved)
 
-    dec = ModuleSynchronizer("s", torch.zeros(NUMEL), [0, 1, 2], FULL, NESTEROV)
+    dec = MergingModuleSync("s", torch.zeros(NUMEL), [0, 1, 2], FULL, NESTEROV)
     dec.load_state_dict(saved)
     assert dec.version == 0 and torch.equal(dec.theta, sync.syncs["s"].global_weights.detach())
     # one more identical step in both modes from the loaded state

@@ -2,7 +2,7 @@
 outer step, on top of the per-module core both modes share
 (:class:`dipaco.sync.module_core.ModuleCore`).
 
-:class:`ModuleSynchronizer` is pure logic on tensors with an injected clock (unit tests
+:class:`MergingModuleSync` is pure logic on tensors with an injected clock (unit tests
 drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
 
 An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase,
@@ -49,7 +49,7 @@ from dipaco.decoupled import quorum as rules
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.sync.module_core import RESIDUAL, ModuleCore, contribution
 
-__all__ = ["Update", "ModuleSynchronizer", "StepRecord", "DROP_REASONS"]
+__all__ = ["Update", "MergingModuleSync", "StepRecord", "DROP_REASONS"]
 
 # Every update that reaches a synchroniser ends in exactly one of: applied, or dropped
 # for one of these reasons (metrics count them per reason).
@@ -108,7 +108,7 @@ class StepRecord:
         return dict(self.__dict__)
 
 
-class ModuleSynchronizer:
+class MergingModuleSync:
     """The global weights of one module and the rules for stepping them.
 
     Args:

@@ -1,6 +1,6 @@
 """The decisions of a decoupled module synchroniser, as pure functions of numbers.
 
-:class:`dipaco.decoupled.merge.ModuleSynchronizer` asks these when to step (quorum, the
+:class:`dipaco.decoupled.merge.MergingModuleSync` asks these when to step (quorum, the
 adaptive grace window, the cap for finished paths), which update is too stale, how a kept
 update is discounted and how the fill-time EMA moves. They take the clock as an argument
 and touch no tensor, so a simulated clock (:mod:`dipaco.sim.decoupled`) drives the very

@@ -26,7 +26,7 @@ from dipaco.run.checkpoint import CheckpointManager, save_state
 from dipaco.config import Config, ConfigError
 from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.owner import PLAN_KEY, claim_store
-from dipaco.decoupled.merge import ModuleSynchronizer
+from dipaco.decoupled.merge import MergingModuleSync
 from dipaco.decoupled.metrics import compute_metrics, worker_events
 from dipaco.decoupled.service import (archive, inbox, module_key, path_steps_done, progress_key,
                                       write_module)
@@ -93,7 +93,7 @@ def init_store(cfg: Config, run: RunDir, store: Store, dcfg: DecoupledConfig) ->
     for m in grid.module_ids:
         if store.get(module_key(m)) is None:
             theta = flatten_params(list(grid.module(m).parameters()))
-            write_module(store, ModuleSynchronizer(m, theta, sharing[m], dcfg, outer))
+            write_module(store, MergingModuleSync(m, theta, sharing[m], dcfg, outer))
     return plan
 
 

@@ -1,4 +1,4 @@
-"""The synchroniser process of decoupled mode: store inbox → :class:`ModuleSynchronizer`
+"""The synchroniser process of decoupled mode: store inbox → :class:`MergingModuleSync`
 → a new module version written atomically *together with* its ledger.
 
 Store keys: ``modules/<m>.st`` (the module's version: the core's state in the
@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.decoupled.merge import ModuleSynchronizer, Update
+from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.decoupled.store import Store, decode_state
 from dipaco.plan.codecs import make_codec
 
@@ -53,7 +53,7 @@ def path_finished(prog: Optional[dict], rounds: int, inner_steps: int) -> bool:
     return path_steps_done(prog, inner_steps) >= rounds * inner_steps
 
 
-def write_module(store: Store, sync: ModuleSynchronizer) -> int:
+def write_module(store: Store, sync: MergingModuleSync) -> int:
     """Write the module's version, weights, optimiser state and ledger in ONE atomic put.
 
     This is the idempotence hinge: an update id is in the ledger iff the weights that
@@ -79,7 +79,7 @@ def read_update(blob: bytes) -> Update:
 
 
 class SyncService:
-    """The loop of one synchroniser process: inbox → :class:`ModuleSynchronizer` → store.
+    """The loop of one synchroniser process: inbox → :class:`MergingModuleSync` → store.
 
     Args:
         store: the shared store.
@@ -87,7 +87,7 @@ class SyncService:
             synchroniser: two would race on its version file).
         sharing: module id → paths that contain it.
         rounds, inner_steps: a path is done at ``rounds × inner_steps`` inner steps.
-        cfg, outer, sharing_rescale: see :class:`ModuleSynchronizer`.
+        cfg, outer, sharing_rescale: see :class:`MergingModuleSync`.
         name: this process's name in event logs.
     """
 
@@ -101,14 +101,14 @@ class SyncService:
         self.name = name
         self.clock = clock or time.time
         self.sharing = {m: list(sharing[m]) for m in module_ids}
-        self.syncs: dict[str, ModuleSynchronizer] = {}
+        self.syncs: dict[str, MergingModuleSync] = {}
         now = self.clock()
         for m in module_ids:
             got = store.get_state(module_key(m))
             if got is None:
                 raise RuntimeError(f"module {m}: no initial version in {store} (the supervisor writes version 0)")
             state, _ = got
-            s = ModuleSynchronizer(m, state["global"], self.sharing[m], cfg, outer, now=now,
+            s = MergingModuleSync(m, state["global"], self.sharing[m], cfg, outer, now=now,
                                    sharing_rescale=sharing_rescale)
             s.load_state_dict(state)
             self.syncs[m] = s

@@ -23,7 +23,7 @@ pseudo-gradient passes through the codec twice: each contribution, then each red
 chunk; so the bounds above apply twice (the second to the sum). Chunks are multiples of
 :attr:`Codec.chunk_align` (the block codecs: one block), so a block never straddles two chunks.
 
-Error feedback (the residual x - d carried to the next round) lives in ``ModuleSync``
+Error feedback (the residual x - d carried to the next round) lives in ``CollectiveModuleSync``
 (first encoding) and in the chunk owner's residual (second encoding).
 The codecs by name, with the ``diloco.*`` keys their options read, are the registry
 ``dipaco.config.names.CODECS`` (docs/design.md, "Adding a codec"): a codec is its class here

@@ -7,7 +7,7 @@ worker with ``dynamic_steps``), pushes the path's update (its modules' bytes ove
 link) and offers it to each module's synchroniser. The synchroniser decides with the
 trainer's own rules, :mod:`dipaco.decoupled.quorum` (quorum size, adaptive grace window,
 the cap for finished paths, staleness drop, fill-time EMA): the same functions
-:class:`dipaco.decoupled.merge.ModuleSynchronizer` calls, on the simulated clock. A
+:class:`dipaco.decoupled.merge.MergingModuleSync` calls, on the simulated clock. A
 failure kills the phase in flight; the worker is back ``detect_s + restart_s`` later and
 its path's lease frees after ``lease_s``.
 

@@ -30,8 +30,8 @@ own worker group's payloads and counts the bytes THIS rank sends. Byte formulas 
 :mod:`dipaco.plan.comm_plan` (the planner uses the same functions).
 
 An exchange is *started* (:meth:`Communicator.start`, from
-:meth:`dipaco.sync.module_sync.ModuleSync.launch`) and *waited for*
-(:meth:`Pending.wait`, from ``ModuleSync.land``). :class:`LocalComm` completes it at
+:meth:`dipaco.sync.module_sync.CollectiveModuleSync.launch`) and *waited for*
+(:meth:`Pending.wait`, from ``CollectiveModuleSync.land``). :class:`LocalComm` completes it at
 once; ``TorchComm`` does too, or, with ``overlap``, runs it on its communication thread
 while the caller goes on (:mod:`dipaco.sync.torch_comm`).
 """
@@ -122,7 +122,7 @@ class Pending:
 
 
 class Communicator:
-    """Interface used by :class:`dipaco.sync.module_sync.ModuleSync`.
+    """Interface used by :class:`dipaco.sync.module_sync.CollectiveModuleSync`.
 
     Args of subclasses: ``lossy_exchange`` is one of
     :data:`dipaco.plan.comm_plan.LOSSY_EXCHANGES` (default ``"auto"``, as ``diloco.lossy_exchange``).

@@ -44,9 +44,9 @@ from dipaco.sync.checks import check_disjoint_parameters, check_identical_module
 from dipaco.plan.codecs import make_codec
 from dipaco.sync.comm import LocalComm
 from dipaco.sync.groups import ProcessGroups
-from dipaco.sync.module_sync import ModuleRoundStats, ModuleSync, RoundStats
+from dipaco.sync.module_sync import ModuleRoundStats, CollectiveModuleSync, RoundStats
 from dipaco.sync.outer import outer_options
-from dipaco.sync.sharded import ShardedModuleSync
+from dipaco.sync.sharded import ShardedCollectiveModuleSync
 from dipaco.sync.torch_comm import TorchComm
 from dipaco.plan.schedule import RoundSchedule
 from dipaco.plan.topology import Topology
@@ -71,7 +71,7 @@ class DiLoCoSync:
         error_feedback: carry codec errors to the next round (per module, per worker group).
         outer: keyword arguments of :func:`dipaco.sync.outer.make_outer_optimizer`
             (default: SGD Nesterov lr 0.7 momentum 0.9).
-        sharing_rescale: see :class:`ModuleSync`.
+        sharing_rescale: see :class:`CollectiveModuleSync`.
         process_groups: a :class:`dipaco.sync.groups.ProcessGroups`; created here if None
             (torch backend only; a collective: every rank must construct DiLoCoSync).
         backend: process-group backend when creating them (``auto``|``gloo``|``nccl``).
@@ -84,7 +84,7 @@ class DiLoCoSync:
             :func:`dipaco.plan.comm_plan.module_exchange`.
         sharded: ``launcher.group_parallel=fsdp``: the modules are FSDP2-sharded inside the
             worker group (:func:`dipaco.sync.fsdp.apply_fsdp`) and each rank synchronises its
-            shard (:class:`dipaco.sync.sharded.ShardedModuleSync`); torch backend only.
+            shard (:class:`dipaco.sync.sharded.ShardedCollectiveModuleSync`); torch backend only.
         outer_device: ``diloco.outer_device`` (default ``auto``, as the schema).
         overlap: torch backend: run each launched exchange on a communication thread, so
             the outer steps of finished modules overlap the exchanges of later ones
@@ -126,9 +126,9 @@ class DiLoCoSync:
         check_disjoint_parameters(self.modules)
         # the synchronous round of finish_round(); its length does not matter there: H = 1
         self.schedule = RoundSchedule.synchronous(held, 1)
-        kind = ShardedModuleSync if self.sharded else ModuleSync
+        kind = ShardedCollectiveModuleSync if self.sharded else CollectiveModuleSync
         extra = {} if self.sharded else {"state_device": self._state_device(outer_device, modules, held)}
-        self.syncs: dict[str, ModuleSync] = {
+        self.syncs: dict[str, CollectiveModuleSync] = {
             m: kind(m, list(modules[m].parameters()), self.comm, codec=self.codec, error_feedback=error_feedback,
                     outer=outer, sharing_rescale=sharing_rescale, track_cosine=track_cosine, **extra)
             for m in held

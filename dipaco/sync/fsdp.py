@@ -12,7 +12,7 @@ own, never a whole ``PathModel``: a worker group trains several paths in turn an
 SHARE module objects, so the unit that is sharded must be the shared module. Each
 wrapped module is then its own FSDP root; FSDP2 handles several roots.
 
-The *shard layout* of a module's flat vector (what :class:`dipaco.sync.sharded.ShardedModuleSync`
+The *shard layout* of a module's flat vector (what :class:`dipaco.sync.sharded.ShardedCollectiveModuleSync`
 holds): the concatenation, in parameter order, of each parameter's rows of this rank.
 :func:`shard_flat` / :func:`unshard_flat` convert between it and the full flat layout of
 :func:`dipaco.sync.module_core.flatten_params` (what checkpoints store), so a checkpoint

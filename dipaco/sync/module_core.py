@@ -19,9 +19,9 @@ sign (:func:`pseudo_gradient`), how a contribution α·Δ is formed (:func:`cont
 :class:`Contributions`), the rule that a module of one contributor travels exact
 (:func:`wire_codec`) and encoding with error feedback (:func:`encode_with_feedback`).
 
-Synchronous mode is this core + a communicator (:class:`dipaco.sync.module_sync.ModuleSync`);
+Synchronous mode is this core + a communicator (:class:`dipaco.sync.module_sync.CollectiveModuleSync`);
 decoupled mode is this core + a quorum/staleness policy
-(:class:`dipaco.decoupled.merge.ModuleSynchronizer`). Both hold it as ``.core``.
+(:class:`dipaco.decoupled.merge.MergingModuleSync`). Both hold it as ``.core``.
 
 Where the residuals live: with their contributor. In sync mode a contributor is a worker
 group, whose ranks hold the module's core, so they live in :attr:`ModuleCore.residuals`.

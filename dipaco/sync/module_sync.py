@@ -2,15 +2,15 @@
 
 Per round (the driver is :class:`dipaco.sync.diloco.DiLoCoSync`, its schedule says when):
 
-1. before each path's turn, :meth:`ModuleSync.restore` copies θ_global into the live
+1. before each path's turn, :meth:`CollectiveModuleSync.restore` copies θ_global into the live
    module, so every path starts the round from the same weights;
-2. after the path's inner steps, :meth:`ModuleSync.contribute` adds its pseudo-gradient
+2. after the path's inner steps, :meth:`CollectiveModuleSync.contribute` adds its pseudo-gradient
    ``Δ = θ_global − θ_path`` weighted by α (the path's tokens) to its worker group's
    buffer;
-3. :meth:`ModuleSync.launch` encodes each buffer (with its error-feedback residual) and
+3. :meth:`CollectiveModuleSync.launch` encodes each buffer (with its error-feedback residual) and
    starts the exchange over the module group; contributions made after it go to the
    next round's buffers;
-4. :meth:`ModuleSync.land` waits for the exchange, sets the outer gradient to
+4. :meth:`CollectiveModuleSync.land` waits for the exchange, sets the outer gradient to
    ``Σα·Δ / Σα`` and steps the outer optimiser (:meth:`ModuleCore.step`). The new global
    weights are then the caller's to put into the live module: replaced
    (:meth:`restore`, the synchronous round) or mixed (:meth:`ModuleCore.mix_into`).
@@ -39,7 +39,7 @@ from dipaco.sync.comm import CommBytes, Communicator, Exchanged, Pending
 from dipaco.sync.module_core import (Contributions, ModuleCore, encode_with_feedback, flatten_params, params_hash,
                                      wire_codec)
 
-__all__ = ["ModuleRoundStats", "ModuleSync", "RoundStats"]
+__all__ = ["ModuleRoundStats", "CollectiveModuleSync", "RoundStats"]
 
 
 @dataclass
@@ -104,7 +104,7 @@ class _InFlight:
     kept: Optional[dict[int, torch.Tensor]]  # their values before it (put back without a step)
 
 
-class ModuleSync:
+class CollectiveModuleSync:
     """One module's synchronous DiLoCo: :class:`ModuleCore` (``.core``) + a communicator.
 
     Args:

@@ -12,8 +12,8 @@ afterwards (the replicated exchange all-gathers the G reduced slices,
 
 The weights are those of a replicated worker group (docs/design.md contract 1).
 Only codec ``none`` is supported (validation refuses the others with ``fsdp``).
-Checkpoints keep the full layout: :meth:`ShardedModuleSync.state_dict` gathers the
-shards (a collective over the worker group) and :meth:`~ShardedModuleSync.load_state_dict`
+Checkpoints keep the full layout: :meth:`ShardedCollectiveModuleSync.state_dict` gathers the
+shards (a collective over the worker group) and :meth:`~ShardedCollectiveModuleSync.load_state_dict`
 keeps this rank's shard, so a run may resume with another ``launcher.group_size`` or
 with ``group_parallel=replicate``.
 """
@@ -28,14 +28,14 @@ from torch import nn
 from dipaco.sync.comm import CommBytes, Exchanged
 from dipaco.sync.fsdp import gather_flat, local_shard, shard_flat
 from dipaco.sync.module_core import Contributions
-from dipaco.sync.module_sync import ModuleSync
+from dipaco.sync.module_sync import CollectiveModuleSync
 from dipaco.sync.torch_comm import TorchComm
 
-__all__ = ["ShardedModuleSync"]
+__all__ = ["ShardedCollectiveModuleSync"]
 
 
-class ShardedModuleSync(ModuleSync):
-    """:class:`ModuleSync` over this rank's shard of a module (arguments as there; ``comm``
+class ShardedCollectiveModuleSync(CollectiveModuleSync):
+    """:class:`CollectiveModuleSync` over this rank's shard of a module (arguments as there; ``comm``
     must be a :class:`TorchComm`)."""
 
     def __init__(self, module_id: str, params: Sequence[nn.Parameter], comm: TorchComm, **kw: Any) -> None:
@@ -72,7 +72,7 @@ class ShardedModuleSync(ModuleSync):
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full layout of :meth:`ModuleSync.state_dict`: every shard-sized tensor is
+        """The full layout of :meth:`CollectiveModuleSync.state_dict`: every shard-sized tensor is
         gathered over the worker group (a collective: every rank of the group calls it)."""
         G = self.group_size
         comm: TorchComm = self.comm  # type: ignore[assignment]
