@@ -102,10 +102,10 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def side(method: str, tmp: Path) -> dict[str, float]:
+def side(method: str, tmp: Path, whole_tree: bool) -> dict[str, float]:
     """One fresh launcher process with ``DIPACO_START_METHOD=method``: its two launch times
-    and the CPU seconds of its whole process tree (the launcher's own figure where this
-    platform cannot adopt orphans)."""
+    and the CPU seconds of its whole process tree (``whole_tree``: this process adopts
+    orphans; else the launcher's own figure)."""
     env = dict(os.environ, DIPACO_START_METHOD=method, OMP_NUM_THREADS="1")
     tmp.mkdir(parents=True, exist_ok=True)
     cpu0 = _children_cpu()
@@ -115,12 +115,9 @@ def side(method: str, tmp: Path) -> dict[str, float]:
     if out.returncode != 0:
         raise RuntimeError(f"{method} side failed:\n{out.stderr[-2000:]}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    if SUBREAPER:
+    if whole_tree:
         got["cpu_s"] = _children_cpu() - cpu0
     return got
-
-
-SUBREAPER = False
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
@@ -135,14 +132,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     repeats = a.repeats or (2 if mode == "quick" else 5)
     import tempfile
 
-    global SUBREAPER
-    SUBREAPER = _become_subreaper()
+    whole_tree = _become_subreaper()
     load0 = load_average()
     got: dict[str, list[dict[str, float]]] = {"forkserver": [], "spawn": []}
     with tempfile.TemporaryDirectory(prefix="bench_launch_") as d:
         for i in range(repeats):  # interleaved: A B, B A, ...
             for method in (("forkserver", "spawn") if i % 2 == 0 else ("spawn", "forkserver")):
-                got[method].append(side(method, Path(d) / f"{method}{i}"))
+                got[method].append(side(method, Path(d) / f"{method}{i}", whole_tree))
                 print(f"  {method}: {got[method][-1]}", flush=True)
     rows = [{"start_method": m, "first_launch_s": statistics.median(r["first_s"] for r in rs),
              "second_launch_s": statistics.median(r["second_s"] for r in rs),
@@ -156,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for k, v in verdicts.items():
         print(f"{k}: {v:.2f}")
     payload = {"nproc": NPROC, "repeats": repeats, "rows": rows, "verdicts": verdicts, "raw": got,
-               "cpu_counts": "every process of a side" if SUBREAPER else "the launcher and its own children only"}
+               "cpu_counts": "every process of a side" if whole_tree else "the launcher and its own children only"}
     write_result("launch", payload, mode=mode, load_before=load0, out=a.out, argv=argv)
     return payload
 

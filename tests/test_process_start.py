@@ -79,15 +79,28 @@ def _report(out: str, tag: str, handover: Handover) -> None:
 def test_a_started_process_sees_the_launcher_as_it_is_now(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capfd: pytest.CaptureFixture) -> None:
     """Two processes from the same server: the second sees the environment and stdout of its
-    own start (a variable set and one removed after the server started); both are children
-    of the server, not of the launcher."""
+    own start (a variable set and one removed, and stdout moved, after the first start,
+    which may have started the server); both are children of the server, not of the
+    launcher."""
     monkeypatch.delenv(process_start.START_METHOD_ENV, raising=False)
     monkeypatch.setenv("DIPACO_TEST_FIRST", "1")
     ctx = process_start.context()
+    first_out = tmp_path / "first.out"
     seen = []
     for tag in ("one", "two"):
         p = ctx.Process(target=_report, args=(str(tmp_path / f"{tag}.json"), tag, process_start.handover()))
-        p.start()
+        if tag == "one":  # the launcher's stdout is a file while the first process (and the server) start
+            sys.stdout.flush()
+            saved = os.dup(1)
+            with open(first_out, "wb") as f:
+                os.dup2(f.fileno(), 1)
+            try:
+                p.start()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+        else:
+            p.start()
         p.join(90)
         assert p.exitcode == 0, p.exitcode
         seen.append(json.loads((tmp_path / f"{tag}.json").read_text()))
@@ -96,8 +109,9 @@ def test_a_started_process_sees_the_launcher_as_it_is_now(tmp_path: Path, monkey
             monkeypatch.setenv("DIPACO_TEST_SECOND", "2")
     assert seen[0]["env"] == {"DIPACO_TEST_FIRST": "1"}
     assert seen[1]["env"] == {"DIPACO_TEST_SECOND": "2"}
+    assert "started process says one" in first_out.read_text()
     out = capfd.readouterr().out
-    assert "started process says one" in out and "started process says two" in out
+    assert "started process says two" in out and "started process says one" not in out
     if process_start.start_method() == "forkserver":
         assert seen[0]["ppid"] == seen[1]["ppid"] != os.getpid()  # the server is their parent
 

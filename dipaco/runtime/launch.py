@@ -137,10 +137,11 @@ def init_distributed(placement: Placement, timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+MONITOR_S = 0.5  # how often the spawn launcher's agent looks at its ranks
 # how long a rank whose collective failed because a peer vanished waits before it fails
-# too: three of the agent's looks (monitor_interval below), so the agent reports the rank
-# that died, not the ones it took with it (which rank it finds first is a race otherwise)
-PEER_LOSS_GRACE_S = 1.5
+# too: three of the agent's looks, so the agent reports the rank that died, not the ones
+# it took with it (which failed rank the agent finds first is a race otherwise)
+PEER_LOSS_GRACE_S = 3 * MONITOR_S
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for it
 
 
@@ -224,7 +225,7 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
         rdzv_endpoint=f"127.0.0.1:{port}",
         rdzv_configs={"rank": 0, "timeout": int(cfg.launcher.timeout_s)},
         max_restarts=0,
-        monitor_interval=0.5,
+        monitor_interval=MONITOR_S,
         start_method=process_start.start_method(),
         **extra,
     )

@@ -113,7 +113,8 @@ class Handover:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         if mp.context.get_spawning_popen() is None:  # not being sent to a child
             return Handover, (self.env,)
-        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout.flush()  # what this process wrote goes first
+        sys.stderr.flush()
         return Handover, (self.env, (reduction.DupFd(1), reduction.DupFd(2)))
 
 
