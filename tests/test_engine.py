@@ -283,3 +283,13 @@ def test_engine_on_cuda_matches_one_prompt(finished) -> None:
     # cuBLAS may pick other kernels for a batch than for one row: near-ties may differ, rarely
     same = sum(g.tokens == r.tokens for g, r in zip(gens, ref))
     assert same >= len(reqs) - 2, f"only {same} of {len(reqs)} match one-prompt generation on CUDA"
+
+
+def test_a_rows_sampler_is_a_cpu_generator_whatever_the_device() -> None:
+    """One-prompt generation samples on the CPU; a CUDA generator seeded alike draws another
+    stream, so the engine samples on the CPU too (found on an H200: every sampled row
+    differed from its one-prompt tokens while greedy rows agreed)."""
+    row = Row(0, Request([1, 2], temperature=0.9, seed=11), Generation(prompt=[1, 2]), [1, 2])
+    gen = PathBatch._generator(row)
+    assert gen.device.type == "cpu" and PathBatch._generator(row) is gen
+    assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=torch.Generator().manual_seed(11)))

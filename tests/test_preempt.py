@@ -29,7 +29,9 @@ from dipaco.cli.slurm_launcher import describe_failure, report_failures
 from dipaco.job.train import train
 from dipaco.config.validate import validate_config
 
-SMOKE = ["experiment=smoke", "trainer.rounds=4", "trainer.dense_baseline=false", "trainer.threads=1"]
+# deterministic kernels: on a CUDA host the requeued run and its reference are compared bit for bit
+SMOKE = ["experiment=smoke", "trainer.rounds=4", "trainer.dense_baseline=false", "trainer.threads=1",
+         "trainer.deterministic=true"]
 SLURM = ["launcher=slurm", "launcher.partition=fake", "launcher.nproc=2", "launcher.group_size=1", "launcher.gpus_per_node=null",
          "launcher.cpus_per_task=1", "launcher.backend=gloo"]
 

@@ -94,11 +94,12 @@ def test_routed_export_routes_and_scores_as_dipaco_infer(shared: Path, tmp_path:
     loader = run.loader()
     for prompt, path in zip(PROMPTS, expected):
         got_path, logits = routed.logits(prompt)
-        ids = torch.tensor([run.encode(prompt)])
+        model = loader.get(path)  # on the run's device (cuda where there is one)
+        ids = torch.tensor([run.encode(prompt)], device=next(model.parameters()).device)
         with torch.no_grad():
-            ours = loader.get(path)(ids)
+            ours = model(ids)
         assert got_path == path
-        torch.testing.assert_close(logits, ours, atol=1e-4, rtol=0)
+        torch.testing.assert_close(logits.cpu(), ours.cpu(), atol=1e-4, rtol=0)
     path, text = routed.generate(PROMPTS[0], max_new_tokens=4)
     assert path == expected[0] and isinstance(text, str)
 

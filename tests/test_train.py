@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _dist import free_port
+
 from dipaco.storage.tensor_io import load_state
 from dipaco.job.prepare import validation_ids
 from dipaco.run.run_dir import RunDir
@@ -200,8 +202,9 @@ def test_warmup_lm_features_and_discriminative_reshard(tmp_path: Path) -> None:
 def test_torchrun_ranks_match_local_backend(local_run: tuple[Path, dict], tmp_path: Path) -> None:
     """Under torchrun every process is a rank: rank 0 prepares, all train, rank 0 evaluates."""
     run_dir, summary = local_run
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "dipaco.cli.train",
-           "launcher=torchrun", *SMOKE, f"hydra.run.dir={tmp_path}"]
+    # a free port, not torchrun's default 29500: tests run side by side (pytest -n) on one host
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "dipaco.cli.train", "launcher=torchrun", *SMOKE, f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_weights(module_weights(run_dir, 2), module_weights(tmp_path, 2))

@@ -9,7 +9,7 @@ re-encodes its trailing window every step (the long-context rule).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -195,16 +195,22 @@ class PathBatch:
             else:
                 self.windowed.append(row)
         logits = torch.cat(parts).float()
-        tokens = logits.argmax(dim=-1)  # greedy rows: the first of equal maxima, as one prompt
-        for i, row in enumerate(rows):
-            if row.req.temperature > 0:
-                tokens[i] = sample_token(logits[i], row.req.temperature, row.req.top_k, row.req.top_p,
-                                         self._generator(row, logits.device))
-        return rows, tokens.tolist()  # the one host sync of a step
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows: the first of equal maxima, as one prompt
+        sampled = [i for i, row in enumerate(rows) if row.req.temperature > 0]
+        if sampled:
+            # Sampling happens on the CPU, as in one-prompt generation: a CUDA generator draws a
+            # different stream from a CPU one seeded alike, so a row's sample would depend on the
+            # device. One transfer of the sampled rows' logits per step.
+            host = logits[torch.tensor(sampled, device=logits.device)].cpu()
+            for j, i in enumerate(sampled):
+                row = rows[i]
+                tokens[i] = int(sample_token(host[j], row.req.temperature, row.req.top_k, row.req.top_p,
+                                             self._generator(row)))
+        return rows, tokens
 
     @staticmethod
-    def _generator(row: Row, device: Any) -> torch.Generator:
-        """The row's own sampler, seeded by its request (made on the logits' device)."""
+    def _generator(row: Row) -> torch.Generator:
+        """The row's own sampler, seeded by its request: a CPU generator on every device."""
         if row.generator is None:
-            row.generator = torch.Generator(device=device).manual_seed(int(row.req.seed))
+            row.generator = torch.Generator().manual_seed(int(row.req.seed))
         return row.generator
