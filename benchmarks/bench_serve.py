@@ -93,7 +93,7 @@ def run_engine_closed_loop(run: Any, prompts: list[list[int]], max_tokens: int, 
         rid = engine.submit(Request(prompt_ids=todo.pop(), max_new_tokens=max_tokens, temperature=0.0))
         started[rid] = time.perf_counter()
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(min(clients, len(todo))):
         submit_next()
     while engine.has_work():
@@ -103,9 +103,10 @@ def run_engine_closed_loop(run: Any, prompts: list[list[int]], max_tokens: int, 
                 latencies.append(time.perf_counter() - started.pop(ev.request_id))
                 if todo:
                     submit_next()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {"wall_s": wall, "prompts_per_s": len(prompts) / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
-            "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99)}
+            "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
+            "engine_cpu_s": cpu}
 
 
 class Server:
@@ -137,6 +138,14 @@ class Server:
             time.sleep(0.05)
         return self.url
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far, all its threads (Linux' /proc)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -145,8 +154,11 @@ class Server:
             self.proc.kill()
 
 
-async def drive(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int) -> dict[str, Any]:
-    """``clients`` closed-loop clients over ``prompts``: throughput and per-request latency."""
+async def drive(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int,
+                server_cpu: Any = None) -> dict[str, Any]:
+    """``clients`` closed-loop clients over ``prompts``: throughput, per-request latency, and the
+    CPU seconds of the clients (this process) and of the server (``server_cpu()``), which share
+    the host's cores."""
     import httpx
 
     queue: "asyncio.Queue[list[int]]" = asyncio.Queue()
@@ -167,13 +179,14 @@ async def drive(url: str, model: str, prompts: list[list[int]], clients: int, ma
             tokens += r.json()["usage"]["completion_tokens"]
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    server_cpu = server_cpu or (lambda: float("nan"))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
-        t0 = time.perf_counter()
+        t0, cpu0, srv0 = time.perf_counter(), time.process_time(), server_cpu()
         await asyncio.gather(*(client(c) for _ in range(clients)))
-        wall = time.perf_counter() - t0
+        wall, cpu, srv = time.perf_counter() - t0, time.process_time() - cpu0, server_cpu() - srv0
     return {"wall_s": wall, "prompts_per_s": len(prompts) / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
-            "latency_mean_s": statistics.fmean(latencies)}
+            "latency_mean_s": statistics.fmean(latencies), "client_cpu_s": cpu, "server_cpu_s": srv}
 
 
 def _median_sample(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -218,7 +231,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         url = server.wait()
         warm = prompts[: max(1, args.clients)]
         sides = {  # each returns one measurement; interleaved (A B, B A, ...) on a shared host
-            "server": lambda p=prompts: asyncio.run(drive(url, model, p, args.clients, args.max_tokens)),
+            "server": lambda p=prompts: asyncio.run(drive(url, model, p, args.clients, args.max_tokens,
+                                                          server.cpu_s)),
             "engine_same_concurrency": lambda p=prompts: run_engine_closed_loop(run, p, *shape, args.clients),
         }
         for side in sides.values():
@@ -237,7 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     rows = [{"side": f"engine in-process, {args.clients} in flight", **engine},
             {"side": f"server, {args.clients} clients", **served},
             {"side": "engine in-process, all at once", **best["engine_all_at_once"]}]
-    print_table(rows, ["side", "prompts_per_s", "tokens_per_s", "wall_s", "latency_p50_s", "latency_p99_s"],
+    print_table(rows, ["side", "prompts_per_s", "tokens_per_s", "wall_s", "latency_p50_s", "latency_p99_s",
+                       "engine_cpu_s", "server_cpu_s", "client_cpu_s"],
                 title=f"{len(prompts)} prompts, greedy, {args.max_tokens} new tokens, run {model}, "
                       f"median of {args.repeats}")
     print(f"server / engine tokens/s at the same concurrency: {ratio:.3f} (target >= 0.8); "
