@@ -70,7 +70,7 @@ def fake_install(tmp_path, monkeypatch) -> Path:
         "other/bits.h": "#define OTHER_BIT(n) (1u << (n))\n" * 50,
     })
     monkeypatch.setattr(multidomain, "discover",
-                        lambda exclude: discover(exclude, str(std), str(inc), [pkg, other]))
+                        lambda exclude, **kw: discover(exclude, str(std), str(inc), [pkg, other]))
     monkeypatch.setenv("DIPACO_CACHE", str(tmp_path / "cache"))
     return tmp_path
 
@@ -288,3 +288,37 @@ def test_default_config_trains_on_multidomain(fake_install, tmp_path) -> None:
     assert 1.0 < summary["routed_ppl"] < 512
     report = json.loads((run / "routing_report.json").read_text())
     assert report["num_documents"] > 0 and 0.0 <= report["nmi"] <= 1.0
+
+
+def test_the_corpus_packages_are_the_configs_not_dipacos_requirements(tmp_path, monkeypatch, caplog) -> None:
+    """``data.packages`` names the distributions read, so a requirement added to dipaco's
+    setup.cfg leaves the default corpus as it was (adding simpy once moved every result);
+    a named one that is not installed is left out with a warning that says so."""
+    from dipaco.data.domain_files import package_closure
+
+    seen: list = []
+    monkeypatch.setattr(multidomain, "discover", lambda exclude, **kw: seen.append(kw) or [])
+    monkeypatch.setattr(multidomain, "build", lambda *a, **k: [])
+    monkeypatch.setenv("DIPACO_CACHE", str(tmp_path))
+    with caplog.at_level("WARNING", logger="dipaco"):
+        load_multidomain(EXCLUDES, packages=["tqdm", "no-such-distribution-xyz"])
+    names = {d.metadata["Name"].lower() for d in seen[0]["distributions"]}
+    assert "tqdm" in names and "torch" not in names and "dipaco" not in names
+    assert "no-such-distribution-xyz not installed" in caplog.text
+    dists, missing = package_closure(["torch", "no-such-distribution-xyz"])
+    assert missing == ["no-such-distribution-xyz"]
+    assert {"torch", "filelock"} <= {d.metadata["Name"].lower() for d in dists}  # torch's own requirements too
+    assert DataConfig().packages and "dipaco" not in DataConfig().packages
+
+
+def test_the_corpus_packages_are_not_a_fingerprint_key() -> None:
+    """What ``data.packages`` changes is the documents, which the data fingerprint holds: a
+    run recorded before the key existed resumes when its corpus is the same (found by
+    resuming the README's default run of the day before: refused on ``made with None``)."""
+    from dipaco.config import compose_config
+    from dipaco.run.fingerprint import artefact_depends, config_keys
+
+    assert not any(artefact_depends("data.packages", a) for a in ("tokenizer", "router", "shards", "warmup",
+                                                                   "checkpoints"))
+    assert "data.packages" not in config_keys(compose_config([]), "tokenizer")
+    assert "data.domain_max_chars" in config_keys(compose_config([]), "tokenizer")  # the rule still reads data.*

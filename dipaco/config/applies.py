@@ -139,6 +139,7 @@ APPLIES.update({
     "data.path": _FILES, "data.hub_config": _HUB_NAME, "data.hub_split": _HUB, "data.streaming": _HUB_LOAD,
     "data.text_field": _FIELDS, "data.label_field": _FILES, "data.id_field": _FIELDS, "data.group_field": _FIELDS,
     "data.exclude_packages": _BUILTIN, "data.target_doc_chars": _BUILTIN, "data.domain_max_chars": _MULTIDOMAIN,
+    "data.packages": _MULTIDOMAIN,
     "data.tokenizer_sample_bytes": _NO_TOKENIZER, "data.tokenizer_sample_documents": _NO_TOKENIZER,
     "router.soft_capacity_factor": _SOFT, "router.reshard_documents": _RESHARD, "router.reshard_assign": _RESHARD,
     "router.reshard_every": _RESHARD,

@@ -106,7 +106,7 @@ DOMAINS: dict[str, Domain] = {
     "data.id_field": MAYBE_TEXT, "data.group_field": MAYBE_TEXT,
     "data.max_documents": Int(1, _BIG, null=True), "data.max_train_documents": Int(1, _BIG, null=True),
     "data.documents_per_path": Int(1, _BIG, null=True), "data.exclude_packages": Domain("texts"),
-    "data.domain_max_chars": Int(1, 10**11, why=COSTLY),
+    "data.domain_max_chars": Int(1, 10**11, why=COSTLY), "data.packages": Domain("texts"),
     "data.target_doc_chars": Int("data.min_doc_chars", "data.max_doc_chars",
                                  why="chunks are cut between the shortest and the longest document kept"),
     "data.max_doc_chars": Int(1, 10**8, why=COSTLY), "data.min_doc_chars": Int(0, "data.max_doc_chars"),

@@ -61,6 +61,16 @@ class DataConfig:
     )
     # multidomain: characters per domain at most (one domain must not swamp the others)
     domain_max_chars: int = 24_000_000
+    # multidomain: the installed distributions whose files (with their requirements, transitively)
+    # give the corpus. Named here, not read from dipaco's own requirements, so that a dependency
+    # added to the code does not change the default corpus and every result measured on it
+    # (adding simpy to install_requires did, by 14 files). The list is dipaco's requirements of
+    # 2026-11-26; one not installed is left out with a warning.
+    packages: List[str] = field(
+        default_factory=lambda: ["torch", "numpy", "faiss-cpu", "scikit-learn", "datasets", "hydra-core",
+                                 "omegaconf", "tokenizers", "safetensors", "tqdm", "matplotlib", "tensorboard",
+                                 "simpy"]
+    )
     # documents are cut along top-level definitions into chunks of about this size
     target_doc_chars: int = 2400
     # documents longer than this are truncated (huge inputs must not blow up memory)

@@ -5,8 +5,10 @@ Where the files come from (never a hard-coded path):
 * the standard library, ``sysconfig.get_paths()["stdlib"]`` (the top-level packages in
   ``data.exclude_packages`` left out, as for ``python_sources``), and the interpreter's C
   headers, ``sysconfig.get_paths()["include"]``;
-* the installed distributions dipaco requires, transitively (``importlib.metadata``:
-  each distribution's ``requires`` and its ``files`` list). Requirements behind an
+* the installed distributions named by ``data.packages`` and those they require,
+  transitively (``importlib.metadata``: each distribution's ``requires`` and its ``files``
+  list). The roots are named in the config, not read from dipaco's own requirements, so a
+  dependency added to the code leaves the default corpus as it was. Requirements behind an
   environment marker (extras such as ``dev``, platform-only wheels such as CUDA runtimes)
   are left out, so the same package versions give the same corpus on every platform.
 
@@ -25,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from dipaco.data.errors import DataError
 from dipaco.data.python_sources import list_source_files
 
-__all__ = ["Candidate", "discover", "requirement_closure"]
+__all__ = ["Candidate", "discover", "package_closure", "requirement_closure"]
 
 _C_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".c", ".cc", ".cpp", ".cxx", ".cu", ".cuh", ".inl")
 _DATA_SUFFIXES = (".json", ".csv", ".yaml", ".yml", ".toml", ".ini", ".cfg")
@@ -64,8 +66,24 @@ def requirement_closure(root: str = "dipaco") -> List[metadata.Distribution]:
     except metadata.PackageNotFoundError:
         raise DataError(f"data.source=multidomain reads the dependencies of the installed {root} "
                         f"package, which is not installed. Fix: pip install -e .") from None
+    return [d for d in package_closure([root])[0] if _norm(d.metadata["Name"] or "") != _norm(root)]
+
+
+def package_closure(roots: Sequence[str]) -> Tuple[List[metadata.Distribution], List[str]]:
+    """The installed distributions named by ``roots`` and those they require, transitively,
+    sorted by name; and the roots that are not installed (left out: the caller says so)."""
+    missing = []
+    for root in roots:
+        try:
+            metadata.distribution(root)
+        except metadata.PackageNotFoundError:
+            missing.append(root)
+    return _closure([r for r in roots if r not in missing]), missing
+
+
+def _closure(roots: Sequence[str]) -> List[metadata.Distribution]:
     seen: Dict[str, metadata.Distribution] = {}
-    todo = [root]
+    todo = list(roots)
     while todo:
         name = todo.pop()
         if _norm(name) in seen:
@@ -78,7 +96,6 @@ def requirement_closure(root: str = "dipaco") -> List[metadata.Distribution]:
         for req in dist.requires or ():
             if ";" not in req:  # markers: extras and platform-only wheels stay out
                 todo.append(re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req).group(1))  # type: ignore[union-attr]
-    seen.pop(_norm(root))
     return [seen[k] for k in sorted(seen)]
 
 

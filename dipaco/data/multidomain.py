@@ -49,6 +49,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import logging
 import multiprocessing
 import os
 import re
@@ -58,11 +59,13 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from tqdm.auto import tqdm
 
 from dipaco.data.errors import DataError
-from dipaco.data.domain_files import Candidate, discover, requirement_closure  # noqa: F401 (re-exported)
+from dipaco.data.domain_files import Candidate, discover, package_closure, requirement_closure  # noqa: F401
 from dipaco.data.python_sources import pack_pieces, split_source, split_text
 from dipaco.data.readers import count_skip, read_text_head
 from dipaco.storage.atomic import atomic_write_lines
 from dipaco.storage.hashing import sha256, sha256_digest
+
+log = logging.getLogger("dipaco")
 
 __all__ = ["BUILDER_VERSION", "DOMAINS", "Candidate", "DomainDocument", "cache_dir", "discover",
            "is_generated", "load_multidomain", "record_text", "requirement_closure"]
@@ -320,9 +323,22 @@ def _read_jsonl(path: str) -> Iterator[DomainDocument]:
 
 def load_multidomain(exclude_packages: Sequence[str] = (), target_doc_chars: int = 2400,
                      max_doc_chars: int = 20000, domain_max_chars: int = 24_000_000, progress: bool = False,
-                     ) -> Tuple[List[DomainDocument], str]:
-    """The documents of the multidomain corpus and the cache file they were read from (built on a miss)."""
-    candidates = discover(exclude_packages)
+                     packages: Optional[Sequence[str]] = None) -> Tuple[List[DomainDocument], str]:
+    """The documents of the multidomain corpus and the cache file they were read from (built on a miss).
+
+    ``packages``: the distributions whose files (with their requirements) join the stdlib's
+    (``data.packages``); None: what the installed dipaco requires. A named one that is not
+    installed is left out with a warning: that corpus differs from an install that has it.
+    """
+    if packages is None:
+        candidates = discover(exclude_packages)
+    else:
+        dists, missing = package_closure(list(packages))
+        if missing:
+            log.warning("data.packages: %s not installed, so the multidomain corpus leaves %s out and "
+                        "differs from the corpus of an install that has %s", ", ".join(missing),
+                        "it" if len(missing) == 1 else "them", "it" if len(missing) == 1 else "them")
+        candidates = discover(exclude_packages, distributions=dists)
     settings = {"exclude": sorted(exclude_packages), "target": target_doc_chars, "max": max_doc_chars,
                 "cap": domain_max_chars}
     path = os.path.join(cache_dir(), f"multidomain-{fingerprint(candidates, settings)[:20]}.jsonl")

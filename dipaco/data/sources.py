@@ -50,7 +50,8 @@ def read_multidomain(cfg: Any, skipped: Dict[str, int], progress: bool) -> Tuple
     docs, _ = load_multidomain(exclude_packages=list(cfg.exclude_packages or ()),
                                target_doc_chars=int(cfg.target_doc_chars),
                                max_doc_chars=int(cfg.max_doc_chars or 0) or 20000,
-                               domain_max_chars=int(cfg.domain_max_chars), progress=progress)
+                               domain_max_chars=int(cfg.domain_max_chars), progress=progress,
+                               packages=list(cfg.packages))
     return _builtin(docs), f"the multidomain corpus (cache in {cache_dir()})"
 
 

@@ -67,7 +67,10 @@ _DEPENDS_ON: dict[str, tuple[str, ...]] = {
 _IGNORED = ("data.cache_dir", "data.max_doc_chars",  # where the cache lives does not change the data
             # what these change is in the inputs already: the documents of each split (the
             # data fingerprint) and the text the BPE is trained on (bpe_text, dipaco/job/prepare_tokens.py)
-            "data.splits", "data.tokenizer_sample_bytes", "data.tokenizer_sample_documents")
+            "data.splits", "data.tokenizer_sample_bytes", "data.tokenizer_sample_documents",
+            # which installed packages give the multidomain corpus: its documents, in the data
+            # fingerprint (a run recorded before the key resumes when its corpus is the same)
+            "data.packages")
 # Recorded by earlier dipacos, no longer part of what an artefact is made from: a resume
 # may change it (a run recorded with it stays resumable with another value).
 _NO_LONGER_DEPENDS = frozenset({"diloco.outer_device"})
