@@ -125,3 +125,42 @@ def test_out_is_never_overwritten_and_resume_refuses_a_foreign_file(finished, tm
     code, err = run_cli(main, ["generate", finished[0], "--prompt", "x", "--fast"], capsys, monkeypatch)
     assert code != 0
     one_line(err, "--fast goes with --file")
+
+
+@pytest.mark.parametrize("change, words", [
+    (["--max-new-tokens", "3"], "--max-new-tokens 2"),
+    (["--temperature", "0.5"], "--temperature 0.0"),
+    (["--fast"], "--fast False"),
+    ("prompts", "another prompts file"),
+    ("no record", "no record of the job"),
+])
+def test_resume_continues_only_the_same_job(finished, tmp_path, capsys, monkeypatch, change, words) -> None:
+    """Lines made with other settings, from other prompts or by an unknown job are never
+    continued (found by a probe: --resume with other prompts and settings appended to them
+    silently); the refusal touches nothing, a torn last line included."""
+    prompts = _jsonl(tmp_path / "p.jsonl", TEXTS[:3])
+    out = tmp_path / "out.jsonl"
+    base = ["generate", finished[0], "--out", out, "--max-new-tokens", "2", "--temperature", "0"]
+    code, err = run_cli(main, [*base, "--file", _jsonl(tmp_path / "first.jsonl", TEXTS[:2])], capsys, monkeypatch)
+    assert code == 0, err
+    (tmp_path / "first.jsonl").replace(prompts)  # the same bytes under the name the resume uses
+    with open(out, "ab") as f:
+        f.write(b'{"index": ')  # torn
+    before = out.read_bytes()
+    again = [*base, "--file", prompts, "--resume"]
+    if change == "prompts":
+        _jsonl(prompts, TEXTS[1:4])
+    elif change == "no record":
+        (tmp_path / "out.jsonl.job.json").unlink()
+    else:
+        again += change
+    code, err = run_cli(main, again, capsys, monkeypatch)
+    assert code != 0
+    one_line(err, words)
+    assert out.read_bytes() == before
+    if change == "no record":
+        return
+    _jsonl(prompts, TEXTS[:2])  # the job as it was: continued
+    code, err = run_cli(main, [*base, "--file", prompts, "--resume"], capsys, monkeypatch)
+    assert code == 0, err
+    assert [x["index"] for x in _lines(out)] == [0, 1]

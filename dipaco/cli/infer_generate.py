@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from dipaco.cli.errors import fail
+from dipaco.cli.generate_job import check_resume, describe_job, record_job
 from dipaco.cli.infer_args import (COMMON_EPILOG, add_run_args, emit, int_in, non_negative_float, open_run,
                                    positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
@@ -155,9 +156,9 @@ def prompt_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def _resume_point(out: Path) -> int:
-    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off); they must be
-    this command's lines, in order, or nothing is touched."""
+def _resume_point(out: Path, truncate: bool = True) -> int:
+    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off when
+    ``truncate``); they must be this command's lines, in order, or nothing is touched."""
     data = out.read_bytes()
     whole = data[: data.rfind(b"\n") + 1]
     for i, line in enumerate(whole.splitlines()):
@@ -168,7 +169,7 @@ def _resume_point(out: Path) -> int:
         if not (isinstance(rec, dict) and rec.get("index") == i):
             raise RunDirError(f"generate --out {out} line {i + 1} is not line {i} of an earlier dipaco-infer generate "
                               "--file run: it is never overwritten; choose a new --out")
-    if len(whole) < len(data):
+    if truncate and len(whole) < len(data):
         with open(out, "r+b") as f:
             f.truncate(len(whole))  # a line torn by a kill: generated again
     return whole.count(b"\n")
@@ -187,7 +188,7 @@ def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], int]:
         return out, 0
     if not args.resume:
         raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, or choose a new --out")
-    return out, _resume_point(out)
+    return out, _resume_point(out, truncate=False)  # truncated once the job record vouches for the file
 
 
 class _InOrder:
@@ -224,6 +225,13 @@ def run_file(args: argparse.Namespace) -> None:
     out, done = _out_file(args)
     records, _ = read_jsonl_records(args.file, args.text_field)
     inf = open_run(args)  # the checkpoint is verified once, here
+    if out is not None:
+        job = describe_job(args, inf.manifest)
+        if out.exists() and out.stat().st_size > 0:  # --resume (checked by _out_file): the same job only
+            check_resume(out, job)
+            done = _resume_point(out)
+        else:
+            record_job(out, job)
     reqs: list[tuple[int, Request, dict, int]] = []
     for i, (text, line) in enumerate(records[done:], start=done):
         seed = line.get("seed", prompt_seed(args.seed, i))
