@@ -175,20 +175,22 @@ def _resume_point(out: Path, truncate: bool = True) -> int:
     return whole.count(b"\n")
 
 
-def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], int]:
-    """``--out`` checked before any work, and how many prompts an earlier run finished."""
+def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], bool]:
+    """``--out`` checked before any work, and whether it continues an earlier run's lines
+    (checked to be whole ``generate --file`` lines in order; nothing is touched yet)."""
     if args.out is None:
         if args.resume:
             fail("--resume needs --out F (the file an earlier run wrote): add --out F")
-        return None, 0
+        return None, False
     out = check_target(args.out, "generate --out", fix="choose a --out outside every run directory")
     if out.is_dir():
         raise RunDirError(f"generate --out {args.out} is a directory; name a file (e.g. {Path(args.out) / 'out.jsonl'})")
     if not out.exists() or out.stat().st_size == 0:
-        return out, 0
+        return out, False
     if not args.resume:
         raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, or choose a new --out")
-    return out, _resume_point(out, truncate=False)  # truncated once the job record vouches for the file
+    _resume_point(out, truncate=False)  # a torn line is cut once the job record vouches for the file
+    return out, True
 
 
 class _InOrder:
@@ -222,12 +224,13 @@ class _InOrder:
 
 def run_file(args: argparse.Namespace) -> None:
     """``generate --file``: every prompt through the batched engine, one JSON line each."""
-    out, done = _out_file(args)
+    out, resuming = _out_file(args)
     records, _ = read_jsonl_records(args.file, args.text_field)
     inf = open_run(args)  # the checkpoint is verified once, here
+    done = 0
     if out is not None:
         job = describe_job(args, inf.manifest)
-        if out.exists() and out.stat().st_size > 0:  # --resume (checked by _out_file): the same job only
+        if resuming:  # the same job only
             check_resume(out, job)
             done = _resume_point(out)
         else:

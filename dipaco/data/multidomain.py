@@ -335,9 +335,8 @@ def load_multidomain(exclude_packages: Sequence[str] = (), target_doc_chars: int
     else:
         dists, missing = package_closure(list(packages))
         if missing:
-            log.warning("data.packages: %s not installed, so the multidomain corpus leaves %s out and "
-                        "differs from the corpus of an install that has %s", ", ".join(missing),
-                        "it" if len(missing) == 1 else "them", "it" if len(missing) == 1 else "them")
+            log.warning("data.packages: %s not installed: left out of the multidomain corpus, which "
+                        "therefore differs from the corpus of an install that has them", ", ".join(missing))
         candidates = discover(exclude_packages, distributions=dists)
     settings = {"exclude": sorted(exclude_packages), "target": target_doc_chars, "max": max_doc_chars,
                 "cap": domain_max_chars}
