@@ -20,6 +20,7 @@ from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
 from dipaco.decoupled.metrics import ledger_report, worker_events
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
+from dipaco.decoupled.scheduling import PathPicker
 from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_finished, path_steps_done,
                                       progress_key, write_module)
@@ -374,6 +375,7 @@ def _bare_learner(dcfg: DecoupledConfig, my_sps: float | None, others_sps: float
     lr = DecoupledWorker.__new__(DecoupledWorker)
     lr.cfg = SimpleNamespace(diloco=SimpleNamespace(inner_steps=H), trainer=SimpleNamespace(rounds=4))
     lr.dcfg, lr.sps = dcfg, my_sps
+    lr.picker = PathPicker(dcfg, H, 4 * H)
     lr._others_sps = lambda: (others_sps, 3 if others_sps is not None else 0)
     return lr
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,11 @@ from dipaco.cli import plan as plan_cli
 from dipaco.config import compose_config
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.merge import MergingModuleSync, Update
-from dipaco.sim.decoupled import Synchronizers, simulate_decoupled
+from dipaco.decoupled.lease import Lease
+from dipaco.decoupled.scheduling import PathPicker
+from dipaco.decoupled.store import FileStore
+from dipaco.decoupled.worker import DecoupledWorker
+from dipaco.sim.decoupled import Synchronizers, _DecoupledSim, simulate_decoupled
 from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.report import MODES, simulate_job
 from dipaco.sim.rounds import simulate_rounds
@@ -104,6 +109,62 @@ def test_decoupled_quorum_decisions_equal_the_real_policy() -> None:
     got = [(pytest.approx(t), why, paths, v) for t, why, paths, v in sim.modules["m"].steps]
     assert got == _real_triggers(arrivals, sharing, cfg)
     assert {w for _, w, _, _ in sim.modules["m"].steps} == {"quorum", "grace"}
+
+
+def _real_worker(store: FileStore, d: DecoupledConfig, H: int, rounds: int, progress: list[int],
+                 ratio: float | None, last_path: int | None) -> DecoupledWorker:
+    """A DecoupledWorker with only what its scheduling reads: ``progress`` per path, a
+    speed ``ratio`` against 3 others, its last path; ties broken as the simulator does."""
+    w = DecoupledWorker.__new__(DecoupledWorker)
+    w.cfg = SimpleNamespace(diloco=SimpleNamespace(inner_steps=H), trainer=SimpleNamespace(rounds=rounds))
+    w.dcfg, w.store, w.id, w.index = d, store, "W0.0-test", 0
+    w.grid = SimpleNamespace(num_paths=len(progress))
+    w.rng = SimpleNamespace(random=lambda: 0.0)
+    w.sps = None if ratio is None else 0.01 * ratio
+    w._others_sps = lambda: (0.01, 3)
+    w._progress = lambda p: progress[p]
+    w.picker = PathPicker(d, H, rounds * H)
+    w.picker.held(last_path) if last_path is not None else None
+    return w
+
+
+@pytest.mark.parametrize("progress, held, ratio, last_path, path", [
+    ([20, 10, 30, 10], [], None, None, 1),     # speed not known yet: the least advanced, lowest first
+    ([20, 10, 30, 10], [1], 1.1, 2, 3),        # within the threshold: the least advanced free one
+    ([20, 10, 30, 10], [], 3.0, None, 2),      # markedly slow: the most advanced
+    ([20, 10, 30, 10], [], 3.0, 2, 0),         # ... but not the one it just held
+    ([20, 10, 30, 10], [0], 3.0, 2, 1),        # ... nor a held one
+    ([38, 39, 40, 37], [], 3.0, None, None),   # the tail: the others finish what is left
+    ([40, 40, 40, 40], [], None, None, None),  # every path has its budget
+])
+def test_the_simulator_picks_paths_and_phases_with_the_workers_own_rules(
+        tmp_path, progress: list[int], held: list[int], ratio: float | None, last_path: int | None,
+        path: int | None) -> None:
+    """The simulated worker and a real one, in the same state, lease the same path and run
+    a phase of the same length (one :class:`PathPicker`, driven by two clocks)."""
+    d = DecoupledConfig(slow_threshold=1.5)
+    H, rounds = 10, 4
+    store = FileStore(tmp_path)
+    for p in held:
+        assert Lease(store, f"path_{p}", "W9.0-other", 60.0).acquire()
+    real = _real_worker(store, d, H, rounds, progress, ratio, last_path)
+    lease, _ = real.pick()
+    want = None if lease is None else int(lease.name.split("_")[1])
+    assert want == path
+
+    job = sim_job(compose_config(TINY + ["diloco.mode=decoupled", "grid=2x2", f"trainer.rounds={rounds}",
+                                         f"diloco.inner_steps={H}", "diloco.decoupled.slow_threshold=1.5",
+                                         "diloco.decoupled.workers=4", "cluster.chips=4"]))
+    sim = _DecoupledSim(job, None)
+    sim.progress = [float(k) for k in progress]
+    sim.held = set(held)
+    sim.slowness[0] = ratio
+    if last_path is not None:
+        sim.pickers[0].held(last_path)
+    assert sim._pick(0) == want
+    if want is not None:
+        left = rounds * H - progress[want]
+        assert sim.pickers[0].phase_steps(left, ratio) == real.phase_steps(left)
 
 
 def test_a_seed_gives_one_history(job: SimJob) -> None:

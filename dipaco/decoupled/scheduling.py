@@ -1,22 +1,114 @@
 """How a decoupled worker schedules itself: which path it leases next and how many inner
 steps its phase takes (dynamic local updates).
 
-:class:`WorkerScheduling` is a part of :class:`dipaco.decoupled.worker.DecoupledWorker`
-(its base class): the rules read the worker's config (``cfg``, ``dcfg``), ``store``,
-slot ``index``, ``rng``, ``grid``, its own speed ``sps`` and ``last_path`` /
-``avoid_until``, and the paths' progress (``_progress``); the speeds the worker slots
-publish under ``speed/`` are the only thing they share.
+:class:`PathPicker` holds the rules, on a clock and paths' progress it is given (wall
+time and the store's progress files in a worker; SimPy's clock and the simulated
+progress in :mod:`dipaco.sim.decoupled`, which calls the same object). :class:`WorkerScheduling`
+is a part of :class:`dipaco.decoupled.worker.DecoupledWorker` (its base class): it reads
+the worker's speed and the other slots' speeds under ``speed/`` (the only thing worker
+slots share) and asks its picker.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from dipaco.decoupled.lease import Lease
 
-__all__ = ["WorkerScheduling"]
+__all__ = ["PathPicker", "WorkerScheduling"]
+
+
+class PathPicker:
+    """One worker's path choice and phase length (dynamic local updates, Liu et al. 2024).
+
+    ``ratio`` below is the worker's time per inner step ÷ the other workers' median (None:
+    not known yet); ``budget`` each path's inner steps (``math.inf``: no end, a simulated
+    horizon). The picker remembers the path the worker held last and, for a slow worker,
+    how long it leaves that path to others.
+
+    Args:
+        dcfg: decoupled settings (``slow_threshold``, ``dynamic_steps``, ``min_phase_steps``,
+            ``pull_wait_s``, ``pull_wait_fraction``).
+        inner_steps: H, a phase's length at normal speed.
+        budget: inner steps each path trains.
+    """
+
+    def __init__(self, dcfg: Any, inner_steps: int, budget: float) -> None:
+        self.d, self.H, self.budget = dcfg, int(inner_steps), budget
+        self.last_path: Optional[int] = None
+        self.avoid_until: Optional[float] = None
+
+    def is_slow(self, ratio: Optional[float]) -> bool:
+        """Markedly slower than the others (beyond ``slow_threshold``)."""
+        return ratio is not None and ratio > self.d.slow_threshold
+
+    def phase_steps(self, remaining: float, ratio: Optional[float]) -> int:
+        """Inner steps of the next phase on a path with ``remaining`` steps to go.
+
+        A worker markedly slower than the others runs ``H ÷ ratio`` steps (at least
+        ``min_phase_steps``), so its phase takes about as long as theirs and the path it
+        holds keeps pace.
+        """
+        n = self.H
+        if self.d.dynamic_steps and self.is_slow(ratio):
+            n = max(min(self.d.min_phase_steps, self.H), int(round(self.H / float(ratio))))
+        return int(max(1, min(n, remaining)))
+
+    def pull_wait_s(self, phase_s: Optional[float]) -> float:
+        """The longest a phase waits for its path's previous update to be accounted for:
+        ``pull_wait_s``, and at most ``pull_wait_fraction`` of the phase's expected
+        seconds ``phase_s`` (None: not known yet)."""
+        cap = float(self.d.pull_wait_s)
+        if self.d.pull_wait_fraction is not None and phase_s is not None:
+            cap = min(cap, self.d.pull_wait_fraction * phase_s)
+        return cap
+
+    def candidates(self, progress: Sequence[float], ratio: Optional[float], n_others: int,
+                   others_s_per_step: Optional[float], now: float,
+                   tiebreak: Callable[[], float]) -> Optional[list[int]]:
+        """The paths to try to lease, best first; None: every path has its budget.
+
+        Normal workers take the least-advanced unfinished path. A worker markedly slower
+        than the others takes the MOST advanced one instead, and after a phase it leaves
+        its last path to others for a while (half of their phase; two without dynamic
+        steps) unless nothing else is unfinished: the lagging path goes to a fast worker
+        and the slow one works where there is slack, so every path spends about as long in
+        the slow slot. ``tiebreak()`` is drawn once per unfinished path, in path order.
+        The caller leases the first free one and calls :meth:`took`; ``[]``: none for now.
+        """
+        todo = [(k, tiebreak(), p) for p, k in enumerate(progress) if k < self.budget]
+        if not todo:
+            return None
+        slow = self.is_slow(ratio)
+        if slow and self.budget < float("inf"):
+            # The tail: when the others can finish what is left in about the time one of
+            # my phases takes, taking one would only make me the last one to finish (or,
+            # with dynamic steps, leave a remainder that someone must run after me).
+            remaining = sum(self.budget - k for k, _, _ in todo)
+            my_phase = self.H if self.d.dynamic_steps else self.H * float(ratio)  # in the others' steps
+            if remaining <= n_others * my_phase:
+                return []
+        order = [p for _, _, p in sorted(todo, key=lambda x: (-x[0], x[1]) if slow else (x[0], x[1]))]
+        # The path a slow worker just held lags (it advanced at my pace, even with dynamic
+        # steps); leave it to a fast worker for a while. Without dynamic steps my phases
+        # last `ratio` of theirs, so the lag is bigger and the wait worth longer.
+        if slow and self.last_path is not None and len(todo) > 1 and others_s_per_step is not None:
+            if self.avoid_until is None:
+                phases = 0.5 if self.d.dynamic_steps else 2.0
+                self.avoid_until = now + phases * self.H * float(others_s_per_step)
+            if now < self.avoid_until:
+                order = [p for p in order if p != self.last_path]
+        return order
+
+    def took(self) -> None:
+        """A lease was taken: a slow worker's wait away from its last path ends."""
+        self.avoid_until = None
+
+    def held(self, path: int) -> None:
+        """A phase of ``path`` ended: the path a slow worker leaves to others next."""
+        self.last_path = path
 
 
 class WorkerScheduling:
@@ -27,8 +119,7 @@ class WorkerScheduling:
     store: Any
     index: int
     sps: Optional[float]
-    last_path: Optional[int]
-    avoid_until: Optional[float]
+    picker: PathPicker
 
     def _publish_speed(self, seconds: float, steps: int) -> None:
         """Publish my seconds per inner step (an EMA over phases and heartbeats)."""
@@ -55,69 +146,29 @@ class WorkerScheduling:
         return self.sps / others, n_others
 
     def phase_steps(self, remaining: int) -> int:
-        """Inner steps of my next phase on a path with ``remaining`` steps to go.
+        """Inner steps of my next phase on a path with ``remaining`` steps to go
+        (:meth:`PathPicker.phase_steps` at my slowness)."""
+        return self.picker.phase_steps(remaining, self._slowness()[0])
 
-        Dynamic local updates (Liu et al. 2024): a worker markedly slower than the
-        others runs ``H ÷ slowness`` steps (at least ``min_phase_steps``), so its phase
-        takes about as long as theirs and the path it holds keeps pace.
-        """
-        H = self.cfg.diloco.inner_steps
-        n = H
-        ratio, _ = self._slowness()
-        if self.dcfg.dynamic_steps and ratio is not None and ratio > self.dcfg.slow_threshold:
-            n = max(min(self.dcfg.min_phase_steps, H), int(round(H / ratio)))
-        return max(1, min(n, remaining))
+    def pull_wait_s(self, steps: int) -> float:
+        """How long my phase of ``steps`` waits for its path's last update (:meth:`PathPicker.pull_wait_s`)."""
+        return self.picker.pull_wait_s(None if self.sps is None else self.sps * steps)
 
     def pick(self) -> tuple[Optional[Lease], bool]:
-        """Lease a free unfinished path: ``(lease, all_finished)``.
-
-        A path's phases are sequential (phase k+1 starts from phase k's inner state), so
-        a path held by a slow worker falls behind unless paths change hands. Normal
-        workers take the least-advanced free path. A worker that is markedly slower
-        than the others (> ``slow_threshold``× their median time per step) takes the MOST
-        advanced free path instead, and after a phase it leaves its last path to others
-        for a short while (half of their phase; two without dynamic steps) unless nothing
-        else frees up: the lagging path goes to a fast worker and the slow one works where
-        there is slack, so every path spends about as long in the slow slot.
-        """
-        H = self.cfg.diloco.inner_steps
-        budget = self.cfg.trainer.rounds * H
-        todo = []
-        for p in range(self.grid.num_paths):
-            k = self._progress(p)
-            if k < budget:
-                todo.append((k, self.rng.random(), p))
-        if not todo:
-            return None, True
+        """Lease a free unfinished path: ``(lease, all_finished)`` (:meth:`PathPicker.candidates`)."""
+        progress = [self._progress(p) for p in range(self.grid.num_paths)]
         ratio, n_others = self._slowness()
-        slow = ratio is not None and ratio > self.dcfg.slow_threshold
         others = None if ratio is None else self.sps / ratio
-        if slow:
-            # The tail: when the others can finish what is left in about the time one of
-            # my phases takes, taking one would only make me the last one to finish (or,
-            # with dynamic steps, leave a remainder that someone must run after me).
-            remaining = sum(budget - k for k, _, _ in todo)
-            my_phase = H if self.dcfg.dynamic_steps else H * ratio  # in the others' steps
-            if remaining <= n_others * my_phase:
-                return None, False
-        order = sorted(todo, key=lambda x: (-x[0], x[1]) if slow else (x[0], x[1]))
-        # The path a slow worker just held lags (it advanced at my pace, even with dynamic
-        # steps); leave it to a fast worker for a while so that paths rotate through the
-        # slow slot, unless nothing else frees up. Without dynamic steps my phases last
-        # `ratio` of theirs, so the lag is bigger and the wait worth longer.
-        if slow and self.last_path is not None and len(todo) > 1:
-            if self.avoid_until is None:
-                phases = 0.5 if self.dcfg.dynamic_steps else 2.0
-                self.avoid_until = time.time() + phases * H * float(others)
-            if time.time() < self.avoid_until:
-                order = [x for x in order if x[2] != self.last_path]
-        for _, _, p in order:
+        order = self.picker.candidates(progress, ratio, n_others, others, time.time(), self.rng.random)
+        if order is None:
+            return None, True
+        for p in order:
             if not Lease.is_free(self.store, f"path_{p}"):
                 continue
             lease = Lease(self.store, f"path_{p}", self.id, self.dcfg.lease_s)
             if lease.acquire():
                 if lease.took_over_from:
                     self.event({"e": "takeover", "path": p, "from": lease.took_over_from, "epoch": lease.epoch})
-                self.avoid_until = None
+                self.picker.took()
                 return lease, False
         return None, False

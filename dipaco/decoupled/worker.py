@@ -47,7 +47,7 @@ from dipaco.data import Tokenizer, TokenStream
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
-from dipaco.decoupled.scheduling import WorkerScheduling
+from dipaco.decoupled.scheduling import PathPicker, WorkerScheduling
 from dipaco.decoupled.service import inbox, module_key, path_steps_done, progress_key
 from dipaco.decoupled.store import Store, encode_state
 from dipaco.rounds.dense import load_dense_state
@@ -143,8 +143,8 @@ class DecoupledWorker(WorkerScheduling):
         for p in range(self.grid.num_paths):
             self._path_learner(p)
         self.sps: Optional[float] = None  # own seconds per inner step (EMA)
-        self.last_path: Optional[int] = None
-        self.avoid_until: Optional[float] = None
+        H = cfg.diloco.inner_steps
+        self.picker = PathPicker(dcfg, H, cfg.trainer.rounds * H)
 
     # ------------------------------------------------------------------ events
     def event(self, obj: dict) -> None:
@@ -205,7 +205,7 @@ class DecoupledWorker(WorkerScheduling):
         self._push(ph, stats)
         self._commit(ph, stats)
         lease.release()
-        self.last_path = ph.path
+        self.picker.held(ph.path)
         self._publish_speed(ph.seconds - ph.stalled, stats.steps)
         return True
 
@@ -241,9 +241,7 @@ class DecoupledWorker(WorkerScheduling):
 
     def _pull_phase(self, ph: _Phase, lease: Lease) -> None:
         """Pull: the latest version of each of the path's modules into the live ones."""
-        max_wait = self.dcfg.pull_wait_s
-        if self.dcfg.pull_wait_fraction is not None and self.sps is not None:
-            max_wait = min(max_wait, self.dcfg.pull_wait_fraction * self.sps * ph.steps)
+        max_wait = self.pull_wait_s(ph.steps)
         ph.pulled = self._pull(ph.path, ph.last_ids if max_wait > 0 else {}, lease, max_wait)
         for m, (version, flat) in ph.pulled.items():
             load_flat(list(self.grid.module(m).parameters()), flat)

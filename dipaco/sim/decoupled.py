@@ -11,8 +11,9 @@ the cap for finished paths, staleness drop, fill-time EMA): the same functions
 failure kills the phase in flight; the worker is back ``detect_s + restart_s`` later and
 its path's lease frees after ``lease_s``.
 
-Path choice and phase length follow :mod:`dipaco.decoupled.scheduling` (the least
-advanced free path; a markedly slow worker takes the most advanced one and, with
+Path choice, phase length and the pull wait are the trainer's own
+:class:`dipaco.decoupled.scheduling.PathPicker`, one per worker as in the trainer (the
+least advanced free path; a markedly slow worker takes the most advanced one and, with
 dynamic steps, ``H / slowness`` steps), with the slowness known after its first phase.
 With more worker groups than workers (10^6 chips) a worker stands for ``k`` groups: a
 failure loses one group's share of its phase and the group's restart time.
@@ -27,6 +28,7 @@ import simpy
 
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled import quorum as rules
+from dipaco.decoupled.scheduling import PathPicker
 from dipaco.sim.faults import Faults
 from dipaco.sim.job import SimJob
 from dipaco.sim.tally import ModeResult, Tally, result
@@ -136,8 +138,7 @@ class _DecoupledSim:
         self.unaccounted = [0] * job.paths  # modules still holding the path's last update
         self.accounted = [self.env.event().succeed() for _ in range(job.paths)]  # no update out yet
         self.slowness: list[Optional[float]] = [None] * job.workers
-        self.last_path: list[Optional[int]] = [None] * job.workers
-        self.avoid_until: list[Optional[float]] = [None] * job.workers
+        self.pickers = [PathPicker(self.d, H, self.budget) for _ in range(job.workers)]
         self.window_end = 0.0  # the training window closes when the last phase ends (or is applied)
         self.in_phase = [False] * job.workers  # a failure kills a phase; a waiting worker only restarts
         self.procs = [self.env.process(self._worker(i)) for i in range(job.workers)]
@@ -158,36 +159,15 @@ class _DecoupledSim:
 
     # ------------------------------------------------------------------ workers
     def _pick(self, i: int) -> Optional[int]:
-        ratio = self.slowness[i]
-        slow = ratio is not None and ratio > self.d.slow_threshold
-        free = [p for p in range(self.job.paths) if p not in self.held and self.progress[p] < self.budget]
+        """The trainer's own choice (:meth:`PathPicker.candidates`) among the paths no worker holds."""
+        others = self.job.step_s * self._others_factor(i)
+        order = self.pickers[i].candidates(self.progress, self.slowness[i], self.job.workers - 1, others,
+                                           self.env.now, lambda: 0.0)  # ties: the lowest path
+        free = [p for p in order or [] if p not in self.held]
         if not free:
             return None
-        if slow and self.budget < math.inf:  # the tail: leave what is left to the faster workers
-            others = sum(1 for j, r in enumerate(self.slowness) if j != i)
-            my_phase = self.job.inner_steps if self.d.dynamic_steps else self.job.inner_steps * float(ratio)
-            if sum(self.budget - x for x in self.progress if x < self.budget) <= others * my_phase:
-                return None
-        todo = [p for p in range(self.job.paths) if self.progress[p] < self.budget]
-        if slow and self.last_path[i] is not None and len(todo) > 1:
-            # the path a slow worker just held lags: leave it to a fast worker for half of
-            # their phase (two without dynamic steps) unless nothing else frees up
-            if self.avoid_until[i] is None:
-                phases = 0.5 if self.d.dynamic_steps else 2.0
-                self.avoid_until[i] = self.env.now + phases * self.job.inner_steps * self.job.step_s
-            if self.env.now < self.avoid_until[i]:
-                free = [p for p in free if p != self.last_path[i]]
-        if not free:
-            return None
-        self.avoid_until[i] = None
-        return max(free, key=lambda p: self.progress[p]) if slow else min(free, key=lambda p: self.progress[p])
-
-    def _phase_steps(self, i: int, path: int) -> int:
-        H, ratio = self.job.inner_steps, self.slowness[i]
-        n = H
-        if self.d.dynamic_steps and ratio is not None and ratio > self.d.slow_threshold:
-            n = max(min(self.d.min_phase_steps, H), int(round(H / ratio)))
-        return int(max(1, min(n, self.budget - self.progress[path])))
+        self.pickers[i].took()
+        return free[0]
 
     def _worker(self, i: int) -> Generator:
         job, c = self.job, self.job.cluster
@@ -199,11 +179,9 @@ class _DecoupledSim:
                 yield self.env.timeout(self.d.poll_s)
                 continue
             self.held.add(path)
-            n = self._phase_steps(i, path)
-            expected = n * job.step_s * (self.slowness[i] or 1.0)
+            n = self.pickers[i].phase_steps(self.budget - self.progress[path], self.slowness[i])
             if not self.accounted[path].triggered:  # pull wait
-                cap = self.d.pull_wait_s if self.d.pull_wait_fraction is None else min(
-                    self.d.pull_wait_s, self.d.pull_wait_fraction * expected)
+                cap = self.pickers[i].pull_wait_s(n * job.step_s * (self.slowness[i] or 1.0))
                 yield self.accounted[path] | self.env.timeout(cap)
             base = {m: self.modules[m].version for m in job.path_modules[path]}
             factor = self.faults.factor(i)
@@ -228,7 +206,7 @@ class _DecoupledSim:
             self.slowness[i] = factor / max(1e-12, self._others_factor(i))
             self.progress[path] += n
             self.held.discard(path)
-            self.last_path[i] = path
+            self.pickers[i].held(path)
             if self.progress[path] >= self.budget:
                 self.done_paths.add(path)
             steps = n * self.k * (1.0 - self._lost_share(dur))
