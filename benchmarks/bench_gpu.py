@@ -11,7 +11,7 @@ Per model size, two sides, each in a fresh process (peak memory is a high-water 
 * **dipaco**: the trainer's loop body in the local backend for a ``[2, 2]`` grid on the
   one device: for each of the 4 paths, ``begin_path`` → ``PathLearner.train_steps(H)``
   (its own AdamW, schedule, clipping, ``TokenStream`` batches copied to the device) →
-  ``end_path``; then ``finish_round`` (per-module DiLoCo outer step) every H steps. The
+  ``end_path``; then ``end_round`` (per-module DiLoCo outer step) every H steps. The
   outer state is where ``diloco.outer_device`` (default ``auto``) puts it;
   ``--compare-outer`` adds the side ``dipaco_cpu_outer`` with ``diloco.outer_device=cpu``.
 
@@ -166,7 +166,7 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
                     stats = learners[p].train_steps(H)
                     sync.end_path(p, stats.tokens)
                     tokens += stats.steps * B * T
-                sync.finish_round()
+                sync.end_round()
             return tokens
 
     run(2 if side == "bare" else H)  # warm-up: allocator, kernels, compilation

@@ -9,7 +9,7 @@ CUDA needs 2 GPUs: FSDP2 over gloo on a GPU is refused by ``dipaco/sync/fsdp.py`
 ranks form one worker group training the one path of a ``[1, 1]`` grid, exactly as
 ``dipaco/rounds/loop.py`` drives it: ``begin_path`` → ``PathLearner.train_steps(H)`` (gradients
 all-reduced by hand under ``replicate``, reduce-scattered by FSDP2 under ``fsdp``) →
-``end_path`` → ``finish_round`` (the outer step; sharded under ``fsdp``). One round warms
+``end_path`` → ``end_round`` (the outer step; sharded under ``fsdp``). One round warms
 up, then R rounds are timed.
 
 Reported per side: the group's tokens/s, each rank's peak memory (the largest of the two;
@@ -102,7 +102,7 @@ def _rank(rank: int, port: int, model_name: str, side: str, mode: str, out: str)
         sync.begin_path(0)
         stats = learner.train_steps(H)
         sync.end_path(0, stats.tokens)
-        sync.finish_round()
+        sync.end_round()
 
     one_round()  # warm-up: allocator, gloo/nccl buffers, FSDP2's lazy init
     dist.barrier()

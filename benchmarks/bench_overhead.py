@@ -15,7 +15,7 @@ tokens, same torch thread count, in one process):
   ``sync_point(H)`` (the outer step of every module) → ``end_round``.
 * direct: the same body calling the per-module syncs directly, as the trainer did before
   every round went through the driver: ``DiLoCoSync.begin_path`` → ``train_steps(H)`` →
-  ``end_path`` → ``finish_round``. ``dipaco ÷ direct`` is what the driver costs.
+  ``end_path`` → ``end_round``. ``dipaco ÷ direct`` is what the driver costs.
 * bare: a plain loop over the same batches held in memory: forward, cross entropy,
   backward, ``torch.optim.AdamW.step``. Nothing else.
 
@@ -95,7 +95,7 @@ def make_sides(model_name: str, steps: int, seed: int = 0,
         sync_d.begin_path(0)
         stats = learner_d.train_steps(steps)
         sync_d.end_path(0, stats.tokens)
-        sync_d.finish_round()
+        sync_d.end_round()
         learner_d.take_intervals()
         return stats.tokens / (time.perf_counter() - t0)
 

@@ -5,7 +5,7 @@
 
 One real run with the torch backend (``launcher=spawn launcher.nproc=4``, gloo on CPU,
 one worker group per path of a [2,2] grid). The trainer times each round's inner steps
-(``compute_s``) and its ``finish_round`` (``sync_s``: encode, the per-module collectives,
+(``compute_s``) and its ``end_round`` (``sync_s``: encode, the per-module collectives,
 the outer step), per round in ``metrics.jsonl`` (max over ranks) and in total in
 ``summary.json``. Share = sync ÷ (compute + sync), reported for the whole run and as the
 median over rounds (the first round also pays the gloo connection set-up).

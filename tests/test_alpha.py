@@ -36,7 +36,7 @@ def _round(alpha: PathAlpha, values: list[float], tokens: int = 100) -> dict[str
             for m in PATHS[p]:
                 mods[m].weight.fill_(values[p])
         sync.end_path(p, alpha(p, tokens))
-    sync.finish_round()
+    sync.end_round()
     return {m: float(mods[m].weight.detach().mean()) for m in IDS}
 
 

@@ -86,7 +86,7 @@ def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replica
         for p in paths:
             sync.begin_path(p)
             sync.end_path(p, learners[p].train_steps(H).tokens)
-        sync.last_stats = sync.finish_round()
+        sync.last_stats = sync.end_round()
     sync.learners = learners
     if fsdp:
         # trainer.compile left to "auto" is on for CUDA; sharded paths must stay eager anyway
@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
             dist.all_reduce = counting
             try:
-                stats = sync.finish_round()
+                stats = sync.end_round()
             finally:
                 dist.all_reduce = real
             results["sizes"] = sizes

@@ -66,9 +66,9 @@ def _round_by_driver(driver: RoundDriver, mods: dict[str, nn.Module], targets: d
     driver.end_round()
 
 
-def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_finish_round(monkeypatch) -> None:
+def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_the_syncs_driven_by_hand(monkeypatch) -> None:
     """Every landing replaces: no path's copy is set aside (no flatten, no memory), and the
-    global and live weights are those of begin_path / end_path / finish_round bit for bit."""
+    global and live weights are those of begin_path / end_path / end_round bit for bit."""
     ref, ref_mods = _sync(0.5)
     for p, to in ((0, 2.0), (1, -1.0)):
         ref.begin_path(p)
@@ -76,7 +76,7 @@ def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_finish_round
             for m in PATHS[p]:
                 ref_mods[m].weight.add_(to)
         ref.end_path(p, 1.0)
-    ref.finish_round()
+    ref.end_round()
 
     def no_copy(*a, **k):
         raise AssertionError("a synchronous round set a path's copy aside")

@@ -52,7 +52,7 @@ def test_pseudo_gradient_sign() -> None:
     sync.begin_path(0)
     set_path(mods, PATHS[0], 3.0)  # moved by +2
     sync.end_path(0, tokens=10)
-    stats = sync.finish_round()
+    stats = sync.end_round()
     assert w(mods, "L0.0") == pytest.approx(2.0)
     assert stats.modules["L0.0"].pseudo_grad_norm == pytest.approx(2.0 * math.sqrt(3))
 
@@ -67,7 +67,7 @@ def test_alpha_weighting_and_plain_average() -> None:
         assert w(mods, "embed") == 0.0  # every path starts the round from θ_global
         set_path(mods, PATHS[p], vals[p])
         sync.end_path(p, toks[p])
-    stats = sync.finish_round()
+    stats = sync.end_round()
     # embed: shared by all 4 paths → token-weighted mean of their weights (exact)
     want = sum(v * t for v, t in zip(vals, toks)) / sum(toks)
     assert w(mods, "embed") == pytest.approx(want, abs=1e-7)
@@ -88,7 +88,7 @@ def test_module_not_in_path_untouched() -> None:
         for m in IDS:
             mods[m].weight.fill_(7.0)
     sync.end_path(0, 5)
-    stats = sync.finish_round()
+    stats = sync.end_round()
     for m in ["L0.1", "L1.1"]:  # ... it is neither contributed nor kept
         assert w(mods, m) == 1.0 and not stats.modules[m].stepped
         assert stats.modules[m].contributions == 0
@@ -107,7 +107,7 @@ def test_nesterov_matches_hand_computed_reference() -> None:
             sync.begin_path(p)
             set_path(mods, PATHS[p], target)
             sync.end_path(p, 1)
-        sync.finish_round()
+        sync.end_round()
         g = theta - target  # Δ = θ_global − θ_path
         buf = g if buf is None else mu * buf + g
         theta = theta - lr * (g + mu * buf)
@@ -122,7 +122,7 @@ def test_sharing_rescale() -> None:
         sync.begin_path(p)
         set_path(mods, PATHS[p], 1.0)
         sync.end_path(p, 1)
-    sync.finish_round()
+    sync.end_round()
     assert w(mods, "embed") == pytest.approx(2.0)  # avg Δ = -1, × √4
     assert w(mods, "L0.0") == pytest.approx(math.sqrt(2))
 
@@ -141,7 +141,7 @@ def test_non_finite_dropped_counted_others_step(caplog: pytest.LogCaptureFixture
         if p == 1:
             assert accepted["L0.0"] is False and accepted["embed"] is True
     assert "path 1" in caplog.text and "L0.0" in caplog.text
-    stats = sync.finish_round()
+    stats = sync.end_round()
     assert stats.modules["L0.0"].dropped == 1 and stats.dropped == 1
     assert stats.modules["L0.0"].contributions == 1
     assert torch.isfinite(mods["L0.0"].weight).all() and w(mods, "L0.0") == pytest.approx(1.0)
@@ -152,7 +152,7 @@ def test_nobody_contributed_leaves_theta() -> None:
     topo = Topology(IDS, PATHS, world_size=1)
     mods = const_modules(0.5)
     sync = DiLoCoSync(topo, mods)
-    stats = sync.finish_round()
+    stats = sync.end_round()
     assert all(not s.stepped for s in stats.modules.values())
     assert w(mods, "head") == 0.5
 
@@ -231,7 +231,7 @@ def test_error_feedback_drives_accumulated_error_to_zero(lossy_exchange: str) ->
                 with torch.no_grad():
                     lin.weight.add_(target[p])
                 sync.end_path(p, 1)
-            sync.finish_round()
+            sync.end_round()
         exact = rounds * target.mean(0)
         return float((lin.weight.detach()[0] - exact).norm() / exact.norm())
 
@@ -346,7 +346,7 @@ def test_two_phase_sync_close_to_all_gather_and_exact() -> None:
                 for m in PATHS[p]:
                     mods[m].weight.add_(moves[p][m])
             sync.end_path(p, p + 1)
-        sync.finish_round()
+        sync.end_round()
         return {m: mods[m].weight.detach().clone() for m in IDS}
 
     exact, ag, rs = run("none", "reduce_scatter"), run("int8", "all_gather"), run("int8", "reduce_scatter")
@@ -373,7 +373,7 @@ def test_plan_matches_measured_bytes(group_size: int, codec: str, kw: dict) -> N
             for m in PATHS[p]:
                 mods[m].weight.add_(0.1)
         sync.end_path(p, 1)
-    stats = sync.finish_round()
+    stats = sync.end_round()
     plan = sync.plan(inner_steps=5)
     for row in plan.modules:
         assert stats.modules[row.module_id].bytes_sent == row.bytes_total, row.module_id
@@ -390,7 +390,7 @@ def test_state_dict_resume_equals_uninterrupted() -> None:
                 for m in PATHS[p]:
                     mods[m].weight.add_(0.01 * (p + 1) * (r + 1))
             sync.end_path(p, p + 1)
-        sync.finish_round()
+        sync.end_round()
 
     def fresh() -> tuple[DiLoCoSync, dict]:
         torch.manual_seed(1)
@@ -449,7 +449,7 @@ def test_with_the_real_module_grid() -> None:
     for p in sync.paths_to_train():
         sync.begin_path(p)
         sync.end_path(p, 10)
-    stats = sync.finish_round()
+    stats = sync.end_round()
     assert stats.modules["embed"].contributions == 4
     plan = plan_round(topo, {m: grid.param_count(m) for m in topo.module_ids}, make_codec("none"), inner_steps=50)
     assert plan.bytes_per_round == stats.bytes_sent
@@ -477,7 +477,7 @@ def _rounds_on(device: str, outer_device: str, codec: str = "none") -> tuple[DiL
             sync.begin_path(p)
             set_path(mods, PATHS[p], target + 0.25 * p)
             sync.end_path(p, tokens=1 + p + r)
-        sync.finish_round()
+        sync.end_round()
     return sync, mods
 
 

@@ -73,7 +73,7 @@ def _run_sync(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: boo
                 with torch.no_grad():
                     mods[m].weight.copy_(moved.view_as(mods[m].weight))
             sync.end_path(p, _alpha(r, p))
-        sync.finish_round()
+        sync.end_round()
     return {m: s.global_weights.detach().clone() for m, s in sync.syncs.items()}
 
 
@@ -272,7 +272,7 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
             sync.end_path(p, tokens[p])
 
     paths_move([0.01, 0.02, 0.03], [100.0, 200.0, 300.0])
-    sync.finish_round()
+    sync.end_round()
     save_state(tmp_path / "s.safetensors", sync.syncs["s"].state_dict())
     saved = load_state(tmp_path / "s.safetensors")
     assert {"global", "outer.momentum_buffer", "residual.0"} <= set(saved)
@@ -288,7 +288,7 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
     paths_move([-0.02] * 3, [1.0] * 3)
     sync.syncs["s"].error_feedback = False  # compare the optimiser, not the codec
     sync.syncs["s"]._wire_codec = make_codec("none")
-    sync.finish_round()
+    sync.end_round()
     torch.testing.assert_close(dec.theta, sync.syncs["s"].global_weights.detach(), rtol=0, atol=1e-7)
 
     save_state(tmp_path / "back.safetensors", {k: v for k, v in dec.state_dict().items() if isinstance(v, torch.Tensor)})
@@ -316,7 +316,7 @@ def test_residuals_survive_a_round_without_contributions(nan_paths: tuple[int, .
                 if p in nan:
                     lin.weight[0, 0] = float("nan")
             sync.end_path(p, 10.0)
-        sync.finish_round()
+        sync.end_round()
 
     round_(())
     ms = sync.syncs["a"]

@@ -99,7 +99,7 @@ def train(
                 allreduce_gradients(params, sync.worker_group, G)  # no-op locally / G=1
                 inner[p].step()
             sync.end_path(p, tokens=BATCH * H * (p + 1))  # unequal α on purpose
-        stats.append(sync.finish_round())
+        stats.append(sync.end_round())
         snaps.append({m: s.global_weights.detach().clone() for m, s in sync.syncs.items()})
     sync.close()
     return snaps, stats, sync

@@ -11,7 +11,7 @@ the rounds loop drives it through :class:`dipaco.sync.round_driver.RoundDriver`)
             sync.begin_path(p)                   # live modules of p ← θ_global
             ...H inner AdamW steps of path p...
             sync.end_path(p, alpha)              # contribute α·Δ, α = tokens of p this round (sync/alpha.py)
-        stats = sync.finish_round()              # the sync point of step H: collectives in torch
+        stats = sync.end_round()                 # the sync point of step H: collectives in torch
 
 A sync point of module m is two calls, :meth:`DiLoCoSync.launch` (encode, start the
 exchange) and :meth:`DiLoCoSync.land` (wait, average, outer step, put the new global
@@ -124,7 +124,7 @@ class DiLoCoSync:
             raise ValueError(f"{where} must hold modules {missing} but they were not passed to DiLoCoSync")
         self.modules = {m: modules[m] for m in held}
         check_disjoint_parameters(self.modules)
-        # the synchronous round of finish_round(); its length does not matter there: H = 1
+        # the synchronous round of end_round(); its length does not matter there: H = 1
         self.schedule = RoundSchedule.synchronous(held, 1)
         kind = ShardedCollectiveModuleSync if self.sharded else CollectiveModuleSync
         extra = {} if self.sharded else {"state_device": self._state_device(outer_device, modules, held)}
@@ -199,23 +199,30 @@ class DiLoCoSync:
         self._active = path_id
 
     def end_path(self, path_id: int, tokens: float) -> dict[str, bool]:
-        """Contribute path ``path_id``'s pseudo-gradients with α = ``tokens``.
-
-        Returns ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted). The
-        finiteness of every module's Δ is read from the device once for the whole turn.
-        """
+        """Contribute path ``path_id``'s pseudo-gradients with α = ``tokens``
+        (:meth:`contribute` of all its modules); ``{module_id: accepted}``."""
         self._check_path(path_id)
         if self._active != path_id:
             raise ValueError(f"end_path({path_id}) without begin_path({path_id}) (active: {self._active})")
-        contributor = self.topology.group_of_path(path_id)
-        mods = list(self.topology.path_modules[path_id])
-        deltas = [self.syncs[m].pseudo_gradient() for m in mods]
-        finite = torch.stack([torch.isfinite(d).all() for d in deltas]).tolist() if deltas else []
-        out = {m: self.syncs[m].contribute(path_id, tokens, contributor, d, ok)
-               for m, d, ok in zip(mods, deltas, finite)}
+        out = self.contribute(path_id, self.topology.path_modules[path_id], lambda m: tokens)
         self._active = None
         self._ended.add(path_id)
         return out
+
+    @torch.no_grad()
+    def contribute(self, path_id: int, modules: Iterable[str], alpha: Callable[[str], float]) -> dict[str, bool]:
+        """Add α·Δ of path ``path_id``'s live ``modules`` to their rounds (α = ``alpha(m)``):
+        ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted). The
+        finiteness of every Δ is read from the device once for the whole call. The one
+        contribution of both entries: :meth:`end_path` and the round driver's."""
+        mods = list(modules)
+        if not mods:
+            return {}
+        contributor = self.topology.group_of_path(path_id)
+        deltas = [self.syncs[m].pseudo_gradient() for m in mods]
+        finite = torch.stack([torch.isfinite(d).all() for d in deltas]).tolist()
+        return {m: self.syncs[m].contribute(path_id, alpha(m), contributor, d, ok)
+                for m, d, ok in zip(mods, deltas, finite)}
 
     # ----------------------------------------------------------------- sync points
     def _ordered(self, modules: Iterable[str]) -> list[str]:
@@ -269,16 +276,17 @@ class DiLoCoSync:
                 done[m] = land(m)
         return done
 
-    def finish_round(self) -> RoundStats:
-        """The synchronous round's sync point for the turns of :meth:`begin_path` /
-        :meth:`end_path` (tests, benchmarks; the rounds loop drives
-        :class:`dipaco.sync.round_driver.RoundDriver`), and the round's end.
+    def end_round(self) -> RoundStats:
+        """The synchronous round's sync point (:meth:`sync_point` at H) for the turns of
+        :meth:`begin_path` / :meth:`end_path` (tests, benchmarks; the rounds loop drives
+        :class:`dipaco.sync.round_driver.RoundDriver`, whose ``end_round`` ends a round
+        of any schedule), and the round's end.
 
         Torch backend: a collective. Every rank calls it once per round; modules are
         visited in the global module order on every rank (see :mod:`dipaco.sync.torch_comm`).
         """
         if self._active is not None:
-            raise ValueError(f"finish_round() while path {self._active} has begun but not ended")
+            raise ValueError(f"end_round() while path {self._active} has begun but not ended")
         stats = RoundStats(round=self.round)
         stats.modules = self.sync_point(self.schedule.inner_steps, self.schedule)
         self.round += 1

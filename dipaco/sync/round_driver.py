@@ -142,19 +142,14 @@ class RoundDriver:
         for m in mods:
             self.since[(p, m)] += int(tokens)
         now = self.current.launching(step, mods)
-        if not now:
-            return {}
-        deltas = [self.sync.syncs[m].pseudo_gradient() for m in now]
-        finite = torch.stack([torch.isfinite(d).all() for d in deltas]).tolist()  # one device read
-        out = {}
-        group = self.sync.topology.group_of_path(p)
-        for m, d, ok in zip(now, deltas, finite):
-            a = alpha(p, self.since[(p, m)])
+        alphas = {m: alpha(p, self.since[(p, m)]) for m in now}
+        for m in now:
             self.since[(p, m)] = 0
-            out[m] = self.sync.syncs[m].contribute(p, a, group, d, ok)
+        out = self.sync.contribute(p, now, alphas.__getitem__)
+        for m, ok in out.items():
             if self.current.points[m].replaces:
                 self.resident[m] = None  # the landing replaces p's copy: nobody needs it now
-            elif not out[m]:  # a non-finite copy would poison every later step: start over from θ_global
+            elif not ok:  # a non-finite copy would poison every later step: start over from θ_global
                 self.sync.syncs[m].restore()
         return out
 
