@@ -171,9 +171,12 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple
                     # failed rank it finds at its next look, and would find this one too
                     time.sleep(PEER_LOSS_GRACE_S)
                 raise
-            if cfg.launcher.elastic and StopSignals.received and not getattr(out, "finished", True):
-                # stopped at a round boundary for a restart (or a stop) of the agents: an exit
-                # code 0 would tell an agent that has not seen the change the run is over
+            if cfg.launcher.name == "spawn" and StopSignals.received and not getattr(out, "finished", True):
+                # Stopped at a round boundary, its checkpoint written: exit, never return a value.
+                # Elastic: an exit code 0 would tell an agent that has not seen a restart (or a
+                # stop) the run is over. Both: torch's worker waits until its agent reads the
+                # value, and an agent shutting down on a signal never does, so every rank stood
+                # 30 s until SIGKILL after its checkpoint. The launcher reads the checkpoint.
                 sys.exit(RESTART_EXIT)
             return out
     finally:
@@ -214,6 +217,8 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):  # each has its own level
         logging.getLogger(name).setLevel(logging.ERROR)
+    # ... and its traceback for a rank that stopped on a signal (RESTART_EXIT) is no failure
+    _quiet_stopped_ranks(logging.getLogger("torch.distributed.elastic.multiprocessing.api"))
     port = free_port()
     extra = {"log_line_prefix_template": "[rank${rank}] "} if _supports_prefix() else {}
     lc = LaunchConfig(
@@ -232,6 +237,10 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
     try:
         results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args, process_start.handover())
     except ChildFailedError as e:
+        if e.failures and all(f.exitcode == RESTART_EXIT for f in e.failures.values()):
+            # every rank stopped at a round boundary on a signal sent to the ranks, not to this process
+            StopSignals.received = StopSignals.received or "a signal to its ranks"
+            return _stopped_result(cfg, run)
         failures = "; ".join(
             f"rank {r} exited with {f.exitcode} ({f.message or 'no message'})"
             for r, f in sorted(e.failures.items())
@@ -254,6 +263,19 @@ def _launch_elastic(fn: Callable[..., Any], cfg: Config, cfg_dict: dict, run: Ru
         return _stopped_result(cfg, run)
     why = "; ".join(outcome.failures) or "every agent ended without a result (" + "; ".join(outcome.ended) + ")"
     raise LaunchError("a rank failed: " + why)
+
+
+def _stopped_rank_record(record: logging.LogRecord) -> bool:
+    """False for torch's "failed (exitcode: N) ..." record of a rank that exited RESTART_EXIT
+    (its first argument is the exit code)."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (args and args[0] == RESTART_EXIT)
+
+
+def _quiet_stopped_ranks(logger: logging.Logger) -> None:
+    """Drop torch's failure record of a rank that stopped on a signal (once per logger)."""
+    if _stopped_rank_record not in logger.filters:
+        logger.addFilter(_stopped_rank_record)
 
 
 def _stopped_result(cfg: Config, run: RunDir) -> RoundsResult:
