@@ -73,3 +73,27 @@ def test_serving_benchmark_tiny_runs_every_side(finished, tmp_path: Path) -> Non
     assert set(out["sides"]) >= {"per_process", "engine_process", "engine_loop", "hf"}
     assert all(s["tokens_s"] > 0 for s in out["sides"].values())
     assert out["sides"]["hf"]["same_tokens_as_engine"] >= 0.5  # left padding may flip a near-tie
+
+
+def test_round_trace_notes_the_projects_calls_only_while_on() -> None:
+    """benchmarks/round_trace.py's hook: a call into the project is noted under its file,
+    a call elsewhere (the standard library) is not, and nothing is noted while off."""
+    import json
+
+    from benchmarks.round_trace import RoundTrace
+    from dipaco.config import TrainerConfig
+    from dipaco.config.schedule import lr_at
+
+    from dipaco.storage.hashing import sha256_hex
+
+    trace = RoundTrace()
+    sys.setprofile(trace.profile)
+    try:
+        sha256_hex("off")  # off: not noted
+        trace.on = True
+        lr_at(1, 10, TrainerConfig())
+        json.dumps({"a": 1})
+    finally:
+        sys.setprofile(None)
+    assert list(trace.files) == ["dipaco/config/schedule.py"]
+    assert "lr_at" in trace.files["dipaco/config/schedule.py"]
