@@ -104,7 +104,10 @@ def test_the_readme_is_written_for_users() -> None:
     text = (REPO / "README.md").read_text(encoding="utf-8")
     setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv && ")]
     assert len(setups) == 2, setups
-    assert setups[0].endswith("&& dipaco-train") and setups[1].endswith("&& pytest -q"), setups
+    # the suite: in-process tests on both cores, then the multiprocess ones alone (the two
+    # marker expressions together select every test)
+    assert setups[0].endswith("&& dipaco-train"), setups
+    assert setups[1].endswith('&& pytest -q -n 2 --dist loadfile -m "not multiprocess" && pytest -q -m multiprocess'), setups
     assert not re.findall(r"\bissues? #?\d+", text, re.IGNORECASE), "issue numbers in the README"
     for doc in sorted((REPO / "docs").glob("*.md")) + [REPO / "benchmarks" / "README.md"]:  # nor in the docs
         cited = re.findall(r"\bissues? #?\d+", doc.read_text(encoding="utf-8"), re.IGNORECASE)
