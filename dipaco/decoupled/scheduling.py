@@ -70,7 +70,9 @@ class PathPicker:
                    tiebreak: Callable[[], float]) -> Optional[list[int]]:
         """The paths to try to lease, best first; None: every path has its budget.
 
-        Normal workers take the least-advanced unfinished path. A worker markedly slower
+        A path's phases are sequential (phase k+1 starts from phase k's inner state), so a
+        path held by a slow worker falls behind unless paths change hands. Normal workers
+        take the least-advanced unfinished path. A worker markedly slower
         than the others takes the MOST advanced one instead, and after a phase it leaves
         its last path to others for a while (half of their phase; two without dynamic
         steps) unless nothing else is unfinished: the lagging path goes to a fast worker
