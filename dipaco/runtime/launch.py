@@ -57,6 +57,9 @@ def require_torchrun_env() -> None:
 # task N seconds before the time limit: under launcher=slurm the job then requeues itself
 # (dipaco/runtime/preempt.py)
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR2") if hasattr(signal, name))
+# a rank of launcher=spawn (not elastic) stopped by a signal exits with this plus the
+# signal's number, so the launching process can name the signal (elastic: RESTART_EXIT)
+STOPPED_EXIT_BASE = 80
 
 
 class StopSignals:
@@ -177,7 +180,9 @@ def _rank_entry(fn: Callable[..., Any], cfg_dict: dict, run: RunDir, args: tuple
                 # stop) the run is over. Both: torch's worker waits until its agent reads the
                 # value, and an agent shutting down on a signal never does, so every rank stood
                 # 30 s until SIGKILL after its checkpoint. The launcher reads the checkpoint.
-                sys.exit(RESTART_EXIT)
+                # Every rank learnt the same signal (stop_requested), so all exit alike.
+                sys.exit(RESTART_EXIT if cfg.launcher.elastic
+                         else STOPPED_EXIT_BASE + signal.Signals[StopSignals.received].value)
             return out
     finally:
         if dist.is_initialized():
@@ -217,8 +222,8 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
                  "torch.distributed.elastic.multiprocessing.api"):  # each has its own level
         logging.getLogger(name).setLevel(logging.ERROR)
-    # ... and its traceback for a rank that stopped on a signal (RESTART_EXIT) is no failure
-    _quiet_stopped_ranks(logging.getLogger("torch.distributed.elastic.multiprocessing.api"))
+    # ... and its traceback for a rank that stopped on a signal is no failure (addFilter adds it once)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_a_stopped_rank)
     port = free_port()
     extra = {"log_line_prefix_template": "[rank${rank}] "} if _supports_prefix() else {}
     lc = LaunchConfig(
@@ -237,9 +242,10 @@ def launch(fn: Callable[..., Any], cfg: Config, run: RunDir, *args: Any) -> Any:
     try:
         results = elastic_launch(lc, entrypoint=_rank_entry)(fn, cfg_dict, run, args, process_start.handover())
     except ChildFailedError as e:
-        if e.failures and all(f.exitcode == RESTART_EXIT for f in e.failures.values()):
+        names = {_stop_signal_of(f.exitcode) for f in e.failures.values()}
+        if len(names) == 1 and None not in names:
             # every rank stopped at a round boundary on a signal sent to the ranks, not to this process
-            StopSignals.received = StopSignals.received or "a signal to its ranks"
+            StopSignals.received = StopSignals.received or names.pop()
             return _stopped_result(cfg, run)
         failures = "; ".join(
             f"rank {r} exited with {f.exitcode} ({f.message or 'no message'})"
@@ -265,17 +271,19 @@ def _launch_elastic(fn: Callable[..., Any], cfg: Config, cfg_dict: dict, run: Ru
     raise LaunchError("a rank failed: " + why)
 
 
-def _stopped_rank_record(record: logging.LogRecord) -> bool:
-    """False for torch's "failed (exitcode: N) ..." record of a rank that exited RESTART_EXIT
-    (its first argument is the exit code)."""
+def _stop_signal_of(exitcode: Optional[int]) -> Optional[str]:
+    """The stop signal a spawned rank's exit code names (``STOPPED_EXIT_BASE`` + its number), else None."""
+    if exitcode is None:
+        return None
+    n = exitcode - STOPPED_EXIT_BASE
+    return signal.Signals(n).name if n in STOP_SIGNALS else None
+
+
+def _not_a_stopped_rank(record: logging.LogRecord) -> bool:
+    """False for torch's "failed (exitcode: N) ..." record (its first argument is the exit
+    code) of a rank that stopped on a signal."""
     args = record.args if isinstance(record.args, tuple) else ()
-    return not (args and args[0] == RESTART_EXIT)
-
-
-def _quiet_stopped_ranks(logger: logging.Logger) -> None:
-    """Drop torch's failure record of a rank that stopped on a signal (once per logger)."""
-    if _stopped_rank_record not in logger.filters:
-        logger.addFilter(_stopped_rank_record)
+    return not (args and isinstance(args[0], int) and _stop_signal_of(args[0]) is not None)
 
 
 def _stopped_result(cfg: Config, run: RunDir) -> RoundsResult:

@@ -204,25 +204,24 @@ class DiLoCoSync:
         self._check_path(path_id)
         if self._active != path_id:
             raise ValueError(f"end_path({path_id}) without begin_path({path_id}) (active: {self._active})")
-        out = self.contribute(path_id, self.topology.path_modules[path_id], lambda m: tokens)
+        out = self.contribute(path_id, {m: tokens for m in self.topology.path_modules[path_id]})
         self._active = None
         self._ended.add(path_id)
         return out
 
     @torch.no_grad()
-    def contribute(self, path_id: int, modules: Iterable[str], alpha: Callable[[str], float]) -> dict[str, bool]:
-        """Add α·Δ of path ``path_id``'s live ``modules`` to their rounds (α = ``alpha(m)``):
-        ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted). The
-        finiteness of every Δ is read from the device once for the whole call. The one
+    def contribute(self, path_id: int, alphas: dict[str, float]) -> dict[str, bool]:
+        """Add α·Δ of each of path ``path_id``'s live modules in ``alphas`` (``{module: α}``)
+        to its round: ``{module_id: accepted}`` (False: non-finite Δ, dropped and counted).
+        The finiteness of every Δ is read from the device once for the whole call. The one
         contribution of both entries: :meth:`end_path` and the round driver's."""
-        mods = list(modules)
-        if not mods:
+        if not alphas:
             return {}
         contributor = self.topology.group_of_path(path_id)
-        deltas = [self.syncs[m].pseudo_gradient() for m in mods]
-        finite = torch.stack([torch.isfinite(d).all() for d in deltas]).tolist()
-        return {m: self.syncs[m].contribute(path_id, alpha(m), contributor, d, ok)
-                for m, d, ok in zip(mods, deltas, finite)}
+        deltas = {m: self.syncs[m].pseudo_gradient() for m in alphas}
+        finite = torch.stack([torch.isfinite(d).all() for d in deltas.values()]).tolist()
+        return {m: self.syncs[m].contribute(path_id, a, contributor, deltas[m], ok)
+                for (m, a), ok in zip(alphas.items(), finite)}
 
     # ----------------------------------------------------------------- sync points
     def _ordered(self, modules: Iterable[str]) -> list[str]:

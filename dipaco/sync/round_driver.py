@@ -142,10 +142,11 @@ class RoundDriver:
         for m in mods:
             self.since[(p, m)] += int(tokens)
         now = self.current.launching(step, mods)
-        alphas = {m: alpha(p, self.since[(p, m)]) for m in now}
+        alphas = {}
         for m in now:
+            alphas[m] = alpha(p, self.since[(p, m)])
             self.since[(p, m)] = 0
-        out = self.sync.contribute(p, now, alphas.__getitem__)
+        out = self.sync.contribute(p, alphas)
         for m, ok in out.items():
             if self.current.points[m].replaces:
                 self.resident[m] = None  # the landing replaces p's copy: nobody needs it now
