@@ -225,6 +225,22 @@ class TokenTfidfFeaturizer:
         self.components = components
         return self
 
+    def _project(self, x: sp.csr_matrix) -> np.ndarray:
+        """``x @ components.T``, reading only the columns ``x`` uses.
+
+        ``components.T`` is a Fortran-ordered ``[V, dim]`` view, and scipy's sparse-times-dense
+        product copies a dense operand that is not C-ordered whole on every call: 19 of the
+        22 ms a one-prompt route took on the README's default run, where the prompt uses at
+        most a few dozen of the vocabulary's columns. The columns used, copied C-ordered, give
+        the same products summed in the same order (the same bits).
+        """
+        assert self.components is not None
+        cols, inverse = np.unique(x.indices, return_inverse=True)
+        used = np.ascontiguousarray(self.components[:, cols].T)
+        narrow = sp.csr_matrix((x.data, inverse.astype(x.indices.dtype, copy=False), x.indptr),
+                               shape=(x.shape[0], cols.size))
+        return np.asarray(narrow @ used, dtype=np.float32)
+
     def transform(self, docs: TokenDocs) -> np.ndarray:
         """Features of ``docs``: float32 ``[N, dim]``, rows L2-normalised (empty → zeros)."""
         if not self.is_fitted:
@@ -234,8 +250,7 @@ class TokenTfidfFeaturizer:
         bar = progress_bar(n, self.progress, "featurize")
         for start in range(0, n, self.batch_size):
             batch = docs[start : start + self.batch_size]
-            x = self._tfidf(batch)
-            out[start : start + len(batch)] = np.asarray(x @ self.components.T, dtype=np.float32)
+            out[start : start + len(batch)] = self._project(self._tfidf(batch))
             if bar is not None:
                 bar.update(len(batch))
         if bar is not None:

@@ -70,6 +70,31 @@ def test_tfidf_featurizer_shapes_state_and_round_trip():
         TokenTfidfFeaturizer().transform(docs)
 
 
+def test_tfidf_projection_reads_only_the_used_columns_and_keeps_the_bits():
+    """The projection of a batch equals scipy's product with the whole matrix, bit for bit,
+    whatever the batch (one document, many, empty ones), and reads only the columns used."""
+    docs, _ = topic_corpus(6, docs_per_topic=30, seed=1)
+    f = TokenTfidfFeaturizer(dim=12, seed=0).fit(docs)
+    batch = [docs[0][:1], docs[3], [], [10**9], docs[7][:5], *docs[40:90]]
+    x = f._tfidf(batch)
+    whole = np.asarray(x @ f.components.T, dtype=np.float32)
+    np.testing.assert_array_equal(f._project(x).view(np.int32), whole.view(np.int32))
+    np.testing.assert_array_equal(f._project(f._tfidf([docs[3]])).view(np.int32), whole[1:2].view(np.int32))
+    seen = []
+    real = f.components
+
+    class Spy(np.ndarray):
+        def __getitem__(self, key):
+            seen.append(key)
+            return np.asarray(real).__getitem__(key)
+
+    f.components = real.view(Spy)
+    f._project(f._tfidf([docs[3]]))
+    f.components = real
+    used = sorted(set(f._tfidf([docs[3]]).indices.tolist()))
+    assert sorted(np.asarray(seen[0][1]).tolist()) == used and len(used) < real.shape[1]  # its terms only
+
+
 def test_kmeans_same_centroids_whatever_the_thread_count_and_storage(tmp_path):
     """Each batch is searched single-threaded, so the result cannot depend on threads; a
     memory-mapped input is read in batches and gives the same centroids as an array."""
