@@ -5,9 +5,11 @@
 
 Every side decodes the same prompts with the same settings:
 
-* **server**: ``dipaco-serve RUN`` in a subprocess, driven by ``--clients`` concurrent
-  httpx async clients over loopback, each sending its next prompt as soon as its last
-  answer arrived (closed loop). Per-request latency is measured at the client.
+* **server**: ``dipaco-serve RUN`` in a subprocess (its engine in a process of its own;
+  ``--server-args`` adds flags, e.g. ``--engine-in-process``), driven by ``--clients``
+  concurrent httpx async clients over loopback, each sending its next prompt as soon as
+  its last answer arrived (closed loop). Per-request latency is measured at the client;
+  the server's CPU seconds are its process's and its engine process's.
 * **engine, same concurrency**: ``RoutedEngine(run)`` in this process, stepped by a loop
   that keeps ``--clients`` requests in flight the same way: what the server adds (HTTP,
   JSON, the engine thread, per-token hand-over) is the difference. Target: the server's
@@ -112,10 +114,10 @@ def run_engine_closed_loop(run: Any, prompts: list[list[int]], max_tokens: int, 
 class Server:
     """``dipaco-serve RUN --port 0`` in a subprocess; its URL once it listens."""
 
-    def __init__(self, run_dir: Path, batch: int, loaded: int, max_tokens: int) -> None:
+    def __init__(self, run_dir: Path, batch: int, loaded: int, max_tokens: int, extra: Sequence[str] = ()) -> None:
         cmd = [sys.executable, "-c", "from dipaco.cli.serve import main; main()", str(run_dir), "--port", "0",
                "--max-batch-size", str(batch), "--max-loaded-paths", str(loaded),
-               "--max-tokens-cap", str(max_tokens), "--fast-verify"]
+               "--max-tokens-cap", str(max_tokens), "--fast-verify", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.lines: list[str] = []
@@ -139,12 +141,12 @@ class Server:
         return self.url
 
     def cpu_s(self) -> float:
-        """CPU seconds the server process has used so far, all its threads (Linux' /proc)."""
+        """CPU seconds the server has used so far: its process and its engine process, all
+        their threads (Linux' /proc)."""
         try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return sum(_cpu_s(pid) for pid in _process_tree(self.proc.pid))
         except OSError:
             return float("nan")
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -152,6 +154,22 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (Linux' /proc/PID/task/TID/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            todo += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 async def drive(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int,
@@ -207,6 +225,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap.add_argument("--max-loaded-paths", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="measurements of each side, interleaved (median)")
     ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/serve.json)")
+    ap.add_argument("--server-args", default="", help="more dipaco-serve flags, one string (e.g. "
+                    "'--engine-in-process' or '--engine-threads 2')")
     args = ap.parse_args(argv)
     if args.tiny:
         args.prompts, args.clients, args.max_tokens, args.repeats = 8, 4, 8, 1
@@ -226,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         prompts = prompts_of(run, args.prompts)
     model = run_dir.resolve().name
     shape = (args.max_tokens, args.max_batch_size, args.max_loaded_paths)
-    server = Server(run_dir, args.max_batch_size, args.max_loaded_paths, args.max_tokens)
+    server = Server(run_dir, args.max_batch_size, args.max_loaded_paths, args.max_tokens, args.server_args.split())
     try:
         url = server.wait()
         warm = prompts[: max(1, args.clients)]

@@ -72,19 +72,27 @@ def test_binding_beyond_loopback_warns_that_there_is_no_authentication(monkeypat
     assert "authentication" not in err  # the default bind is loopback: no warning
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", [[], ["--engine-in-process"]])
+def test_a_checkpoint_that_cannot_be_opened_is_one_line_wherever_the_engine_runs(finished, where, monkeypatch,
+                                                                                   capsys) -> None:
+    code, err = run_cli(main, [finished[0], "--port", "0", "--checkpoint", "round_999999", *where], capsys,
+                        monkeypatch)
+    assert code == 2
+    one_line(err, "round_999999")
+
+
 # --------------------------------------------------------------------------- the real engine
 
 
-@pytest.fixture(scope="module")
-def served(finished, tmp_path_factory):
-    """``dipaco-serve RUN --port 0`` in a subprocess: (base url, run dir); stopped at the end."""
-    pytest.importorskip("dipaco.inference.engine", reason="the engine (dipaco.inference.engine) is not merged yet")
-    run_dir, _ = finished
+def _serve(run_dir: Path, cwd: Path, *flags: str):
+    """``dipaco-serve RUN --port 0 FLAGS`` in a subprocess: yields its base url; stopped at the end
+    (no traceback in its log)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", "from dipaco.cli.serve import main; main()", str(run_dir),
-                             "--port", "0", "--max-loaded-paths", "1", "--max-tokens-cap", "64"],
+                             "--port", "0", "--max-loaded-paths", "1", "--max-tokens-cap", "64", *flags],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path_factory.mktemp("serve"))
+                            cwd=cwd)
     lines: list[str] = []
     found: dict = {}
 
@@ -101,11 +109,19 @@ def served(finished, tmp_path_factory):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
         time.sleep(0.05)
     try:
-        yield found["url"], run_dir
+        yield found["url"]
     finally:
         proc.terminate()
         proc.wait(30)
         assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def served(finished, tmp_path_factory):
+    """The server as shipped (its engine in a process of its own): (base url, run dir)."""
+    run_dir, _ = finished
+    for url in _serve(run_dir, tmp_path_factory.mktemp("serve")):
+        yield url, run_dir
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +194,18 @@ def test_the_openai_client_against_the_real_engine(served) -> None:
     name = client.models.list().data[0].id
     out = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=["\n\n\n"])
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens <= 8
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_engine_in_the_servers_process_answers_as_the_engine_process_does(served, tmp_path) -> None:
+    url, run_dir = served
+    name = Path(run_dir).resolve().name
+    body = {"model": name, "prompt": PROMPTS, "max_tokens": 10, "temperature": 0.8, "seed": 3}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        want = c.post("/v1/completions", json=body).json()["choices"]
+    for other in _serve(run_dir, tmp_path, "--engine-in-process"):
+        with httpx.Client(base_url=other, timeout=60) as c:
+            got = c.post("/v1/completions", json=body).json()["choices"]
+            assert c.get("/health").json()["status"] == "ok"
+    assert [(g["text"], g["dipaco"]) for g in got] == [(w["text"], w["dipaco"]) for w in want]

@@ -2,6 +2,7 @@
 
     dipaco-serve RUN_DIR [--host H] [--port P] [--max-loaded-paths N] [--max-batch-size B]
                  [--max-tokens-cap C] [--reroute-every W] [--device D]
+                 [--engine-threads T | --engine-in-process]
 
 The server's rules (endpoints, continuous batching, refusals, no authentication) are
 written once, in :mod:`dipaco.serve`; the inference rules in :mod:`dipaco.inference`.
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="round number, round_NNNNNN name or path (default: newest)")
     p.add_argument("--fast-verify", action="store_true",
                    help="hash only the module files read, not the whole checkpoint")
+    p.add_argument("--engine-threads", type=int_in("--engine-threads", 1, 4096), default=None, metavar="T",
+                   help="torch threads of the engine process (default: all cores but one, which the HTTP "
+                        "loop and its clients use; on a GPU torch's default)")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the server's process instead of a process of its "
+                        "own (one process; the HTTP loop then shares its GIL: slower under load)")
     return p
 
 
@@ -113,19 +120,33 @@ def serve(args: argparse.Namespace) -> None:
         _say(f"warning: binding {args.host}: the server has no authentication; anyone who can reach "
              f"port {args.port} can use it")
     sock = _bind(args.host, args.port)
-    run = InferenceRun.open(args.run_dir, checkpoint=args.checkpoint, device=args.device,
-                            verify="read" if args.fast_verify else "all")
-    model = ServedModel.from_run(run)
+    verify = "read" if args.fast_verify else "all"
+    shape = {"max_batch_size": args.max_batch_size, "max_loaded_paths": args.max_loaded_paths}
+    if args.engine_in_process:
+        run = InferenceRun.open(args.run_dir, checkpoint=args.checkpoint, device=args.device, verify=verify)
+        model = ServedModel.from_run(run)
+        from dipaco.inference.engine import RoutedEngine  # after the quick checks: it imports torch kernels
+
+        engine: Any = RoutedEngine(run, **shape)
+    else:  # the weights are opened (and verified) by the process that reads them
+        run = InferenceRun.open(args.run_dir, device=args.device, need_weights=False)
+        from dipaco.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
+
+        spec = EngineSpec(str(args.run_dir), checkpoint=args.checkpoint, verify=verify, device=args.device,
+                          engine=shape, threads=args.engine_threads)
+        try:
+            engine = EngineProcess.start(spec, int(run.cfg.model.vocab_size))
+        except EngineFailed as e:
+            fail(str(e))
+        model = ServedModel.from_run(run, checkpoint=engine.info["checkpoint"])
     cap = model.max_seq_len if args.max_tokens_cap is None else args.max_tokens_cap
     limits = ServeLimits(max_tokens_cap=cap, max_body_bytes=args.max_body_bytes, reroute_every=args.reroute_every)
-    from dipaco.inference.engine import RoutedEngine  # after the quick checks: it imports torch kernels
-
-    engine = RoutedEngine(run, max_batch_size=args.max_batch_size, max_loaded_paths=args.max_loaded_paths)
     service = CompletionService(model, EngineThread(engine), limits)
     host, port = sock.getsockname()[:2]
+    where = "in this process" if args.engine_in_process else f"in its own process, {engine.info['threads']} thread(s)"
     _say(f"serving model {model.name!r} ({model.num_paths} paths, context {model.max_seq_len} tokens) on "
          f"http://{_url_host(host)}:{port}/v1 (at most {args.max_loaded_paths} path(s) loaded, batches of "
-         f"{args.max_batch_size}, max_tokens <= {cap})")
+         f"{args.max_batch_size}, max_tokens <= {cap}; engine {where})")
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

@@ -56,7 +56,7 @@ class TokenEvent:
     generation: Optional[Generation] = field(default=None, repr=False)  # the whole result, on the finishing event
 
 
-def _check_request(req: Request, vocab_size: int) -> list[int]:
+def check_request(req: Request, vocab_size: int) -> list[int]:
     """The prompt as ints; ``ValueError`` (one line) for anything outside its domain."""
     try:
         prompt = [int(t) for t in req.prompt_ids]
@@ -121,7 +121,7 @@ class RoutedEngine:
 
     def submit(self, request: Request) -> int:
         """Queue ``request``; returns its id. Thread-safe; ``ValueError`` (one line) if invalid."""
-        prompt = _check_request(request, self.vocab_size)
+        prompt = check_request(request, self.vocab_size)
         with self._lock:
             rid = self._next_id
             self._next_id += 1

@@ -1,7 +1,7 @@
 """``dipaco-serve``: an OpenAI-compatible HTTP server over the batched routed engine.
 
     model = ServedModel.from_run(run)                        # name, tokenizer, context
-    thread = EngineThread(RoutedEngine(run, max_loaded_paths=1))
+    thread = EngineThread(EngineProcess.start(EngineSpec(run_dir), vocab_size))  # or RoutedEngine(run)
     app = create_app(CompletionService(model, thread, ServeLimits(max_tokens_cap=256)))
 
 Rules, written once here and referred to by ``dipaco-serve --help`` and docs/serving.md:
@@ -15,6 +15,10 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
   ``engine.step()`` while there is work; a new request is queued by the engine on its
   path and joins that path's running batch at the next step. At most
   ``--max-loaded-paths`` paths are in memory (the engine's bound).
+* **The engine in its own process.** ``dipaco-serve`` runs the engine in a spawned
+  process (:class:`~dipaco.serve.engine_process.EngineProcess`, the same API), so the
+  HTTP loop and the engine's Python never wait for one GIL; on a CPU the engine takes
+  every core but one (``--engine-threads``). ``--engine-in-process`` keeps one process.
 * **Refusals.** Every refusal is OpenAI's error object with a one-line message and a
   4xx status (413 for a body over ``--max-body-bytes``, checked before parsing; 404 for
   an unknown model; 400 for the rest), or 503 while the engine is down; never a
@@ -27,8 +31,10 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
 from __future__ import annotations
 
 from dipaco.serve.completions import CompletionService
+from dipaco.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
 from dipaco.serve.engine_thread import EngineDown, EngineThread
 from dipaco.serve.errors import APIError
 from dipaco.serve.model import ServedModel, ServeLimits
 
-__all__ = ["CompletionService", "EngineThread", "EngineDown", "APIError", "ServedModel", "ServeLimits"]
+__all__ = ["CompletionService", "EngineThread", "EngineDown", "EngineProcess", "EngineSpec", "EngineFailed", "APIError",
+           "ServedModel", "ServeLimits"]

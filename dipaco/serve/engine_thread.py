@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
+from dipaco.serve.engine_process import EngineFailed
 from dipaco.serve.errors import one_line
 
 log = logging.getLogger("dipaco.serve")
@@ -91,6 +92,9 @@ class EngineThread:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
+        close = getattr(self.engine, "close", None)
+        if close is not None:  # an engine in another process: ends a step blocked in its read
+            close()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -158,6 +162,10 @@ class EngineThread:
                 if not self._wait_for_work():
                     return
                 events = self.engine.step()
+            except EngineFailed as e:  # an engine in another process, which says why itself
+                log.error("%s", e)
+                self._fail(one_line(str(e)))
+                return
             except Exception as e:  # the engine's state is unknown now: stop serving, say why
                 log.exception("the engine failed")
                 self._fail(f"the engine failed: {type(e).__name__}: {one_line(str(e))}")

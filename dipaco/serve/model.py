@@ -49,14 +49,16 @@ class ServedModel:
     vocab_size: Optional[int] = None
 
     @classmethod
-    def from_run(cls, run: "InferenceRun", name: Optional[str] = None) -> "ServedModel":
-        """The model of an opened run; ``name`` defaults to the run directory's name."""
+    def from_run(cls, run: "InferenceRun", name: Optional[str] = None,
+                 checkpoint: Optional[str] = None) -> "ServedModel":
+        """The model of an opened run; ``name`` defaults to the run directory's name,
+        ``checkpoint`` to the run's (give it when another process opened the weights)."""
         root = Path(run.run.root)
         return cls(name=name or root.resolve().name, tokenizer=run.tokenizer,
                    max_seq_len=int(run.cfg.model.max_seq_len), num_paths=run.num_paths,
                    created=int(root.stat().st_mtime),
                    info={"grid": list(run.cfg.grid.levels), "prefix_tokens": run.prefix_tokens,
-                         "max_seq_len": int(run.cfg.model.max_seq_len), "checkpoint": Path(run.checkpoint).name},
+                         "max_seq_len": int(run.cfg.model.max_seq_len), "checkpoint": Path(checkpoint or run.checkpoint).name},
                    vocab_size=min(int(run.cfg.model.vocab_size), int(run.tokenizer.vocab_size)))
 
 

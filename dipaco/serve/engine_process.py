@@ -1,0 +1,272 @@
+"""The engine in a process of its own, behind the engine thread's :class:`Engine` API.
+
+Why a process: the engine's step is Python driving small torch calls, and in the server's
+process it shares one GIL with the event loop (HTTP parsing, JSON, the SSE writes). Each
+request the loop handles makes the engine thread wait for the GIL between its torch
+calls; on the README's default run with 32 closed-loop clients that cost the server a
+quarter to a third of the in-process engine's tokens/s on 2 cores (docs/serving.md).
+In its own process the engine steps without waiting for the loop, and the loop answers
+without waiting for the engine; what crosses the pipe per step is one small message (a
+tuple per row).
+
+    engine = EngineProcess.start(EngineSpec(run_dir, max_batch_size=32))   # waits for "ready"
+    thread = EngineThread(engine)        # unchanged: submit / cancel / step / has_work
+
+Rules:
+
+* **Checks stay synchronous.** :meth:`EngineProcess.submit` runs the engine's own request
+  check (:func:`dipaco.inference.engine.check_request`) in this process, so a bad
+  request is a ``ValueError`` at once, as in-process; the child never refuses one.
+* **The child opens the run** (and verifies the checkpoint: the process that reads the
+  weights is the one that checks them); the server's process opens only the tokenizer,
+  router and config (``need_weights=False``). A run the child cannot open fails
+  :meth:`EngineProcess.start` with the child's one-line reason.
+* **Failure.** A step that raises in the child ends the child with its reason; a child
+  that dies (killed, out of memory) is seen as the pipe's end. Either way :meth:`step`
+  raises, and the engine thread fails every open request (503).
+* **Signals.** The child ignores SIGINT (a Ctrl-C reaches the whole process group): the
+  server shuts it down itself (:meth:`close`), and a child whose parent is gone exits at
+  the pipe's end.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from dipaco.serve.errors import one_line
+
+# seconds to wait for the child to open the run and say it is ready
+_START_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the child needs to build the engine (picklable: it crosses to a spawned process).
+
+    Attributes:
+        run_dir: the finished run.
+        checkpoint: as :meth:`InferenceRun.open`'s (``None``: newest).
+        verify: ``"all"`` or ``"read"``.
+        device: ``auto`` | ``cuda`` | ``cpu`` | ``None`` (the run's).
+        engine: keyword arguments of :class:`~dipaco.inference.engine.RoutedEngine`.
+        threads: torch's intra-op threads in the child (``None``: torch's default).
+    """
+
+    run_dir: str
+    checkpoint: Optional[str] = None
+    verify: str = "all"
+    device: Optional[str] = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    threads: Optional[int] = None
+
+
+@dataclass
+class _Event:
+    """A :class:`~dipaco.inference.engine.TokenEvent` as the server reads it (no ``generation``)."""
+
+    request_id: int
+    token: Optional[int]
+    path: int
+    finished: bool
+    finish_reason: Optional[str]
+
+
+class EngineFailed(RuntimeError):
+    """The child could not start, or stopped while requests were open."""
+
+
+class EngineProcess:
+    """A :class:`~dipaco.inference.engine.RoutedEngine` run by a spawned child process.
+
+    Use :meth:`start`. ``submit``, ``cancel`` and ``has_work`` are thread-safe; ``step``
+    belongs to one thread (the engine thread): it blocks until the child's next step.
+    """
+
+    def __init__(self, proc: Any, conn: Connection, vocab_size: int, info: dict[str, Any]) -> None:
+        self._proc = proc
+        self._conn = conn
+        self.vocab_size = int(vocab_size)
+        self.info = info  # what the child reported when ready (checkpoint name, ...)
+        self.loaded_paths: list[int] = []
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._open: set[int] = set()
+        self._next_id = 0
+        self._closing = False
+
+    @classmethod
+    def start(cls, spec: EngineSpec, vocab_size: int, *, timeout: float = _START_TIMEOUT_S) -> "EngineProcess":
+        """Spawn the child and wait until it has opened the run (``EngineFailed`` if it cannot)."""
+        ctx = mp.get_context("spawn")  # never fork a process holding torch's threads
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_child_main, args=(child, spec), name="dipaco-engine", daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(timeout):
+            proc.kill()
+            raise EngineFailed(f"the engine process did not open the run within {timeout:.0f} s")
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            proc.join(5)
+            raise EngineFailed(f"the engine process exited while opening the run (exit code {proc.exitcode})") \
+                from None
+        if kind != "ready":
+            proc.join(5)
+            raise EngineFailed(str(payload))
+        return cls(proc, parent, vocab_size, payload)
+
+    # ---------------------------------------------------------------- any thread
+
+    def submit(self, request: Any) -> int:
+        """Check ``request`` here (``ValueError``, one line), then hand it to the child."""
+        from dipaco.inference.engine import check_request
+
+        check_request(request, self.vocab_size)
+        with self._lock:
+            rid = self._next_id
+            self._next_id += 1
+            self._open.add(rid)
+        self._send(("submit", rid, request))
+        return rid
+
+    def cancel(self, request_id: int) -> None:
+        """Free the request's row at the child's next step (it reports it ``cancelled``)."""
+        with self._lock:
+            known = int(request_id) in self._open
+        if known:
+            self._send(("cancel", int(request_id)))
+
+    def has_work(self) -> bool:
+        """Requests submitted whose last event has not come back yet."""
+        with self._lock:
+            return bool(self._open)
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the child is gone: step() says why
+                pass
+
+    # ---------------------------------------------------------------- the engine thread
+
+    def step(self) -> list[_Event]:
+        """The events of the child's next step (blocks until they come)."""
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            if self._closing:
+                return []
+            self._proc.join(5)
+            raise EngineFailed(f"the engine process exited (exit code {self._proc.exitcode})") from None
+        if kind == "failed":
+            raise EngineFailed(f"the engine failed in its process: {payload}")
+        rows, loaded = payload
+        if loaded is not None:
+            self.loaded_paths = loaded
+        events = [_Event(*row) for row in rows]
+        with self._lock:
+            for ev in events:
+                if ev.finished:
+                    self._open.discard(ev.request_id)
+        return events
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the child (idempotent); a ``step`` blocked in its read returns ``[]``."""
+        self._closing = True
+        self._send(("stop",))
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+
+
+def engine_threads(requested: Optional[int], device: str) -> int:
+    """Set and return torch's intra-op threads for the engine process.
+
+    ``requested`` when given. Otherwise, on a CPU, torch's default (the cores) less one:
+    the server's own process (HTTP, JSON) and, on a test host, its clients run beside the
+    engine, and an OpenMP team that spans every core stalls at each barrier whenever one
+    of its threads is descheduled for them. Measured on 2 cores with 32 clients
+    (docs/serving.md): 1,381 tokens/s with the engine on 1 thread, 1,277 on 2. On a GPU
+    torch's default stays.
+    """
+    import torch
+
+    from dipaco.runtime.device import choose_device
+
+    if requested is None:
+        if choose_device(device).type != "cpu":
+            return torch.get_num_threads()
+        requested = max(1, torch.get_num_threads() - 1)
+    torch.set_num_threads(int(requested))
+    return int(requested)
+
+
+def _child_main(conn: Connection, spec: EngineSpec) -> None:
+    """The child: open the run, then step while there is work, reading commands between steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (see the module docstring)
+    try:
+        from dipaco.inference import InferenceRun
+        from dipaco.inference.engine import RoutedEngine
+
+        run = InferenceRun.open(spec.run_dir, checkpoint=spec.checkpoint, verify=spec.verify, device=spec.device)
+        threads = engine_threads(spec.threads, str(run.cfg.trainer.device))
+        engine = RoutedEngine(run, **spec.engine)
+    except Exception as e:  # the parent says it in one line
+        conn.send(("failed", _reason(e)))
+        return
+    conn.send(("ready", {"checkpoint": str(run.checkpoint), "threads": threads}))
+    ours: dict[int, int] = {}    # the engine's request id -> the parent's
+    theirs: dict[int, int] = {}  # the parent's -> the engine's
+    loaded: list[int] = []
+    try:
+        while True:
+            block = not engine.has_work()
+            while block or conn.poll():
+                message = conn.recv()
+                block = False
+                if message[0] == "submit":
+                    rid = engine.submit(message[2])
+                    ours[rid], theirs[message[1]] = message[1], rid
+                elif message[0] == "cancel":
+                    if message[1] in theirs:
+                        engine.cancel(theirs[message[1]])
+                else:  # "stop"
+                    return
+            events = engine.step()
+            now = engine.loader.loaded_paths
+            rows = []
+            for ev in events:
+                parent_id = ours[ev.request_id]
+                if ev.finished:
+                    del ours[ev.request_id], theirs[parent_id]
+                rows.append((parent_id, ev.token, ev.path, ev.finished, ev.finish_reason))
+            if rows or now != loaded:
+                conn.send(("events", (rows, now if now != loaded else None)))
+                loaded = now
+    except (EOFError, BrokenPipeError):  # the parent is gone
+        return
+    except Exception as e:
+        try:
+            conn.send(("failed", f"{type(e).__name__}: {one_line(str(e))}"))
+        except OSError:
+            pass
+
+
+def _reason(e: BaseException) -> str:
+    """One line for why the run could not be opened: a bad run directory, checkpoint or
+    setting as its own message (as the CLI says it), anything else with its type."""
+    from dipaco.config import ConfigError
+    from dipaco.run.checkpoint import CheckpointError
+    from dipaco.run.run_dir import RunDirError
+
+    if isinstance(e, (ConfigError, CheckpointError, RunDirError, FileNotFoundError)):
+        return one_line(str(e))
+    return f"{type(e).__name__}: {one_line(str(e))}"
