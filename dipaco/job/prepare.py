@@ -21,7 +21,8 @@ from dipaco.rounds.early_stopping import write_validation_shards
 from dipaco.run.fingerprint import Fingerprints
 from dipaco.job.token_record import save_record
 from dipaco.job.prepare_tokens import (_require_documents_per_path, evaluated_rows,  # noqa: F401 - re-exported
-                                   peak_rss_mib, prepare_tokens, release_free_memory, split_tokens)
+                                   peak_rss_mib, prepare_tokens, split_tokens)
+from dipaco.runtime.hardware import release_free_memory
 from dipaco.runtime.progress import bars_enabled, log
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.config.schedule import warmup_steps

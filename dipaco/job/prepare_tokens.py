@@ -9,7 +9,6 @@ Either way what comes out is memory-mapped token ids (:class:`router.TokenDocs`)
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import resource
 import time
@@ -24,11 +23,12 @@ from dipaco.data.pretokenized import load_token_corpus
 from dipaco.data.tokenizer import tokenizer_beside
 from dipaco.job.token_record import describe_split, evaluated_rows, reuse_splits
 from dipaco.run.fingerprint import Fingerprints
+from dipaco.runtime.hardware import release_free_memory
 from dipaco.runtime.progress import bars_enabled
 from dipaco.run.run_dir import RunDir, RunDirError
 from router import TokenDocs
 
-__all__ = ["TokenSplits", "evaluated_rows", "peak_rss_mib", "prepare_tokens", "release_free_memory", "split_tokens"]
+__all__ = ["TokenSplits", "evaluated_rows", "peak_rss_mib", "prepare_tokens", "split_tokens"]
 
 
 @dataclass
@@ -51,20 +51,6 @@ class TokenSplits:
 def peak_rss_mib() -> float:
     """This process's peak resident set size so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def release_free_memory() -> None:
-    """Hand the heap's freed pages back to the OS (glibc's ``malloc_trim``) between stages.
-
-    The BPE trainer and the encoding threads free what they allocated, but glibc keeps
-    freed memory in its arenas: after training on a 64 MiB sample the process held 220 MB
-    it no longer used, under every later stage's peak; ``malloc_trim(0)`` returned it. A
-    no-op where the C library has no ``malloc_trim``.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stage(timings: dict, name: str, t0: float) -> None:
