@@ -50,6 +50,9 @@ def test_a_bad_run_directory_or_flag_is_one_line(monkeypatch, capsys, tmp_path) 
     code, err = run_cli(main, [tmp_path, "--max-loaded-paths", "0"], capsys, monkeypatch)
     assert code == 2
     one_line(err, "--max-loaded-paths must lie in")
+    code, err = run_cli(main, [tmp_path, "--engine-threads", "2", "--engine-in-process"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "--engine-in-process", "not allowed with")
 
 
 def test_a_busy_port_is_one_line(monkeypatch, capsys, tmp_path) -> None:

@@ -60,12 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="round number, round_NNNNNN name or path (default: newest)")
     p.add_argument("--fast-verify", action="store_true",
                    help="hash only the module files read, not the whole checkpoint")
-    p.add_argument("--engine-threads", type=int_in("--engine-threads", 1, 4096), default=None, metavar="T",
-                   help="torch threads of the engine process (default: all cores but one, which the HTTP "
-                        "loop and its clients use; on a GPU torch's default)")
-    p.add_argument("--engine-in-process", action="store_true",
-                   help="step the engine on a thread of the server's process instead of a process of its "
-                        "own (one process; the HTTP loop then shares its GIL: slower under load)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--engine-threads", type=int_in("--engine-threads", 1, 4096), default=None, metavar="T",
+                       help="torch threads of the engine process (default: all cores but one, which the HTTP "
+                            "loop and its clients use; on a GPU torch's default)")
+    where.add_argument("--engine-in-process", action="store_true",
+                       help="step the engine on a thread of the server's process instead of a process of its "
+                            "own (one process; the HTTP loop then shares its GIL: slower under load)")
     return p
 
 
