@@ -64,17 +64,6 @@ class EngineSpec:
     threads: Optional[int] = None
 
 
-@dataclass
-class _Event:
-    """A :class:`~dipaco.inference.engine.TokenEvent` as the server reads it (no ``generation``)."""
-
-    request_id: int
-    token: Optional[int]
-    path: int
-    finished: bool
-    finish_reason: Optional[str]
-
-
 class EngineFailed(RuntimeError):
     """The child could not start, or stopped while requests were open."""
 
@@ -97,6 +86,11 @@ class EngineProcess:
         self._open: set[int] = set()
         self._next_id = 0
         self._closing = False
+        # the engine's own check and event type (imported here: the engine module is heavy,
+        # and dipaco.serve stays light to import)
+        from dipaco.inference.engine import TokenEvent, check_request
+
+        self._check, self._event = check_request, TokenEvent
 
     @classmethod
     def start(cls, spec: EngineSpec, vocab_size: int, *, timeout: float = _START_TIMEOUT_S) -> "EngineProcess":
@@ -124,9 +118,7 @@ class EngineProcess:
 
     def submit(self, request: Any) -> int:
         """Check ``request`` here (``ValueError``, one line), then hand it to the child."""
-        from dipaco.inference.engine import check_request
-
-        check_request(request, self.vocab_size)
+        self._check(request, self.vocab_size)
         with self._lock:
             rid = self._next_id
             self._next_id += 1
@@ -155,8 +147,9 @@ class EngineProcess:
 
     # ---------------------------------------------------------------- the engine thread
 
-    def step(self) -> list[_Event]:
-        """The events of the child's next step (blocks until they come)."""
+    def step(self) -> list[Any]:
+        """The :class:`~dipaco.inference.engine.TokenEvent` objects of the child's next step
+        (without ``generation``; blocks until they come)."""
         try:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
@@ -169,7 +162,7 @@ class EngineProcess:
         rows, loaded = payload
         if loaded is not None:
             self.loaded_paths = loaded
-        events = [_Event(*row) for row in rows]
+        events = [self._event(*row) for row in rows]
         with self._lock:
             for ev in events:
                 if ev.finished:
