@@ -507,3 +507,33 @@ def test_outer_state_on_the_gpu_gives_the_rounds_of_the_cpu_state() -> None:
         on_gpu.syncs[m].load_state_dict(on_cpu.syncs[m].state_dict())
         sync = on_gpu.syncs[m]
         assert sync.outer_optimizer.state[sync.global_weights]["momentum_buffer"].device.type == "cuda"
+
+
+def test_the_cosine_is_the_mean_over_pairs_without_keeping_the_deltas() -> None:
+    """The round's cosine equals the mean pairwise cosine_similarity of the accepted Δs
+    (a zero Δ included, a non-finite one dropped), and no Δ is held after it was added."""
+    import weakref
+
+    from dipaco.sync.module_core import Contributions
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(50, generator=gen)
+    deltas = [base + 0.7 * torch.randn(50, generator=gen) for _ in range(6)] + [torch.zeros(50)]
+    c = Contributions([0], 50, torch.device("cpu"), keep_deltas=True)
+    assert c.cosine() is None
+    refs = []
+    for d in deltas:
+        kept = d.clone()
+        refs.append(weakref.ref(kept))
+        c.add(0, kept, 1.0, True)
+        del kept
+    c.add(0, torch.full((50,), float("nan")), 1.0, False)  # dropped: not in the cosine
+    assert all(r() is None for r in refs)
+    pairs = [float(torch.nn.functional.cosine_similarity(deltas[i], deltas[j], dim=0, eps=1e-12))
+             for i in range(len(deltas)) for j in range(i + 1, len(deltas))]
+    want = sum(pairs) / len(pairs)
+    assert 0.2 < want < 0.9  # a case where the mean is neither 0 nor 1
+    assert c.cosine() == pytest.approx(want, abs=1e-6)
+    one = Contributions([0], 50, torch.device("cpu"), keep_deltas=True)
+    one.add(0, deltas[0], 1.0, True)
+    assert one.cosine() is None  # one Δ has no pair

@@ -119,12 +119,12 @@ class CollectiveModuleSync:
         outer: keyword arguments of :func:`dipaco.sync.outer.make_outer_optimizer`.
         sharing_rescale: multiply the averaged pseudo-gradient by √(contributions), so
             modules shared by many paths move as fast as private ones.
-        track_cosine: keep this round's Δs (one copy per contribution) to report their
-            mean pairwise cosine similarity.
+        track_cosine: report the mean pairwise cosine similarity of this round's Δs (a
+            running sum of their unit vectors: one more copy of the module).
         state_device: where θ_global, the outer state and the round's Σα·Δ live: the CPU
             (default) or the live parameters' device (``diloco.outer_device=auto`` on a
             GPU: Δ, the outer step and the restore then never cross PCIe; costs about
-            3 copies of the module in GPU memory, more with ``track_cosine``).
+            3 copies of the module in GPU memory, 4 with ``track_cosine``).
     """
 
     def __init__(self, module_id: str, params: Sequence[nn.Parameter], comm: Communicator, *,
