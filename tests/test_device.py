@@ -171,6 +171,9 @@ def test_memory_plan_per_rank() -> None:
     local = plan()[1]
     assert [label for label, _ in local] == ["the process"]  # holds every module, 4 AdamW states
     assert local[0][1].optimizer == 4 * mem.optimizer and local[0][1].parameters > mem.parameters
+    # the outer state is per held module (5 fp32 copies: the cosine report's running sum
+    # included), not per path that shares it
+    assert local[0][1].outer == 5 * local[0][1].parameters
     acts = {o: plan("launcher=spawn", "launcher.nproc=4", o)[1][0][1].activations
             for o in ("trainer.precision=fp32", "trainer.precision=bf16",
                       "trainer.activation_checkpointing=true", "trainer.micro_batches=4")}

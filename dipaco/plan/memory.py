@@ -19,9 +19,8 @@ Per rank (a worker group's rank; the local backend is one process playing every 
   activation checkpointing a block keeps only its input, and one block's activations
   are rebuilt at a time during backward;
 * **outer state**: per held module its fp32 global weights, outer momentum, outer
-  gradient and round buffer (4 × 4 bytes per parameter), plus one fp32 pseudo-gradient
-  per path and module kept for the round's cosine-similarity report (4 bytes per
-  parameter of each path). It is on the device (``outer_on_device``) where the sync keeps
+  gradient, round buffer and the running sum behind the round's cosine-similarity report
+  (5 × 4 bytes per parameter). It is on the device (``outer_on_device``) where the sync keeps
   it next to the modules (``diloco.outer_device=auto``, codec ``none``, not sharded: see
   :func:`outer_on_device`), otherwise in host memory.
 
@@ -113,6 +112,6 @@ def rank_memory(model: ModelConfig, num_levels: int, held_params: int, path_para
         optimizer=2 * FP32 * sum(path_params) // shards,
         activations=activation_bytes(model, num_levels, sequences, seq_len, low_precision=low_precision,
                                      checkpointing=checkpointing),
-        outer=(4 * FP32 * held_params + FP32 * sum(path_params)) // shards,
+        outer=5 * FP32 * held_params // shards,
         outer_on_device=outer_on_device,
     )
