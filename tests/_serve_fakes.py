@@ -97,6 +97,9 @@ class FakeEngine:
         with self._lock:
             return bool(self.rows)
 
+    def close(self) -> None:
+        self.closed = True
+
     @property
     def loaded_paths(self) -> list[int]:
         return [self.batches[-1][0]] if self.batches else []

@@ -138,6 +138,11 @@ class RoutedEngine:
         with self._lock:
             return bool(self._inbox or self._rows or self._cancels)
 
+    def close(self) -> None:
+        """Nothing to release: the engine's models belong to its run (the server's engine
+        thread calls it on every engine; :class:`dipaco.serve.engine_process.EngineProcess`
+        stops its process)."""
+
     # ---------------------------------------------------------------- the engine thread
 
     def step(self) -> list[TokenEvent]:

@@ -10,7 +10,7 @@ without waiting for the engine; what crosses the pipe per step is one small mess
 tuple per row).
 
     engine = EngineProcess.start(EngineSpec(run_dir, max_batch_size=32))   # waits for "ready"
-    thread = EngineThread(engine)        # unchanged: submit / cancel / step / has_work
+    thread = EngineThread(engine)        # the same API: submit / cancel / step / has_work / close
 
 Rules:
 

@@ -40,6 +40,9 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def close(self) -> None:
+        """Release what the engine holds; a :meth:`step` blocked in another thread returns."""
+
 
 class EngineDown(RuntimeError):
     """The engine thread has stopped (failed or shut down): no request can be served."""
@@ -92,9 +95,7 @@ class EngineThread:
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
-        close = getattr(self.engine, "close", None)
-        if close is not None:  # an engine in another process: ends a step blocked in its read
-            close()
+        self.engine.close()  # an engine in another process: ends a step blocked in its read
         if self._thread.is_alive():
             self._thread.join(timeout)
 
