@@ -174,7 +174,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-async def drive(url: str, model: str, prompts: list[list[int]], clients: int, max_tokens: int,
+async def drive(url: str, model: str, prompts: Sequence[Any], clients: int, max_tokens: int,
                 server_cpu: Any = None) -> dict[str, Any]:
     """``clients`` closed-loop clients over ``prompts``: throughput, per-request latency, and the
     CPU seconds of the clients (this process) and of the server (``server_cpu()``), which share
@@ -207,6 +207,36 @@ async def drive(url: str, model: str, prompts: list[list[int]], clients: int, ma
     return {"wall_s": wall, "prompts_per_s": len(prompts) / wall, "tokens_per_s": tokens / wall, "tokens": tokens,
             "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
             "latency_mean_s": statistics.fmean(latencies), "client_cpu_s": cpu, "server_cpu_s": srv}
+
+
+def _peak_rss_mib(pids: Sequence[int]) -> float:
+    """The processes' peak RSS (``VmHWM``) summed, in MiB: a bound on what they held at once."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+def serving_side(setup: Any, clients: int = 32) -> dict[str, Any]:
+    """``benchmarks.bench_serving``'s ``server`` side: ``dipaco-serve`` on the same prompts
+    (the text, as a client sends it), greedy, ``clients`` closed-loop clients, batches and
+    loaded paths as the engine's ``--file`` side. The server starts and answers ``clients``
+    prompts before the clock starts (a server is started once and runs); peak RSS is its
+    process's and its engine process's, summed."""
+    server = Server(Path(setup.run_dir), setup.batch_size, 1, setup.new_tokens)
+    try:
+        url = server.wait()
+        model = Path(setup.run_dir).resolve().name
+        asyncio.run(drive(url, model, setup.texts[:clients], clients, setup.new_tokens))
+        r = asyncio.run(drive(url, model, setup.texts, clients, setup.new_tokens, server.cpu_s))
+        rss = _peak_rss_mib(_process_tree(server.proc.pid))
+    finally:
+        server.stop()
+    return {"prompts_s": r["prompts_per_s"], "tokens_s": r["tokens_per_s"], "peak_rss_mib": rss,
+            "seconds": r["wall_s"], "tokens": r["tokens"], "latency_p50_s": r["latency_p50_s"],
+            "latency_p99_s": r["latency_p99_s"], "note": f"{clients} closed-loop clients, server already started"}
 
 
 def _median_sample(samples: list[dict[str, Any]]) -> dict[str, Any]:

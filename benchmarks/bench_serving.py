@@ -28,9 +28,10 @@ engine_process ≥ 100× per_process in prompts/s, ≥ 1.0× hf in generated tok
 ``--sides a,b`` runs only those (the verdicts need per_process, engine_process, engine_loop
 and hf); ``--profile`` adds a cProfile of the exact loop (top functions by own time).
 
-Hook for more sides (the HTTP server): a module ``benchmarks.bench_serve`` defining
-``serving_side(setup: Setup) -> dict`` (keys ``prompts_s``, ``tokens_s``, ``peak_rss_mib``,
-anything else) is run as side ``server`` on the same prompts when it exists.
+* ``server``: ``dipaco-serve`` on the same prompts, 32 closed-loop HTTP clients
+  (``benchmarks.bench_serve.serving_side``), its steady rate once started; with its p50/p99
+  latency. ``benchmarks/bench_serve.py`` compares it with the engine at the same
+  concurrency, repeatedly.
 
 Writes benchmarks/results/serving.json. Not a test: numbers depend on the host and its load.
 """
@@ -220,7 +221,11 @@ def _verdicts(results: dict[str, dict]) -> dict[str, float]:
              "engine_fast_vs_hf_tokens_whole_process": ("engine_fast_process", "tokens_s", "hf", "tokens_s"),
              "engine_fast_vs_per_process_prompts": ("engine_fast_process", "prompts_s", "per_process", "prompts_s"),
              "engine_loop_vs_hf_loop_tokens": ("engine_loop", "tokens_s", "hf", "loop_tokens_s"),
-             "engine_fast_loop_vs_hf_loop_tokens": ("engine_fast_loop", "tokens_s", "hf", "loop_tokens_s")}
+             "engine_fast_loop_vs_hf_loop_tokens": ("engine_fast_loop", "tokens_s", "hf", "loop_tokens_s"),
+             # the server is started once and runs: its steady rate against the engine's
+             # whole --file process, and against the engine's loop with every prompt at once
+             "server_vs_engine_process_tokens": ("server", "tokens_s", "engine_process", "tokens_s"),
+             "server_vs_engine_loop_tokens": ("server", "tokens_s", "engine_loop", "tokens_s")}
     return {k: r[a][x] / r[b][y] for k, (a, x, b, y) in pairs.items() if a in r and b in r}
 
 

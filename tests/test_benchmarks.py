@@ -66,13 +66,16 @@ def test_the_serving_benchmark_runs_tiny(finished, tmp_path) -> None:
 @pytest.mark.multiprocess  # the per-process sides and the export are subprocesses
 def test_serving_benchmark_tiny_runs_every_side(finished, tmp_path: Path) -> None:
     """bench_serving --tiny on the shared tiny run: every side measured, the engine's greedy
-    tokens equal to transformers' on the Llama export."""
+    tokens equal to transformers' on the Llama export, the server's as many as the engine's."""
     from benchmarks import bench_serving
 
     out = bench_serving.main(["--tiny", "--run", str(finished[0]), "--work-dir", str(tmp_path)])
-    assert set(out["sides"]) >= {"per_process", "engine_process", "engine_loop", "hf"}
+    assert set(out["sides"]) >= {"per_process", "engine_process", "engine_loop", "hf", "server"}
     assert all(s["tokens_s"] > 0 for s in out["sides"].values())
     assert out["sides"]["hf"]["same_tokens_as_engine"] >= 0.5  # left padding may flip a near-tie
+    # greedy, the same prompts: the server (text in, as a client sends it) generates what --file does
+    assert out["sides"]["server"]["tokens"] == out["sides"]["engine_process"]["tokens"]
+    assert out["verdicts"]["server_vs_engine_process_tokens"] > 0
 
 
 def test_round_trace_notes_the_projects_calls_only_while_on() -> None:
