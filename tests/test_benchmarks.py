@@ -64,13 +64,15 @@ def test_the_serving_benchmark_runs_tiny(finished, tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess  # the per-process sides and the export are subprocesses
-def test_serving_benchmark_tiny_runs_every_side(finished, tmp_path: Path) -> None:
-    """bench_serving --tiny on the shared tiny run: every side measured, the engine's greedy
+def test_serving_benchmark_tiny_runs_its_sides(finished, tmp_path: Path) -> None:
+    """bench_serving --tiny on the shared tiny run: each side measured, the engine's greedy
     tokens equal to transformers' on the Llama export, the server's as many as the engine's."""
     from benchmarks import bench_serving
 
-    out = bench_serving.main(["--tiny", "--run", str(finished[0]), "--work-dir", str(tmp_path)])
-    assert set(out["sides"]) >= {"per_process", "engine_process", "engine_loop", "hf", "server"}
+    # the fast sides are the same commands with --fast (tests/test_engine.py covers the mode)
+    out = bench_serving.main(["--tiny", "--run", str(finished[0]), "--work-dir", str(tmp_path),
+                              "--sides", "per_process,engine_process,engine_loop,hf,server"])
+    assert set(out["sides"]) == {"per_process", "engine_process", "engine_loop", "hf", "server"}
     assert all(s["tokens_s"] > 0 for s in out["sides"].values())
     assert out["sides"]["hf"]["same_tokens_as_engine"] >= 0.5  # left padding may flip a near-tie
     # greedy, the same prompts: the server (text in, as a client sends it) generates what --file does
