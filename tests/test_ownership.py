@@ -284,3 +284,17 @@ def test_a_folder_that_cannot_be_written_is_one_line(tmp_path):
         with OwnedWrite(blocker / "exp", "export --out", replace=True):
             pass
     assert blocker.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_a_sweep_jobs_folder_is_one_short_component_whatever_its_overrides_hold() -> None:
+    """`-m data.path=/x/y,...`: the job's folder name escapes `/` (and `%`, so names stay
+    distinct), and a name over 200 bytes is cut with a hash of the whole (file systems
+    refuse a component over 255 bytes)."""
+    from dipaco.cli.sweep_dir import job_dirname
+
+    assert job_dirname("data.path=/x/y,seed=1") == "data.path=%2Fx%2Fy,seed=1"
+    assert job_dirname("a=50%/b") == "a=50%25%2Fb" != job_dirname("a=50%2Fb")
+    long = [job_dirname("data.path=/" + "é" * 300 + tail) for tail in ("a", "b")]
+    assert all(len(n.encode("utf-8")) <= 200 and "/" not in n for n in long)
+    assert long[0] != long[1]  # the hash keeps apart what the cut made alike
+    assert job_dirname("seed=1") == "seed=1"

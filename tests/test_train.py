@@ -161,11 +161,13 @@ def test_cli_unknown_group_option_fails_before_work(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cli_multirun_sweep_of_two_points(tmp_path: Path) -> None:
+    # a path-valued override: each job is still one folder of the sweep, not a tree of the path's parts
     proc = _cli("-m", *SMOKE, "trainer.rounds=1", "diloco.inner_steps=2,3", "trainer.dense_baseline=false",
-                f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
+                f"data.cache_dir={tmp_path}/cache", f"hydra.sweep.dir={tmp_path}/sweep", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
+    assert "%2F" in summaries[0].parent.name
     steps = sorted(json.loads(p.read_text())["inner_steps"] for p in summaries)
     assert steps == [2, 3]
     # dipaco-report turns the sweep into one table row per setting, plus a plot

@@ -13,6 +13,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from dipaco.cli import sweep_dir as _sweep_dir  # noqa: F401  (registers the job-folder resolver)
 from dipaco.cli.errors import fail, user_errors
 from dipaco.config import Config, compose_config, to_config
 from dipaco.config.paths import pin_argument, pin_paths

@@ -9,6 +9,7 @@ describes the runs it holds. The same sweep again (a rerun after a stop) is allo
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +21,28 @@ from dipaco.run.owned import OwnershipError, check_owned, record_written, sweep_
 from dipaco.run.path_guard import check_target
 
 SWEEP_RECORD = "multirun.yaml"
+# a job folder's name stays one path component, and under the file systems' 255 bytes
+_NAME_BYTES = 200
+RESOLVER = "dipaco_job_dirname"
+
+
+def job_dirname(overrides: str) -> str:
+    """A sweep job's folder name from its overrides (Hydra's ``override_dirname``): one path
+    component whatever the values hold. ``%`` and ``/`` are escaped (``%25``, ``%2F``), so a
+    path-valued override (``data.path=/x/y``) does not nest the job in folders named after
+    the path's parts; a name over 200 bytes keeps its first bytes and a hash of the whole."""
+    name = str(overrides).replace("%", "%25").replace("/", "%2F")
+    raw = name.encode("utf-8")
+    if len(raw) <= _NAME_BYTES:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:12]
+    return raw[: _NAME_BYTES - 13].decode("utf-8", "ignore") + "-" + digest
+
+
+# Hydra resolves the job folder (conf/config.yaml: hydra.sweep.subdir) in whichever process
+# runs the job; this module is imported there first, as the sweep callback's home
+if not OmegaConf.has_resolver(RESOLVER):
+    OmegaConf.register_new_resolver(RESOLVER, job_dirname)
 
 
 def _earlier_overrides(path: Path) -> Optional[list[str]]:
@@ -73,4 +96,4 @@ class OwnSweepDir(Callback):
             pass  # changed under us since the check: left as it is, unrecorded (so never replaced)
 
 
-__all__ = ["OwnSweepDir", "check_sweep_dir", "record_sweep"]
+__all__ = ["OwnSweepDir", "check_sweep_dir", "job_dirname", "record_sweep"]
