@@ -519,7 +519,7 @@ def test_the_cosine_is_the_mean_over_pairs_without_keeping_the_deltas() -> None:
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(50, generator=gen)
     deltas = [base + 0.7 * torch.randn(50, generator=gen) for _ in range(6)] + [torch.zeros(50)]
-    c = Contributions([0], 50, torch.device("cpu"), keep_deltas=True)
+    c = Contributions([0], 50, torch.device("cpu"), track_cosine=True)
     assert c.cosine() is None
     refs = []
     for d in deltas:
@@ -534,6 +534,6 @@ def test_the_cosine_is_the_mean_over_pairs_without_keeping_the_deltas() -> None:
     want = sum(pairs) / len(pairs)
     assert 0.2 < want < 0.9  # a case where the mean is neither 0 nor 1
     assert c.cosine() == pytest.approx(want, abs=1e-6)
-    one = Contributions([0], 50, torch.device("cpu"), keep_deltas=True)
+    one = Contributions([0], 50, torch.device("cpu"), track_cosine=True)
     one.add(0, deltas[0], 1.0, True)
     assert one.cosine() is None  # one Δ has no pair

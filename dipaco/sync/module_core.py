@@ -117,13 +117,13 @@ class Contributions:
         padded_numel: length of each contributor's buffer (the module, zero-padded to
             the exchange's slices); Δ fills the first ``len(Δ)`` entries.
         device: where the buffers live.
-        keep_deltas: tally the accepted Δs for the mean pairwise cosine between them
+        track_cosine: tally the accepted Δs for the mean pairwise cosine between them
             (:meth:`cosine`): one running sum of their unit vectors, not a copy of each.
     """
 
     def __init__(self, contributors: Sequence[int], padded_numel: int, device: torch.device,
-                 keep_deltas: bool = False) -> None:
-        self.padded_numel, self.device, self.keep_deltas = int(padded_numel), device, keep_deltas
+                 track_cosine: bool = False) -> None:
+        self.padded_numel, self.device, self.track_cosine = int(padded_numel), device, track_cosine
         self.values: dict[int, torch.Tensor] = {}
         self.alpha = {c: 0.0 for c in contributors}
         self.count = {c: 0 for c in contributors}
@@ -148,7 +148,7 @@ class Contributions:
         contribution(delta, alpha, buf[: delta.numel()])
         self.alpha[contributor] += float(alpha)
         self.count[contributor] += 1
-        if self.keep_deltas:
+        if self.track_cosine:
             self._tally(delta)
         return True
 

@@ -182,7 +182,7 @@ class CollectiveModuleSync:
         return None if self._inflight is None else self._inflight.pending
 
     def _new_round(self) -> Contributions:
-        return Contributions(self.contributors, self.padded_numel, self.state_device, keep_deltas=self.track_cosine)
+        return Contributions(self.contributors, self.padded_numel, self.state_device, track_cosine=self.track_cosine)
 
     def _live(self) -> list[torch.Tensor]:
         """The live parameters this process synchronises (a sharded sync: its shards)."""
