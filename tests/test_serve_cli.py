@@ -53,6 +53,12 @@ def test_a_bad_run_directory_or_flag_is_one_line(monkeypatch, capsys, tmp_path) 
     code, err = run_cli(main, [tmp_path, "--engine-threads", "2", "--engine-in-process"], capsys, monkeypatch)
     assert code == 2
     one_line(err, "--engine-in-process", "not allowed with")
+    code, err = run_cli(main, [tmp_path, "--engine-processes", "2", "--engine-in-process"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "--engine-processes", "not allowed with")
+    code, err = run_cli(main, [tmp_path, "--engine-processes", "0"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "--engine-processes must lie in")
 
 
 def test_a_busy_port_is_one_line(monkeypatch, capsys, tmp_path) -> None:
@@ -121,9 +127,10 @@ def _serve(run_dir: Path, cwd: Path, *flags: str):
 
 @pytest.fixture(scope="module")
 def served(finished, tmp_path_factory):
-    """The server as shipped (its engine in a process of its own): (base url, run dir)."""
+    """The server as shipped on a host of 2 cores or more (two engine processes, the paths
+    kept apart; the other placements: the last test): (base url, run dir)."""
     run_dir, _ = finished
-    for url in _serve(run_dir, tmp_path_factory.mktemp("serve")):
+    for url in _serve(run_dir, tmp_path_factory.mktemp("serve"), "--engine-processes", "2"):
         yield url, run_dir
 
 
@@ -201,14 +208,16 @@ def test_the_openai_client_against_the_real_engine(served) -> None:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_the_engine_in_the_servers_process_answers_as_the_engine_process_does(served, tmp_path) -> None:
+@pytest.mark.parametrize("where", [["--engine-in-process"], ["--engine-processes", "1"]])
+def test_every_engine_placement_answers_as_the_engine_processes_do(served, where, tmp_path) -> None:
     url, run_dir = served
     name = Path(run_dir).resolve().name
     body = {"model": name, "prompt": PROMPTS, "max_tokens": 10, "temperature": 0.8, "seed": 3}
     with httpx.Client(base_url=url, timeout=60) as c:
         want = c.post("/v1/completions", json=body).json()["choices"]
-    for other in _serve(run_dir, tmp_path, "--engine-in-process"):
+    for other in _serve(run_dir, tmp_path, *where):
         with httpx.Client(base_url=other, timeout=60) as c:
             got = c.post("/v1/completions", json=body).json()["choices"]
-            assert c.get("/health").json()["status"] == "ok"
+            health = c.get("/health").json()
+            assert health["status"] == "ok" and health["active_requests"] == 0, health
     assert [(g["text"], g["dipaco"]) for g in got] == [(w["text"], w["dipaco"]) for w in want]

@@ -2,7 +2,7 @@
 
     dipaco-serve RUN_DIR [--host H] [--port P] [--max-loaded-paths N] [--max-batch-size B]
                  [--max-tokens-cap C] [--reroute-every W] [--device D]
-                 [--engine-threads T | --engine-in-process]
+                 [--engine-processes N] [--engine-threads T | --engine-in-process]
 
 The server's rules (endpoints, continuous batching, refusals, no authentication) are
 written once, in :mod:`dipaco.serve`; the inference rules in :mod:`dipaco.inference`.
@@ -60,10 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="round number, round_NNNNNN name or path (default: newest)")
     p.add_argument("--fast-verify", action="store_true",
                    help="hash only the module files read, not the whole checkpoint")
+    p.add_argument("--engine-processes", type=int_in("--engine-processes", 1, 256), default=None, metavar="N",
+                   help="engine processes, each taking the requests of the paths it serves (default on a CPU: one "
+                        "per core, of one thread each, at most one per path; on a GPU: one); each keeps its "
+                        "own --max-loaded-paths")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--engine-threads", type=int_in("--engine-threads", 1, 4096), default=None, metavar="T",
-                       help="torch threads of the engine process (default: all cores but one, which the HTTP "
-                            "loop and its clients use; on a GPU torch's default)")
+                       help="torch threads of each engine process (default: 1 when there are several; one "
+                            "process takes all cores but one, which the HTTP loop and its clients use; on a GPU "
+                            "torch's default)")
     where.add_argument("--engine-in-process", action="store_true",
                        help="step the engine on a thread of the server's process instead of a process of its "
                             "own (one process; the HTTP loop then shares its GIL: slower under load)")
@@ -117,6 +122,8 @@ def serve(args: argparse.Namespace) -> None:
     from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
     from dipaco.serve.app import create_app
 
+    if args.engine_in_process and args.engine_processes is not None:
+        fail("--engine-processes is not allowed with --engine-in-process (see dipaco-serve --help)")
     if not _is_loopback(args.host):
         _say(f"warning: binding {args.host}: the server has no authentication; anyone who can reach "
              f"port {args.port} can use it")
@@ -131,12 +138,16 @@ def serve(args: argparse.Namespace) -> None:
         engine: Any = RoutedEngine(run, **shape)
     else:  # the weights are opened (and verified) by the process that reads them
         run = InferenceRun.open(args.run_dir, device=args.device, need_weights=False)
+        from dipaco.serve.engine_pool import EnginePool, engine_processes
         from dipaco.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
 
+        n = engine_processes(args.engine_processes, str(args.device or run.cfg.trainer.device), run.num_paths)
+        threads = args.engine_threads if args.engine_threads is not None or n == 1 else 1
         spec = EngineSpec(str(args.run_dir), checkpoint=args.checkpoint, verify=verify, device=args.device,
-                          engine=shape, threads=args.engine_threads)
+                          engine=shape, threads=threads)
         try:
-            engine = EngineProcess.start(spec, int(run.cfg.model.vocab_size))
+            engine = EngineProcess.start(spec, int(run.cfg.model.vocab_size)) if n == 1 else \
+                EnginePool.start([spec] * n, int(run.cfg.model.vocab_size), route=run.route)
         except EngineFailed as e:
             fail(str(e))
         model = ServedModel.from_run(run, checkpoint=engine.info["checkpoint"])
@@ -144,7 +155,12 @@ def serve(args: argparse.Namespace) -> None:
     limits = ServeLimits(max_tokens_cap=cap, max_body_bytes=args.max_body_bytes, reroute_every=args.reroute_every)
     service = CompletionService(model, EngineThread(engine), limits)
     host, port = sock.getsockname()[:2]
-    where = "in this process" if args.engine_in_process else f"in its own process, {engine.info['threads']} thread(s)"
+    if args.engine_in_process:
+        where = "in this process"
+    elif engine.info.get("processes", 1) > 1:
+        where = f"in {engine.info['processes']} processes of {engine.info['threads']} thread(s), paths kept apart"
+    else:
+        where = f"in its own process, {engine.info['threads']} thread(s)"
     _say(f"serving model {model.name!r} ({model.num_paths} paths, context {model.max_seq_len} tokens) on "
          f"http://{_url_host(host)}:{port}/v1 (at most {args.max_loaded_paths} path(s) loaded, batches of "
          f"{args.max_batch_size}, max_tokens <= {cap}; engine {where})")

@@ -95,33 +95,37 @@ class EngineProcess:
     @classmethod
     def start(cls, spec: EngineSpec, vocab_size: int, *, timeout: float = _START_TIMEOUT_S) -> "EngineProcess":
         """Spawn the child and wait until it has opened the run (``EngineFailed`` if it cannot)."""
+        return cls.spawn(spec).ready(vocab_size, timeout=timeout)
+
+    @classmethod
+    def spawn(cls, spec: EngineSpec) -> "Spawned":
+        """Spawn the child and return at once; :meth:`Spawned.ready` waits for it. Several
+        engines open their runs side by side this way (:mod:`dipaco.serve.engine_pool`)."""
         ctx = mp.get_context("spawn")  # never fork a process holding torch's threads
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_child_main, args=(child, spec), name="dipaco-engine", daemon=True)
         proc.start()
         child.close()
-        if not parent.poll(timeout):
-            proc.kill()
-            raise EngineFailed(f"the engine process did not open the run within {timeout:.0f} s")
-        try:
-            kind, payload = parent.recv()
-        except EOFError:
-            proc.join(5)
-            raise EngineFailed(f"the engine process exited while opening the run (exit code {proc.exitcode})") \
-                from None
-        if kind != "ready":
-            proc.join(5)
-            raise EngineFailed(str(payload))
-        return cls(proc, parent, vocab_size, payload)
+        return Spawned(proc, parent)
 
     # ---------------------------------------------------------------- any thread
 
-    def submit(self, request: Any) -> int:
-        """Check ``request`` here (``ValueError``, one line), then hand it to the child."""
+    def submit(self, request: Any, request_id: Optional[int] = None) -> int:
+        """Check ``request`` here (``ValueError``, one line), then hand it to the child.
+
+        ``request_id``: the id its events will carry (an :class:`EnginePool` numbers the
+        requests of all its engines); by default this engine's next one. An id still open
+        is a ``ValueError``.
+        """
         self._check(request, self.vocab_size)
         with self._lock:
-            rid = self._next_id
-            self._next_id += 1
+            if request_id is None:
+                rid = self._next_id
+                self._next_id += 1
+            else:
+                rid = int(request_id)
+                if rid in self._open:
+                    raise ValueError(f"request id {rid} is already open in this engine")
             self._open.add(rid)
         self._send(("submit", rid, request))
         return rid
@@ -169,6 +173,11 @@ class EngineProcess:
                     self._open.discard(ev.request_id)
         return events
 
+    @property
+    def connection(self) -> Connection:
+        """The pipe :meth:`step` reads (an :class:`EnginePool` waits on all of its engines' at once)."""
+        return self._conn
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (idempotent); a ``step`` blocked in its read returns ``[]``."""
         self._closing = True
@@ -177,6 +186,37 @@ class EngineProcess:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        self._conn.close()
+
+
+class Spawned:
+    """A child spawned by :meth:`EngineProcess.spawn` that has not said it is ready yet."""
+
+    def __init__(self, proc: Any, conn: Connection) -> None:
+        self._proc, self._conn = proc, conn
+
+    def ready(self, vocab_size: int, *, timeout: float = _START_TIMEOUT_S) -> EngineProcess:
+        """Wait until the child has opened the run; ``EngineFailed`` (the child's one-line
+        reason) if it cannot, or says nothing within ``timeout`` seconds."""
+        proc, parent = self._proc, self._conn
+        if not parent.poll(timeout):
+            proc.kill()
+            raise EngineFailed(f"the engine process did not open the run within {timeout:.0f} s")
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            proc.join(5)
+            raise EngineFailed(f"the engine process exited while opening the run (exit code {proc.exitcode})") \
+                from None
+        if kind != "ready":
+            proc.join(5)
+            raise EngineFailed(str(payload))
+        return EngineProcess(proc, parent, vocab_size, payload)
+
+    def kill(self) -> None:
+        """Stop a child that is no longer wanted (another engine of its pool failed to start)."""
+        self._proc.kill()
+        self._proc.join(5)
         self._conn.close()
 
 
