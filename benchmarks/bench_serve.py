@@ -21,7 +21,8 @@ Every side decodes the same prompts with the same settings:
 
 Reports prompts/s, generated tokens/s and p50/p99 latency of each and writes
 benchmarks/results/serve.json (not committed). The run is ``--run-dir`` or the inference
-benchmark's run (trained once); prompts are the first 32 tokens of its validation documents.
+benchmark's run (trained once); prompts are the first 32 tokens of its validation documents, in a
+fixed shuffle that mixes the domains (`--order corpus`: a domain at a time).
 Not a test: numbers depend on the host and on what else runs on it.
 """
 from __future__ import annotations
@@ -51,14 +52,22 @@ TINY_TEXTS = ["def parse_args(argv):\n    parser = argparse.ArgumentParser()\n",
               "SELECT name, count(*) FROM users GROUP BY", "import os\nimport sys\n\n\ndef main():\n"]
 
 
-def prompts_of(run: Any, n: int) -> list[list[int]]:
-    """``n`` prompts: the first :data:`PROMPT_TOKENS` tokens of the run's validation documents
-    (all its domains, in the corpus' order), cycled when there are fewer documents."""
+def prompts_of(run: Any, n: int, order: str = "mixed") -> list[list[int]]:
+    """``n`` prompts: the first :data:`PROMPT_TOKENS` tokens of the run's validation documents,
+    cycled when there are fewer documents. ``order``: ``"mixed"`` (a fixed shuffle, so the
+    domains mix in every stretch of requests, as ``benchmarks.bench_serving``'s do) or
+    ``"corpus"`` (the corpus' order: a domain at a time)."""
+    import random
+
     from dipaco.job.prepare import validation_ids
 
     docs = [list(map(int, d[:PROMPT_TOKENS])) for d in validation_ids(run.cfg, run.run) if len(d) >= 2]
     limit = int(run.cfg.model.max_seq_len) - 1
     docs = [d[:limit] for d in docs]
+    if order == "mixed":
+        random.Random(0).shuffle(docs)
+    elif order != "corpus":
+        raise ValueError(f"order must be 'mixed' or 'corpus', got {order!r}")
     return [docs[i % len(docs)] for i in range(n)]
 
 
@@ -255,6 +264,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--max-loaded-paths", type=int, default=1)
+    ap.add_argument("--order", choices=["mixed", "corpus"], default="mixed",
+                    help="prompts' order: domains shuffled together (default) or the corpus' (a domain at a time)")
     ap.add_argument("--repeats", type=int, default=3, help="measurements of each side, interleaved (median)")
     ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/serve.json)")
     ap.add_argument("--server-args", default="", help="more dipaco-serve flags, one string (e.g. "
@@ -275,7 +286,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.tiny:
         prompts = [run.encode(TINY_TEXTS[i % len(TINY_TEXTS)])[:PROMPT_TOKENS] for i in range(args.prompts)]
     else:
-        prompts = prompts_of(run, args.prompts)
+        prompts = prompts_of(run, args.prompts, args.order)
     model = run_dir.resolve().name
     shape = (args.max_tokens, args.max_batch_size, args.max_loaded_paths)
     server = Server(run_dir, args.max_batch_size, args.max_loaded_paths, args.max_tokens, args.server_args.split())
