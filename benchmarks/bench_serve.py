@@ -228,24 +228,42 @@ def _peak_rss_mib(pids: Sequence[int]) -> float:
     return total / 1024
 
 
-def serving_side(setup: Any, clients: int = 32) -> dict[str, Any]:
+def serving_side(setup: Any, clients: int = 32, passes: int = 3) -> dict[str, Any]:
     """``benchmarks.bench_serving``'s ``server`` side: ``dipaco-serve`` on the same prompts
-    (the text, as a client sends it), greedy, ``clients`` closed-loop clients, batches and
-    loaded paths as the engine's ``--file`` side. The server starts and answers ``clients``
-    prompts before the clock starts (a server is started once and runs); peak RSS is its
-    process's and its engine process's, summed."""
+    (the text, as a client sends it), greedy, ``clients`` closed-loop clients, batches as the
+    engine's ``--file`` side, one path loaded per engine process. The server starts and
+    answers ``clients`` prompts before the clock starts (a server is started once and runs);
+    it then serves every prompt ``passes`` times, and the pass with the median tokens/s is
+    reported (one pass of a few seconds is at the mercy of the host's load). Peak RSS is its
+    process's and its engine processes', summed."""
     server = Server(Path(setup.run_dir), setup.batch_size, 1, setup.new_tokens)
     try:
         url = server.wait()
         model = Path(setup.run_dir).resolve().name
         asyncio.run(drive(url, model, setup.texts[:clients], clients, setup.new_tokens))
-        r = asyncio.run(drive(url, model, setup.texts, clients, setup.new_tokens, server.cpu_s))
+        samples = [asyncio.run(drive(url, model, setup.texts, clients, setup.new_tokens, server.cpu_s))
+                   for _ in range(passes)]
         rss = _peak_rss_mib(_process_tree(server.proc.pid))
+        engines = _engine_count(server)
     finally:
         server.stop()
+    r = _median_sample(samples)
     return {"prompts_s": r["prompts_per_s"], "tokens_s": r["tokens_per_s"], "peak_rss_mib": rss,
             "seconds": r["wall_s"], "tokens": r["tokens"], "latency_p50_s": r["latency_p50_s"],
-            "latency_p99_s": r["latency_p99_s"], "note": f"{clients} closed-loop clients, server already started"}
+            "latency_p99_s": r["latency_p99_s"], "passes_tokens_s": [d["tokens_per_s"] for d in samples],
+            "engine_processes": engines,
+            "note": f"{clients} closed-loop clients, server already started, median of {passes} passes"}
+
+
+def _engine_count(server: Server) -> Optional[int]:
+    """Engine processes the server said it runs (its start-up line), if it said."""
+    for line in server.lines:
+        m = re.search(r"engine in (\d+) processes", line)
+        if m:
+            return int(m.group(1))
+        if "engine in its own process" in line:
+            return 1
+    return None
 
 
 def _median_sample(samples: list[dict[str, Any]]) -> dict[str, Any]:

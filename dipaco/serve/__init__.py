@@ -15,10 +15,13 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
   ``engine.step()`` while there is work; a new request is queued by the engine on its
   path and joins that path's running batch at the next step. At most
   ``--max-loaded-paths`` paths are in memory (the engine's bound).
-* **The engine in its own process.** ``dipaco-serve`` runs the engine in a spawned
-  process (:class:`~dipaco.serve.engine_process.EngineProcess`, the same API), so the
-  HTTP loop and the engine's Python never wait for one GIL; on a CPU the engine takes
-  every core but one (``--engine-threads``). ``--engine-in-process`` keeps one process.
+* **The engine in processes of its own.** ``dipaco-serve`` runs the engine in spawned
+  processes (:class:`~dipaco.serve.engine_process.EngineProcess`, the same API), so the
+  HTTP loop and the engine's Python never wait for one GIL. On a CPU there is one per
+  core (``--engine-processes``), one thread each, at most one per path; the server routes
+  each request and keeps a path's open requests in one of them, so its batches stay
+  whole (:class:`~dipaco.serve.engine_pool.EnginePool`). One process takes every core
+  but one (``--engine-threads``). ``--engine-in-process`` keeps one process.
 * **Refusals.** Every refusal is OpenAI's error object with a one-line message and a
   4xx status (413 for a body over ``--max-body-bytes``, checked before parsing; 404 for
   an unknown model; 400 for the rest), or 503 while the engine is down; never a
@@ -31,10 +34,11 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
 from __future__ import annotations
 
 from dipaco.serve.completions import CompletionService
+from dipaco.serve.engine_pool import EnginePool
 from dipaco.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
 from dipaco.serve.engine_thread import EngineDown, EngineThread
 from dipaco.serve.errors import APIError
 from dipaco.serve.model import ServedModel, ServeLimits
 
-__all__ = ["CompletionService", "EngineThread", "EngineDown", "EngineProcess", "EngineSpec", "EngineFailed", "APIError",
+__all__ = ["CompletionService", "EngineThread", "EngineDown", "EnginePool", "EngineProcess", "EngineSpec", "EngineFailed", "APIError",
            "ServedModel", "ServeLimits"]
