@@ -93,6 +93,18 @@ def test_ids_are_the_pools_and_a_refused_request_takes_none() -> None:
         EnginePool([], route=lambda ids: 0)
 
 
+def test_a_request_its_engine_refuses_is_not_left_open() -> None:
+    pool, engines = _pool()
+
+    def refuse(request, request_id=None):
+        raise ValueError("request id 0 is already open in this engine")
+
+    engines[0].submit = refuse
+    with pytest.raises(ValueError, match="already open"):
+        pool.submit(_Req([5]))
+    assert not pool.has_work() and pool.open_per_engine() == [0, 0] and not pool._owner
+
+
 def test_the_default_count_is_one_per_core_and_path_and_one_on_a_gpu(monkeypatch) -> None:
     import dipaco.runtime.device as device
 

@@ -96,7 +96,12 @@ class EnginePool:
             self._where[rid] = (i, path)
             self._open_in[i] += 1
             self._path_open[path] = self._path_open.get(path, 0) + 1
-        engines[i].submit(request, request_id=rid)
+        try:
+            engines[i].submit(request, request_id=rid)
+        except BaseException:  # not handed over: it must not count as open
+            with self._lock:
+                self._finished(rid)
+            raise
         return rid
 
     def cancel(self, request_id: int) -> None:
