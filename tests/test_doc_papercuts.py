@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dipaco.cli.help import usage
 from dipaco.cli.plan import main as plan_main
-from dipaco.job.summary_table import summary_table
+from dipaco.job.summary import summary_table
 
 REPO = Path(__file__).resolve().parents[1]
 

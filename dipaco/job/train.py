@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import time
@@ -17,7 +16,6 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from dipaco.plan.build import build_comm_plan, build_grid
 from dipaco.run.checkpoint import atomic_write_text, write_json
 from dipaco.config import Config, ConfigError, eval_window
 from dipaco.decoupled.owner import check_store
@@ -41,12 +39,12 @@ from dipaco.run.resume import check_fresh, finished_summary, has_saved_config, r
 from dipaco.run.record import write_run_config
 from dipaco.run.routed import holds_prepared_run, routed_config
 from dipaco.rounds import run_rank
-from dipaco.run.run_dir import RunDir, bytes_totals, disk_full_guard, prior_totals
+from dipaco.run.run_dir import RunDir, disk_full_guard, prior_totals
 from dipaco.run.lock import RunLock, check_unlocked
-from dipaco.config.schedule import describe_segments, extension_note
+from dipaco.config.schedule import extension_note
 from dipaco.runtime.slurm import slurm_rendezvous
 from dipaco.runtime.progress import log, open_run_log, run_log, say_plain
-from dipaco.job.summary_table import summary_table
+from dipaco.job.summary import build_summary, summary_table
 from dipaco.runtime.record_tail import RecordTail
 from dipaco.runtime.tracking import MetricsWriter, writer_for
 from dipaco.job.preflight import preflight
@@ -59,7 +57,12 @@ def _log(msg: str) -> None:
 
 def train(cfg: Config, overrides: Optional[list[str]] = None,
           hydra_files: Optional[dict[str, str]] = None) -> dict[str, Any]:
-    """Run the job described by ``cfg`` in ``cfg.run_dir``; return the summary dict.
+    """Run the job described by ``cfg`` in ``cfg.run_dir``; return its summary.
+
+    The summary is a :class:`~dipaco.job.summary.RunSummary` (what ``summary.json``
+    holds) when the run finished, in this process or earlier (an already finished run is
+    not trained again); ``{"stopped_at_round", "checkpoint"}`` when it stopped before its
+    last round; ``{}`` on a torchrun rank other than 0.
 
     With ``resume=true`` the run's saved ``config.yaml`` is the config; ``overrides``
     (the command line, as Hydra's task overrides) says which keys were asked for, and
@@ -186,7 +189,8 @@ def _train(cfg: Config, run: RunDir, changes: dict[str, list]) -> dict[str, Any]
 
 def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
             wall0: float) -> dict[str, Any]:
-    """After the rounds (launching process / rank 0): baseline, evaluation, summary."""
+    """After the rounds (launching process / rank 0): baseline, evaluation, summary
+    (a :class:`~dipaco.job.summary.RunSummary`; a stopped run's stop instead)."""
     if not result.finished and StopSignals.received:
         raise stopped(cfg, run, result, StopSignals.received, requeue_here=False)
     if not result.finished:
@@ -201,7 +205,7 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
         result, rounds_s = prior_totals(run, result, rounds_s, timed_from)
     baseline = _dense_baseline(cfg, run, prep)
     routed = _evaluate(cfg, run, prep, Path(result.checkpoint))
-    summary = _summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
+    summary = build_summary(cfg, run, prep, result, rounds_s, baseline, routed, time.perf_counter() - wall0)
     write_json(run.summary, summary)
     with writer_for(run, cfg) as writer:  # plotted at the last round's last inner step
         writer.log_summary(summary, step=cfg.trainer.rounds * cfg.diloco.inner_steps)
@@ -306,85 +310,3 @@ def _dense_baseline(cfg: Config, run: RunDir, prep: Prepared) -> dict[str, Any]:
 def _evaluate(cfg: Config, run: RunDir, prep: Prepared, ckpt: Path) -> dict[str, Any]:
     """Routed perplexity on ``trainer.eval_split`` (:func:`dipaco.job.evaluation.evaluate_run`)."""
     return evaluate_run(cfg, run, prep.router, prep.eval_ids, ckpt)
-
-
-def _summary(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, rounds_s: float,
-             baseline: dict, routed: dict, wall_s: float) -> dict[str, Any]:
-    grid = build_grid(cfg)
-    plan = build_comm_plan(cfg, result.world_size)
-    rounds_done = result.rounds - result.start_round
-    ddp_bytes = plan.ddp_bytes_per_round * rounds_done
-    bytes_sent = result.bytes_sent
-    if cfg.diloco.mode == "sync" and run.metrics.is_file():  # every total: the sum of each round's record
-        bytes_sent, ddp_bytes = bytes_totals(run, result.rounds, plan.ddp_bytes_per_round)
-    routed_ppl = routed["once"]["ppl"]
-    dense_ppl = baseline.get("eval", {}).get("ppl", float("nan"))
-    routed_long = routed.get("once_long", {}).get("ppl")
-    dense_long = baseline.get("eval_long", {}).get("ppl")
-    summary = {
-        "routed_ppl": routed_ppl,
-        "dense_ppl": dense_ppl,
-        "ratio_vs_dense": routed_ppl / dense_ppl if dense_ppl and math.isfinite(dense_ppl) else None,
-        "rerouted_ppl": routed.get("rerouted", {}).get("ppl"),
-        "wrong_path_ppl": routed.get("wrong_path", {}).get("ppl"),
-        "per_path": routed["once"]["per_path"],
-        "eval_tokens": routed["once"]["num_tokens"],
-        "eval_split": cfg.trainer.eval_split,
-        # trainer.eval_long: whole documents in windows of eval_seq_len (None when off)
-        "routed_ppl_long": routed_long,
-        "dense_ppl_long": dense_long,
-        "ratio_vs_dense_long": routed_long / dense_long if routed_long and dense_long else None,
-        "rerouted_ppl_long": routed.get("rerouted_long", {}).get("ppl"),
-        "wrong_path_ppl_long": routed.get("wrong_path_long", {}).get("ppl"),
-        "eval_tokens_long": routed.get("once_long", {}).get("num_tokens"),
-        "eval_seq_len": eval_window(cfg) if cfg.trainer.eval_long else None,
-        # trainer.path_early_stopping: routed_ppl uses each path's kept weights; these are
-        # the last checkpoint's, and the round each path's weights come from
-        "routed_ppl_last_weights": routed.get("last_weights", {}).get("ppl"),
-        "best_rounds": routed.get("best_rounds"),
-        "alpha": cfg.diloco.alpha,
-        "bytes_sent": bytes_sent,
-        "ddp_bytes_equivalent": ddp_bytes,
-        "bytes_ratio_vs_ddp": bytes_sent / ddp_bytes if ddp_bytes else None,
-        "tokens_per_s": result.tokens / max(rounds_s, 1e-9),
-        "train_tokens": result.tokens,
-        "compute_s": result.compute_s,
-        "wait_s": result.wait_s,  # waiting at the round barrier for the slowest group
-        "sync_s": result.sync_s,  # the exchange and outer step themselves
-        # of the rounds' time (compute + wait + sync), launch and evaluation excluded
-        "sync_share": result.sync_s / max(result.compute_s + result.wait_s + result.sync_s, 1e-9),
-        "rounds_s": rounds_s,
-        "wall_s": wall_s,
-        "rounds": result.rounds,
-        # what the learning rate did, segment by segment (an extended run: trainer.extend_schedule)
-        "lr_schedule": describe_segments(cfg),
-        "inner_steps": cfg.diloco.inner_steps,
-        "warmup_steps": prep.warmup_steps,
-        "num_paths": grid.num_paths,
-        "grid": list(cfg.grid.levels),
-        "path_parameters": grid.path_param_count(0),
-        "total_parameters": grid.total_param_count(),
-        # of path 0: what routing can specialise (modules not every path shares)
-        "specialised_parameters": grid.specialised_param_count(0),
-        "routing": {k: prep.report.get(k) for k in ("shard_sizes", "imbalance", "nmi", "purity")},
-        # EM re-shard phases (routing_report.json has each in full)
-        "reshards": [{k: p.get(k) for k in ("round", "assign", "reassigned", "shard_sizes", "nmi")}
-                     for p in prep.report.get("reshards", [])],
-        "dense_baseline": baseline.get("info"),
-        "timings": prep.timings,
-        "launcher": cfg.launcher.name,
-        # where the rounds ran, in what precision, and the largest per-rank memory peak
-        # (CUDA allocator peak, or the process's peak RSS on the CPU)
-        "device": result.device,
-        "precision": cfg.trainer.precision,
-        "peak_memory_bytes": result.peak_memory_bytes,
-        "codec": cfg.diloco.codec,
-        "resumed_from_round": result.resumed_from_round,  # totals count every round anyway
-        "totals_missing_rounds": result.totals_missing_rounds,
-        "decoupled": result.decoupled,  # goodput, staleness, drops (diloco.mode=decoupled)
-        # elastic launches: who left or joined, in which round, seconds lost (membership.jsonl)
-        "membership_changes": elastic.changes(run),
-        "tag": cfg.tag,
-        "seed": cfg.seed,
-    }
-    return summary
