@@ -55,7 +55,8 @@ class BatchStats:
     Attributes:
         steps: ``engine.step()`` calls that produced events.
         tokens: token events handed out.
-        max_rows: the most requests that got a token from one step (one path's batch).
+        max_rows: the most requests that got a token from one step (one path's batch; with
+            several engine processes, the batches of those whose steps were read together).
         joined_running: requests whose first token came from a step that also served a
             request which had had tokens before (they joined a running batch).
         submitted, finished: requests in and out.
