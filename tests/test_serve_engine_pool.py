@@ -42,7 +42,7 @@ class _StandIn:
     got: list = field(default_factory=list)
     cancelled: list = field(default_factory=list)
 
-    def _check(self, request, vocab_size) -> None:
+    def check(self, request) -> None:
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
 

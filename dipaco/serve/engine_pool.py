@@ -83,7 +83,7 @@ class EnginePool:
         ``ValueError`` (one line) for a request the engine would refuse, as in-process.
         """
         engines = self.engines
-        engines[0]._check(request, self.vocab_size)  # before routing: the router wants valid ids
+        engines[0].check(request)  # before routing: the router wants valid ids
         path = int(self._route(list(request.prompt_ids)))
         with self._lock:
             i = self._owner.get(path)

@@ -117,7 +117,7 @@ class EngineProcess:
         requests of all its engines); by default this engine's next one. An id still open
         is a ``ValueError``.
         """
-        self._check(request, self.vocab_size)
+        self.check(request)
         with self._lock:
             if request_id is None:
                 rid = self._next_id
@@ -129,6 +129,11 @@ class EngineProcess:
             self._open.add(rid)
         self._send(("submit", rid, request))
         return rid
+
+    def check(self, request: Any) -> None:
+        """The engine's own request check, here: ``ValueError`` (one line) for a request the
+        child would refuse."""
+        self._check(request, self.vocab_size)
 
     def cancel(self, request_id: int) -> None:
         """Free the request's row at the child's next step (it reports it ``cancelled``)."""
