@@ -204,22 +204,24 @@ class Spawned:
         """Wait until the child has opened the run; ``EngineFailed`` (the child's one-line
         reason) if it cannot, or says nothing within ``timeout`` seconds."""
         proc, parent = self._proc, self._conn
-        if not parent.poll(timeout):
-            proc.kill()
-            raise EngineFailed(f"the engine process did not open the run within {timeout:.0f} s")
         try:
-            kind, payload = parent.recv()
-        except EOFError:
-            proc.join(5)
-            raise EngineFailed(f"the engine process exited while opening the run (exit code {proc.exitcode})") \
-                from None
-        if kind != "ready":
-            proc.join(5)
-            raise EngineFailed(str(payload))
+            if not parent.poll(timeout):
+                raise EngineFailed(f"the engine process did not open the run within {timeout:.0f} s")
+            try:
+                kind, payload = parent.recv()
+            except EOFError:
+                proc.join(5)
+                raise EngineFailed(f"the engine process exited while opening the run (exit code "
+                                   f"{proc.exitcode})") from None
+            if kind != "ready":
+                raise EngineFailed(str(payload))
+        except EngineFailed:
+            self.kill()  # its pipe closed too: a server that retries does not collect them
+            raise
         return EngineProcess(proc, parent, vocab_size, payload)
 
     def kill(self) -> None:
-        """Stop a child that is no longer wanted (another engine of its pool failed to start)."""
+        """Stop a child that failed to start, or is no longer wanted (another engine of its pool failed)."""
         self._proc.kill()
         self._proc.join(5)
         self._conn.close()
