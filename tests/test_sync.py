@@ -537,3 +537,25 @@ def test_the_cosine_is_the_mean_over_pairs_without_keeping_the_deltas() -> None:
     one = Contributions([0], 50, torch.device("cpu"), track_cosine=True)
     one.add(0, deltas[0], 1.0, True)
     assert one.cosine() is None  # one Δ has no pair
+
+
+def test_tallying_the_cosine_reads_nothing_back_from_the_device(monkeypatch) -> None:
+    """A contribution's cosine tally stays on the device (on a GPU a read would wait for it,
+    once per path, module and round): no tensor becomes a Python number while Δs are added."""
+    from dipaco.sync.module_core import Contributions
+
+    c = Contributions([0, 1], 40, torch.device("cpu"), track_cosine=True)
+    gen = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(40, generator=gen) for _ in range(3)] + [torch.zeros(40)]
+
+    def no_read(*_):
+        raise AssertionError("a tensor was read to the host while tallying")
+
+    with monkeypatch.context() as m:
+        for name in ("__float__", "__bool__", "item", "tolist"):
+            m.setattr(torch.Tensor, name, no_read)
+        for i, d in enumerate(deltas):
+            c.add(i % 2, d, 1.0, True)
+    pairs = [float(torch.nn.functional.cosine_similarity(deltas[i], deltas[j], dim=0, eps=1e-12))
+             for i in range(4) for j in range(i + 1, 4)]
+    assert c.cosine() == pytest.approx(sum(pairs) / len(pairs), abs=1e-6)

@@ -133,7 +133,7 @@ class Contributions:
         # peak grow with the paths sharing it, and n(n−1)/2 pairwise products cost 2.5 s
         # of a 15 s round at 16 paths a module ([16,16] smoke, docs/gpu.md).
         self._unit_sum: Optional[torch.Tensor] = None
-        self._unit_sq = 0.0
+        self._unit_sq: Optional[torch.Tensor] = None  # Σ ‖u_i‖²: the Δs counted (0-d, on the device)
         self._kept = 0
 
     @torch.no_grad()
@@ -154,14 +154,19 @@ class Contributions:
 
     @torch.no_grad()
     def _tally(self, delta: torch.Tensor) -> None:
+        # On the device throughout: reading ‖Δ‖ back to the host here would wait for the
+        # device once per contribution (every path, every module, every round); the tally
+        # is read once, by cosine().
         flat = delta.detach().reshape(-1).float()
-        norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        norm = torch.linalg.vector_norm(flat, dtype=torch.float64)
         if self._unit_sum is None:
             self._unit_sum = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+            self._unit_sq = torch.zeros((), dtype=torch.float64, device=flat.device)
         self._kept += 1
-        if norm > _COSINE_EPS:  # a zero Δ is orthogonal to every other (as cosine_similarity says)
-            self._unit_sum.add_(flat, alpha=1.0 / norm)
-            self._unit_sq += 1.0
+        counted = norm > _COSINE_EPS  # a zero Δ is orthogonal to every other (as cosine_similarity says)
+        scale = torch.where(counted, 1.0 / norm, torch.zeros_like(norm)).to(torch.float32)
+        self._unit_sum.addcmul_(flat, scale)
+        self._unit_sq += counted
 
     def meta(self, contributor: int) -> torch.Tensor:
         """``[Σα, contributions, dropped]`` of a contributor (float64: exchanged with the sums)."""
@@ -175,10 +180,10 @@ class Contributions:
         from the running sum in O(size) instead of O(n² · size).
         """
         n = self._kept
-        if n < 2 or self._unit_sum is None:
+        if n < 2 or self._unit_sum is None or self._unit_sq is None:
             return None
         total = float(torch.linalg.vector_norm(self._unit_sum, dtype=torch.float64)) ** 2
-        return (total - self._unit_sq) / (n * (n - 1))
+        return (total - float(self._unit_sq)) / (n * (n - 1))
 
 
 # ----------------------------------------------------------------- encoding
