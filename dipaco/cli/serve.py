@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000,
                    help="TCP port (default 8000; 0 picks a free one and prints it)")
     p.add_argument("--max-loaded-paths", type=int_in("--max-loaded-paths", 1, 4096), default=1, metavar="N",
-                   help="paths kept in memory at once (default 1)")
+                   help="paths kept in memory at once, by each engine process (default 1)")
     p.add_argument("--max-batch-size", type=int_in("--max-batch-size", 1, 4096), default=32, metavar="B",
                    help="rows decoded together in one path's batch (default 32)")
     p.add_argument("--max-tokens-cap", type=int_in("--max-tokens-cap", 1, 2**20), default=None, metavar="C",
