@@ -129,6 +129,9 @@ def create_app(service: CompletionService) -> FastAPI:
         loaded = _loaded_paths(engine.engine)
         if loaded is not None:
             body["loaded_paths"] = loaded
+        per_engine = _per_engine(engine.engine)
+        if per_engine is not None:
+            body["engines"] = per_engine
         if not ok:
             body["error"] = engine.error or "the engine thread is not running"
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -167,6 +170,15 @@ def _loaded_paths(engine: Any) -> list[int] | None:
         if isinstance(loaded, (list, tuple)):
             return [int(p) for p in loaded]
     return None
+
+
+def _per_engine(engine: Any) -> list[dict[str, Any]] | None:
+    """Each engine process's open requests and loaded paths, when the engine is a pool of them."""
+    open_per_engine = getattr(engine, "open_per_engine", None)
+    if not callable(open_per_engine):
+        return None
+    return [{"open_requests": n, "loaded_paths": [int(p) for p in e.loaded_paths]}
+            for n, e in zip(open_per_engine(), engine.engines)]
 
 
 async def _stream(completion: Completion) -> AsyncIterator[str]:
