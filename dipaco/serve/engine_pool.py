@@ -172,9 +172,10 @@ def engine_processes(requested: Optional[int], device: str, num_paths: int, core
     further engine would have nothing to do).
 
     Why one per core, not one less for the HTTP loop: on 2 cores, with 32 closed-loop
-    clients on mixed-domain prompts, 2 engines made 1.31x the tokens/s of 1 (medians of 3)
-    and 3 engines no more than 2 (docs/serving.md): an engine waits for the pipe and the
-    loop waits for the network, so the cores are shared without an OpenMP team to stall.
+    clients on mixed-domain prompts, 2 engines made 1.31x the tokens/s of 1 (medians of 3),
+    3 engines about as much as 2 (within the host's noise, for 320 MiB more) and 4 less
+    (docs/serving.md): an engine waits for the pipe and the loop waits for the network, so
+    the cores are shared without an OpenMP team to stall.
     """
     if requested is not None:
         return int(requested)
