@@ -236,6 +236,8 @@ def serving_side(setup: Any, clients: int = 32, passes: int = 3) -> dict[str, An
     it then serves every prompt ``passes`` times, and the pass with the median tokens/s is
     reported (one pass of a few seconds is at the mercy of the host's load). Peak RSS is its
     process's and its engine processes', summed."""
+    import httpx
+
     server = Server(Path(setup.run_dir), setup.batch_size, 1, setup.new_tokens)
     try:
         url = server.wait()
@@ -244,7 +246,8 @@ def serving_side(setup: Any, clients: int = 32, passes: int = 3) -> dict[str, An
         samples = [asyncio.run(drive(url, model, setup.texts, clients, setup.new_tokens, server.cpu_s))
                    for _ in range(passes)]
         rss = _peak_rss_mib(_process_tree(server.proc.pid))
-        engines = _engine_count(server)
+        health = httpx.get(url + "/health", timeout=30).json()
+        engines = len(health.get("engines", [])) or 1  # a single engine process lists none
     finally:
         server.stop()
     r = _median_sample(samples)
@@ -253,17 +256,6 @@ def serving_side(setup: Any, clients: int = 32, passes: int = 3) -> dict[str, An
             "latency_p99_s": r["latency_p99_s"], "passes_tokens_s": [d["tokens_per_s"] for d in samples],
             "engine_processes": engines,
             "note": f"{clients} closed-loop clients, server already started, median of {passes} passes"}
-
-
-def _engine_count(server: Server) -> Optional[int]:
-    """Engine processes the server said it runs (its start-up line), if it said."""
-    for line in server.lines:
-        m = re.search(r"engine in (\d+) processes", line)
-        if m:
-            return int(m.group(1))
-        if "engine in its own process" in line:
-            return 1
-    return None
 
 
 def _median_sample(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -78,6 +78,11 @@ def test_serving_benchmark_tiny_runs_its_sides(finished, tmp_path: Path) -> None
     # greedy, the same prompts: the server (text in, as a client sends it) generates what --file does
     assert out["sides"]["server"]["tokens"] == out["sides"]["engine_process"]["tokens"]
     assert out["verdicts"]["server_vs_engine_process_tokens"] > 0
+    from dipaco.inference import InferenceRun
+    from dipaco.serve.engine_pool import engine_processes
+
+    paths = InferenceRun.open(finished[0], need_weights=False).num_paths
+    assert out["sides"]["server"]["engine_processes"] == engine_processes(None, "cpu", paths)  # /health's count
 
 
 def test_round_trace_notes_the_projects_calls_only_while_on() -> None:

@@ -40,5 +40,5 @@ from dipaco.serve.engine_thread import EngineDown, EngineThread
 from dipaco.serve.errors import APIError
 from dipaco.serve.model import ServedModel, ServeLimits
 
-__all__ = ["CompletionService", "EngineThread", "EngineDown", "EnginePool", "EngineProcess", "EngineSpec", "EngineFailed", "APIError",
-           "ServedModel", "ServeLimits"]
+__all__ = ["CompletionService", "EngineThread", "EngineDown", "EnginePool", "EngineProcess", "EngineSpec",
+           "EngineFailed", "APIError", "ServedModel", "ServeLimits"]

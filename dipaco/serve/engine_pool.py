@@ -27,6 +27,7 @@ Rules:
 """
 from __future__ import annotations
 
+import os
 import threading
 from multiprocessing.connection import wait as wait_for
 from typing import Any, Callable, Optional, Sequence
@@ -55,8 +56,7 @@ class EnginePool:
         self._next_id = 0
         self._where: dict[int, tuple[int, int]] = {}  # request id -> (engine index, path)
         self._open_in = [0] * len(self.engines)       # open requests per engine
-        self._path_open: dict[int, int] = {}          # path -> open requests
-        self._owner: dict[int, int] = {}              # path -> its engine while it has some open
+        self._owner: dict[int, list[int]] = {}        # path -> [its engine, its open requests], while some are
         self._closing = False
 
     @classmethod
@@ -86,16 +86,17 @@ class EnginePool:
         engines[0].check(request)  # before routing: the router wants valid ids
         path = int(self._route(list(request.prompt_ids)))
         with self._lock:
-            i = self._owner.get(path)
-            if i is None:
+            owner = self._owner.get(path)
+            if owner is None:
                 i = min(range(len(engines)),
                         key=lambda k: (self._open_in[k], path not in engines[k].loaded_paths, k))
-                self._owner[path] = i
+                owner = self._owner[path] = [i, 0]
+            i = owner[0]
+            owner[1] += 1
             rid = self._next_id
             self._next_id += 1
             self._where[rid] = (i, path)
             self._open_in[i] += 1
-            self._path_open[path] = self._path_open.get(path, 0) + 1
         try:
             engines[i].submit(request, request_id=rid)
         except BaseException:  # not handed over: it must not count as open
@@ -132,9 +133,9 @@ class EnginePool:
             return
         i, path = where
         self._open_in[i] -= 1
-        self._path_open[path] -= 1
-        if not self._path_open[path]:  # the path may go to another engine next time
-            del self._path_open[path], self._owner[path]
+        self._owner[path][1] -= 1
+        if not self._owner[path][1]:  # the path may go to another engine next time
+            del self._owner[path]
 
     # ---------------------------------------------------------------- the engine thread
 
@@ -183,8 +184,6 @@ def engine_processes(requested: Optional[int], device: str, num_paths: int, core
 
     if choose_device(device).type != "cpu":
         return 1
-    import os
-
     n = cores if cores is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                          else os.cpu_count() or 1)
     return max(1, min(int(n), int(num_paths)))
