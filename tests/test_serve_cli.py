@@ -191,9 +191,10 @@ def test_concurrent_clients_share_batches_and_a_leaving_one_is_freed(served) -> 
             assert time.monotonic() < deadline, h
             time.sleep(0.1)
         assert h["status"] == "ok" and h["engine"]["max_rows"] >= 2, h  # rows shared a step
-        # the two engine processes: none holds a request now, and the paths they hold are the union
+        # the two engine processes: none holds a request now, and each keeps its own bound of
+        # --max-loaded-paths 1 (the pool may hold two paths, one engine never more than one)
         assert [e["open_requests"] for e in h["engines"]] == [0, 0], h
-        assert sorted({p for e in h["engines"] for p in e["loaded_paths"]}) == h["loaded_paths"], h
+        assert all(len(e["loaded_paths"]) <= 1 for e in h["engines"]) and h["loaded_paths"], h
         bad = c.post("/v1/completions", json={"model": name, "prompt": "x " * 200, "max_tokens": 4})
         assert bad.status_code == 400 and "context" in bad.json()["error"]["message"]
 
