@@ -71,7 +71,6 @@ def tokenizer_size(path: str) -> int:
 
 def check_implementation(cfg: Config) -> None:
     """The checks that ask torch, the machine or a file (see the module docstring)."""
-    _check_outer(cfg)
     for key, problem, fix in device_problems(cfg.trainer, cfg.launcher):
         raise ConfigError(key, problem, fix)
     _check_fsdp(cfg)
@@ -81,6 +80,7 @@ def check_implementation(cfg: Config) -> None:
         require(m.vocab_size >= size, "model.vocab_size",
                 f"{m.vocab_size} cannot hold the {size} token ids of data.tokenizer={d.tokenizer}",
                 f"set model.vocab_size={size} (or leave it out: the CLIs set it from data.tokenizer)")
+    _check_outer(cfg)  # last: it steps a real optimiser once; the reads above fail first
 
 
 def _check_outer(cfg: Config) -> None:
