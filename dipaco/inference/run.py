@@ -22,7 +22,7 @@ from dipaco.data import Tokenizer
 from dipaco.rounds.dense import load_dense_grid
 from dipaco.rounds.early_stopping import load_best_path
 from dipaco.rounds.evaluate import evaluate_routed, evaluate_single
-from dipaco.run.fingerprint import verify_checkpoint, verify_outputs
+from dipaco.run.fingerprint import check_config, verify_checkpoint, verify_outputs
 from dipaco.inference.generate import Generation, generate_routed
 from modules.features import lm_featurizer
 from dipaco.run.run_dir import RunDir, RunDirError
@@ -81,6 +81,11 @@ class InferenceRun:
         if not run.root.is_dir():
             raise RunDirError(f"run directory {run.root} does not exist")
         cfg = run.load_config()
+        # config.yaml builds the model the weights are loaded into and says how the router
+        # reads: edited after training (rope_theta, norm_eps, max_seq_len, ...) it would run
+        # the weights as another model, silently; the resume's rule refuses it here too
+        check_config(run, cfg, artefacts=("checkpoints", "router"),
+                     fix=f"put back the config.yaml the run was trained with ({run.config})")
         if device is not None:
             cfg.trainer.device = device
         run.require(run.tokenizer, "tokenizer")

@@ -219,16 +219,18 @@ def verify_checkpoint(run: RunDir, ckpt: Path) -> None:
                               f"{FINGERPRINTS} says {want[:12]}...): it comes from another run; {fix}")
 
 
-def preflight_resume(run: RunDir, cfg: Config) -> None:
-    """Every check a resume makes of what ``run`` holds, before anything is written: the
-    config keys each recorded artefact was made with, the artefacts' files, and every
-    checkpoint it might continue from (its stamp; the hashes are checked when one is
-    chosen). (The data's fingerprint needs the corpus: preparation checks it, with the
-    tokenizer, before it writes.)"""
+def check_config(run: RunDir, cfg: Config, fix: str, artefacts: Optional[tuple[str, ...]] = None) -> None:
+    """Refuse (:class:`RunDirError`, one line naming the first key that differs) a config
+    whose keys are not those ``run``'s recorded artefacts were made with: the one rule for a
+    resume and for every read of a finished run (a ``config.yaml`` edited after training
+    would otherwise build the weights into another model, silently). ``artefacts``: the
+    records to check (default: every one); ``checkpoints`` binds once a checkpoint exists."""
     saved = read_fingerprints(run)
     trained = "checkpoints/" in held_artefacts(run)
     for artefact, recorded in saved.items():
         if artefact not in _DEPENDS_ON or not isinstance(recorded, dict):
+            continue
+        if artefacts is not None and artefact not in artefacts:
             continue
         if artefact == "checkpoints" and not trained:
             continue  # what training would be made from binds nothing before a checkpoint exists
@@ -238,7 +240,16 @@ def preflight_resume(run: RunDir, cfg: Config) -> None:
         mine = {k: v for k, v in recorded.items() if k not in _INPUTS}  # its config keys (+ warm-up steps)
         if not _matches(mine, want):
             raise RunDirError(f"{_WHAT[artefact]} in {run.root} was made from something else than this run "
-                              f"({_difference(mine, want)}); start a new run in another hydra.run.dir")
+                              f"({_difference(mine, want)}); {fix}")
+
+
+def preflight_resume(run: RunDir, cfg: Config) -> None:
+    """Every check a resume makes of what ``run`` holds, before anything is written: the
+    config keys each recorded artefact was made with, the artefacts' files, and every
+    checkpoint it might continue from (its stamp; the hashes are checked when one is
+    chosen). (The data's fingerprint needs the corpus: preparation checks it, with the
+    tokenizer, before it writes.)"""
+    check_config(run, cfg, fix="start a new run in another hydra.run.dir")
     verify_outputs(run)
     mgr = CheckpointManager(run.checkpoints)
     for r in mgr.list_rounds():  # every checkpoint the resume might continue from, without hashing
