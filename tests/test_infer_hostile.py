@@ -48,3 +48,21 @@ def test_a_config_edited_after_training_is_refused_by_every_verb(finished, tmp_p
     # a key that says how to run, not what the weights are, may still change
     cfg.write_text(text.replace("eval_batch_size:", "eval_batch_size: 3 #"), encoding="utf-8")
     InferenceRun.open(run_dir, need_weights=False)
+
+
+
+# --------------------------------------------------------------------------- input lines
+
+
+def test_eval_refuses_an_empty_or_folder_data_file_naming_it(tmp_path) -> None:
+    """datasets fails on them deep inside lm-eval (an internal error before)."""
+    pytest.importorskip("lm_eval")
+    from dipaco.inference.lm_eval_adapter import LmEvalError, _check_local
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n", encoding="utf-8")
+    for path, words in ((empty, "is empty"), (tmp_path, "not a regular file"), (tmp_path / "gone.jsonl", "not exist")):
+        with pytest.raises(LmEvalError, match=words):
+            _check_local("t", {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(path)}}})
+    empty.write_text('{"text": "x"}\n', encoding="utf-8")
+    _check_local("t", {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(empty)}}})

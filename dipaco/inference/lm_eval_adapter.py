@@ -197,12 +197,29 @@ def _check_local(name: str, cfg: dict) -> None:
         if not files:
             raise LmEvalError(f"task {name!r} has dataset_path: {source} but no dataset_kwargs.data_files")
         for f in _file_list(files):
-            if not any(ch in f for ch in "*?[") and not Path(f).expanduser().exists():
-                raise LmEvalError(f"task {name!r}: data file {f} does not exist (relative paths are read "
+            if any(ch in f for ch in "*?["):
+                continue  # a pattern: datasets says which files it matched
+            problem = _data_file_problem(Path(f).expanduser())
+            if problem:
+                raise LmEvalError(f"task {name!r}: data file {f} {problem} (relative paths are read "
                                   f"from the working directory, {os.getcwd()})")
     elif not (source and Path(str(source)).expanduser().exists()):
         raise LmEvalError(f"task {name!r} reads dataset_path {source!r} from the Hugging Face hub; dipaco-infer "
                           "eval runs offline: use dataset_path: json with local data_files (docs/serving.md)")
+
+
+def _data_file_problem(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be a task's local data file (``None`` when it can): it must be a
+    regular file holding at least one non-blank line; datasets fails on an empty one deep
+    inside lm-eval (a StopIteration), which is the user's file to fix, not a bug to report."""
+    if not path.exists():
+        return "does not exist"
+    if not path.is_file():
+        return "is not a regular file"
+    with open(path, "rb") as fh:
+        if not any(line.strip() for line in fh):
+            return "is empty (a task needs at least one document)"
+    return None
 
 
 def _file_list(files: Any) -> list[str]:
