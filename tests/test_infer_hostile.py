@@ -13,7 +13,7 @@ import pytest
 
 from _hostile import copy_run, one_line, run_cli
 from dipaco.cli.infer import main
-from dipaco.inference import InferenceRun
+from dipaco.inference import InferenceRun, RoutedEngine
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Foo:\n"]
 
@@ -49,6 +49,29 @@ def test_a_config_edited_after_training_is_refused_by_every_verb(finished, tmp_p
     cfg.write_text(text.replace("eval_batch_size:", "eval_batch_size: 3 #"), encoding="utf-8")
     InferenceRun.open(run_dir, need_weights=False)
 
+
+# --------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_says_what_the_verb_left_and_how_to_go_on(finished, tmp_path, capsys, monkeypatch) -> None:
+    """Not the training run's "resume=true continues from the last checkpoint"."""
+    prompts, out = _prompts(tmp_path), tmp_path / "out.jsonl"
+
+    def interrupt(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RoutedEngine, "generate", interrupt)
+    code, err = run_cli(main, ["generate", finished[0], "--file", prompts, "--out", out, "--max-new-tokens", "2",
+                               "--fast-verify"], capsys, monkeypatch)
+    assert code == 1
+    line = one_line(err, "interrupted", str(out), "--resume")
+    assert "resume=true" not in line and "checkpoint" not in line
+    monkeypatch.setattr(InferenceRun, "generate", interrupt)
+    code, err = run_cli(main, ["generate", finished[0], "--prompt", "def f", "--fast-verify"], capsys, monkeypatch)
+    assert code == 1 and "Traceback" not in err
+    errors = [x for x in err.splitlines() if x.startswith("dipaco: error")]  # after the short-prompt note
+    assert len(errors) == 1 and "interrupted" in errors[0] and "run the command again" in errors[0], err
+    assert "resume=true" not in errors[0]
 
 
 # --------------------------------------------------------------------------- input lines

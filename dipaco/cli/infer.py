@@ -215,10 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def interrupted(args: argparse.Namespace) -> str:
+    """The one line for Ctrl-C (SIGINT) during ``args``' verb: what it leaves and how to go on
+    (the error boundary's own line speaks of training checkpoints, which no verb here writes)."""
+    if args.command == "generate" and getattr(args, "file", None) and getattr(args, "out", None):
+        return (f"interrupted: the whole lines in {args.out} are kept (a torn last one is cut on resume); "
+                "the same command with --resume continues it")
+    if getattr(args, "out", None):  # score, eval and export write their --out whole or not at all
+        return (f"interrupted: {args.out} is written whole or not at all, so nothing half-written is left; "
+                "run the command again")
+    return f"interrupted: dipaco-infer {args.command} stopped (what it printed is whole lines); run the command again"
+
+
 @report_user_errors
 def _dispatch(args: argparse.Namespace) -> None:
     try:
         VERBS[args.command][1](args)
+    except KeyboardInterrupt:
+        fail(interrupted(args), code=1)
     except BrokenPipeError:  # `dipaco-infer generate ... | head`: the reader left; not an error
         # Point stdout at /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
