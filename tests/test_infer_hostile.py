@@ -6,14 +6,18 @@ Uses the shared tiny finished run (tests/_hostile.py's ``finished``), copied whe
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from _hostile import copy_run, one_line, run_cli
+from dipaco.cli import generate_job
 from dipaco.cli.infer import main
 from dipaco.inference import InferenceRun, RoutedEngine
+from dipaco.run.run_dir import RunDirError
 
 PROMPTS = ["def main():\n    ", "import os\n", "class Foo:\n"]
 
@@ -50,6 +54,48 @@ def test_a_config_edited_after_training_is_refused_by_every_verb(finished, tmp_p
     InferenceRun.open(run_dir, need_weights=False)
 
 
+# --------------------------------------------------------------------------- one job per --out
+
+
+def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes(finished, tmp_path, capsys,
+                                                                        monkeypatch) -> None:
+    """Two writers would each append the lines after the same resume point: duplicates."""
+    prompts, out = _prompts(tmp_path), tmp_path / "out.jsonl"
+    argv = ["generate", finished[0], "--file", prompts, "--out", out, "--max-new-tokens", "2", "--fast-verify"]
+    fd = generate_job.claim(out)  # the first job, still writing (nothing yet)
+    try:
+        for extra in ([], ["--resume"]):
+            code, err = run_cli(main, argv + extra, capsys, monkeypatch)
+            assert code == 2
+            one_line(err, str(out), "being written by another")
+        assert out.read_bytes() == b"" and not generate_job.job_path(out).exists()
+    finally:
+        os.close(fd)
+    code, err = run_cli(main, argv, capsys, monkeypatch)  # the lock went with the first job
+    assert code == 0, err
+    assert len(out.read_text(encoding="utf-8").splitlines()) == len(PROMPTS)
+
+
+def _args(prompts: Path, **kw) -> argparse.Namespace:
+    base = dict(file=str(prompts), max_new_tokens=4, temperature=0.0, top_k=None, top_p=None, seed=0,
+                reroute_every=None, ignore_eos=False, text_field="text", fast=False, batch_size=8)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_resume_on_another_kind_of_device_is_refused(tmp_path) -> None:
+    """CPU and CUDA kernels round differently: the lines would mix two devices' numbers."""
+    prompts, out = _prompts(tmp_path), tmp_path / "out.jsonl"
+    generate_job.record_job(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cuda"))
+    with pytest.raises(RunDirError, match="--device 'cuda'.*'cpu'"):
+        generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu"))
+    generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cuda"))
+    # a record from before the device was recorded: continued (it never chose one)
+    rec = json.loads(generate_job.job_path(out).read_text(encoding="utf-8"))
+    del rec["settings"]["device"]
+    generate_job.job_path(out).write_text(json.dumps(rec), encoding="utf-8")
+    generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu"))
+
+
 # --------------------------------------------------------------------------- Ctrl-C
 
 
@@ -75,6 +121,17 @@ def test_ctrl_c_says_what_the_verb_left_and_how_to_go_on(finished, tmp_path, cap
 
 
 # --------------------------------------------------------------------------- input lines
+
+
+def test_a_bad_seed_line_is_refused_before_the_run_is_read(tmp_path, capsys, monkeypatch) -> None:
+    """Checked with the file, not after the checkpoint is hashed and the job recorded."""
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"text": "x = 1"}, {"text": "y = 2", "seed": -1}])
+    out = tmp_path / "out.jsonl"
+    code, err = run_cli(main, ["generate", tmp_path / "no-such-run", "--file", prompts, "--out", out],
+                        capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "prompt 1 has seed -1", '"seed" field')
+    assert not out.exists() and not generate_job.job_path(out).exists()
 
 
 def test_eval_refuses_an_empty_or_folder_data_file_naming_it(tmp_path) -> None:

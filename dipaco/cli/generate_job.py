@@ -8,11 +8,18 @@ append lines made otherwise to lines made before, and nothing in the lines says 
 record is written when O is started; ``--resume`` compares it with what this command would
 do and refuses in one line naming the first difference. A missing record is a refusal,
 never a pass (docs/reliability.md: every artefact is verified when read).
+
+One job writes O at a time: :func:`claim` takes an exclusive lock on O before its record
+is written or its lines are counted, so a second command on the same O (a resume started
+while the first still runs) is refused instead of appending a second copy of the same
+lines between the first one's.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,7 +27,7 @@ from dipaco.run.run_dir import RunDirError
 from dipaco.storage.atomic import write_json
 from dipaco.storage.hashing import sha256_file, sha256_json
 
-__all__ = ["JOB_SUFFIX", "check_resume", "describe_job", "job_path", "record_job"]
+__all__ = ["JOB_SUFFIX", "check_record_name", "check_resume", "claim", "describe_job", "job_path", "record_job"]
 
 JOB_SUFFIX = ".job.json"
 _KIND = "dipaco-infer generate --file"
@@ -31,27 +38,58 @@ def job_path(out: Path) -> Path:
     return out.with_name(out.name + JOB_SUFFIX)
 
 
-def describe_job(args: argparse.Namespace, manifest: dict) -> dict[str, Any]:
+# Settings recorded since a later dipaco: a record written before them was made without
+# choosing them, and is not refused for lacking them (an interrupted job stays resumable).
+_ADDED_SINCE = ("device",)
+
+
+def describe_job(args: argparse.Namespace, manifest: dict, device: str) -> dict[str, Any]:
     """What the lines of this command depend on: the checkpoint's weights (its manifest, so a
     run directory that moved still matches), the prompts file's bytes and every setting that
-    changes a generated token. Batch size and loaded paths do not, except under ``--fast``."""
+    changes a generated token, the kind of device the models run on included (``cpu`` or
+    ``cuda``: their kernels round differently). Batch size and loaded paths do not, except
+    under ``--fast``."""
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "reroute_every": args.reroute_every,
-                "ignore_eos": bool(args.ignore_eos), "text_field": args.text_field, "fast": bool(args.fast)}
+                "ignore_eos": bool(args.ignore_eos), "text_field": args.text_field, "fast": bool(args.fast),
+                "device": device}
     if args.fast:  # one product per layer over the batch: its bits depend on who shares it
         settings["batch_size"] = args.batch_size
     return {"kind": _KIND, "checkpoint_manifest_sha256": sha256_json(manifest),
             "prompts_file": str(args.file), "prompts_sha256": sha256_file(args.file), "settings": settings}
 
 
+def check_record_name(out: Path) -> None:
+    """Refuse, before any work, an ``out`` whose record's name holds a file dipaco did not
+    write (the user's: never replaced)."""
+    path = job_path(out)
+    if os.path.lexists(path) and _read(path) is None:
+        raise RunDirError(f"generate --out {out}: {path} exists and is not a record dipaco wrote; it is never "
+                          "replaced: move it, or choose another --out")
+
+
 def record_job(out: Path, job: dict[str, Any]) -> None:
     """Write ``out``'s record as its job starts. A file of that name that is not such a
     record is the user's: refused, not replaced."""
-    path = job_path(out)
-    if path.exists() and _read(path) is None:
-        raise RunDirError(f"generate --out {out}: {path} exists and is not a record dipaco wrote; it is never "
-                          "replaced: move it, or choose another --out")
-    write_json(path, job)
+    check_record_name(out)
+    write_json(job_path(out), job)
+
+
+def claim(out: Path) -> int:
+    """Open ``out`` for appending (created if missing) and lock it for this job alone; the
+    descriptor (the lock goes with it, a kill included) is the caller's to close. Another
+    job holding it is refused in one line, nothing written."""
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunDirError(f"generate --out {out} is being written by another dipaco-infer generate right now: "
+                          "wait for it to end (then --resume continues it), or choose another --out") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def check_resume(out: Path, job: dict[str, Any]) -> None:
@@ -71,6 +109,8 @@ def check_resume(out: Path, job: dict[str, Any]) -> None:
             raise RunDirError(f"generate --resume: {out} was written from {what[key]}; {fix}")
     old, new = recorded.get("settings") or {}, job["settings"]
     for key in [*new, *(k for k in old if k not in new)]:  # --fast before what only --fast records
+        if key in _ADDED_SINCE and key not in old:
+            continue
         if old.get(key) != new.get(key):
             flag = "--" + key.replace("_", "-")
             raise RunDirError(f"generate --resume: {out} was written with {flag} {old.get(key)!r}, this command has "

@@ -14,12 +14,13 @@ from typing import Any, Optional
 import numpy as np
 
 from dipaco.cli.errors import fail
-from dipaco.cli.generate_job import check_resume, describe_job, record_job
+from dipaco.cli.generate_job import check_record_name, check_resume, claim, describe_job, record_job
 from dipaco.cli.infer_args import (COMMON_EPILOG, add_run_args, emit, int_in, non_negative_float, open_run,
                                    positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
 from dipaco.run.path_guard import check_target
 from dipaco.run.run_dir import RunDirError
+from dipaco.runtime.device import choose_device
 from dipaco.runtime.progress import progress_bar
 
 
@@ -185,12 +186,22 @@ def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], bool]:
     out = check_target(args.out, "generate --out", fix="choose a --out outside every run directory")
     if out.is_dir():
         raise RunDirError(f"generate --out {args.out} is a directory; name a file (e.g. {Path(args.out) / 'out.jsonl'})")
+    check_record_name(out)  # the user's file beside --out: refused before any work
     if not out.exists() or out.stat().st_size == 0:
         return out, False
     if not args.resume:
         raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, or choose a new --out")
     _resume_point(out, truncate=False)  # a torn line is cut once the job record vouches for the file
     return out, True
+
+
+def _line_seed(args: argparse.Namespace, index: int, line: dict) -> int:
+    """Prompt ``index``'s seed: its line's ``seed`` field, else mixed from ``--seed``."""
+    seed = line.get("seed", prompt_seed(args.seed, index))
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        fail(f"{args.file}: prompt {index} has seed {seed!r}; a seed is an integer in [0, 2**63): "
+             "fix that line's \"seed\" field, or drop it")
+    return seed
 
 
 class _InOrder:
@@ -226,30 +237,39 @@ def run_file(args: argparse.Namespace) -> None:
     """``generate --file``: every prompt through the batched engine, one JSON line each."""
     out, resuming = _out_file(args)
     records, _ = read_jsonl_records(args.file, args.text_field)
+    seeds = [_line_seed(args, i, line) for i, (_, line) in enumerate(records)]  # refused before any work
     inf = open_run(args)  # the checkpoint is verified once, here
     done = 0
-    if out is not None:
-        job = describe_job(args, inf.manifest)
-        if resuming:  # the same job only
-            check_resume(out, job)
-            done = _resume_point(out)
-        else:
-            record_job(out, job)
-    reqs: list[tuple[int, Request, dict, int]] = []
-    for i, (text, line) in enumerate(records[done:], start=done):
-        seed = line.get("seed", prompt_seed(args.seed, i))
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            fail(f"{args.file}: prompt {i} has seed {seed!r}; a seed is an integer in [0, 2**63)")
-        reqs.append((i, Request(inf.encode(text), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=seed, stop_at_eos=not args.ignore_eos,
-                                reroute_every=args.reroute_every), line, seed))
-    fd = sys.stdout.fileno() if out is None else os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-    bar = progress_bar(True, len(records), "generate", "prompt")
-    if bar is not None:
-        bar.update(done)
-    sys.stdout.flush()
-    writer = _InOrder(inf, fd, done, bar)
+    if out is None:
+        fd = sys.stdout.fileno()
+    else:
+        job = describe_job(args, inf.manifest, choose_device(inf.cfg.trainer.device).type)
+        fd = claim(out)  # one job per --out: locked before its record or lines are read
+        try:
+            if resuming:  # the same job only
+                check_resume(out, job)
+                done = _resume_point(out)
+            else:
+                if out.stat().st_size:  # another job wrote lines since --out was checked
+                    raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, "
+                                      "or choose a new --out")
+                record_job(out, job)
+        except BaseException:
+            os.close(fd)
+            raise
+    bar = None
     try:
+        reqs: list[tuple[int, Request, dict, int]] = []
+        for i, (text, line) in enumerate(records[done:], start=done):
+            seed = seeds[i]
+            reqs.append((i, Request(inf.encode(text), max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
+                                    stop_at_eos=not args.ignore_eos, reroute_every=args.reroute_every), line, seed))
+        bar = progress_bar(True, len(records), "generate", "prompt")
+        if bar is not None:
+            bar.update(done)
+        sys.stdout.flush()
+        writer = _InOrder(inf, fd, done, bar)
         todo = [(i, r, line, seed) for i, r, line, seed in reqs if r.prompt_ids]
         for i, r, line, seed in reqs:
             if not r.prompt_ids:  # nothing to continue: said on its own line, in its place
