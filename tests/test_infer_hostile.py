@@ -1,12 +1,13 @@
 """``dipaco-infer`` against a hostile user and its operations: a ``config.yaml`` edited after
-training, two jobs on one ``--out``, a resume on another device, Ctrl-C, a bad per-line
-seed, an empty eval data file. Each is refused (or reported) in one line by a rule.
+training, two jobs on one ``--out``, a resume on another device, Ctrl-C, a full disk, a bad
+per-line seed, an empty eval data file. Each is refused (or reported) in one line by a rule.
 
 Uses the shared tiny finished run (tests/_hostile.py's ``finished``), copied where edited.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from _hostile import copy_run, one_line, run_cli
-from dipaco.cli import generate_job
+from dipaco.cli import generate_job, infer_generate
 from dipaco.cli.infer import main
 from dipaco.inference import InferenceRun, RoutedEngine
 from dipaco.run.run_dir import RunDirError
@@ -96,7 +97,7 @@ def test_resume_on_another_kind_of_device_is_refused(tmp_path) -> None:
     generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu"))
 
 
-# --------------------------------------------------------------------------- Ctrl-C
+# --------------------------------------------------------------------------- stopping early
 
 
 def test_ctrl_c_says_what_the_verb_left_and_how_to_go_on(finished, tmp_path, capsys, monkeypatch) -> None:
@@ -118,6 +119,21 @@ def test_ctrl_c_says_what_the_verb_left_and_how_to_go_on(finished, tmp_path, cap
     errors = [x for x in err.splitlines() if x.startswith("dipaco: error")]  # after the short-prompt note
     assert len(errors) == 1 and "interrupted" in errors[0] and "run the command again" in errors[0], err
     assert "resume=true" not in errors[0]
+
+
+def test_a_full_disk_says_what_generate_left_and_exits_1(finished, tmp_path, capsys, monkeypatch) -> None:
+    """The boundary's rule for ENOSPC (exit 1: the environment), in the verb's words."""
+    prompts, out = _prompts(tmp_path), tmp_path / "out.jsonl"
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(infer_generate._InOrder, "__call__", full)
+    code, err = run_cli(main, ["generate", finished[0], "--file", prompts, "--out", out, "--max-new-tokens", "2",
+                               "--fast-verify"], capsys, monkeypatch)
+    assert code == 1
+    line = one_line(err, "no space left", str(out), "--resume")
+    assert "checkpoint" not in line and "Errno" not in line
 
 
 # --------------------------------------------------------------------------- input lines

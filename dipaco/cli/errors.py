@@ -46,8 +46,10 @@ def fail(message: str, code: int = 2) -> None:
     raise SystemExit(code)
 
 
-def known_error(e: BaseException) -> Optional[tuple[str, int]]:
-    """``(one line, exit code)`` for an error class a user can meet, else ``None``."""
+def known_error(e: BaseException, kept: str = "the last complete checkpoint is kept") -> Optional[tuple[str, int]]:
+    """``(one line, exit code)`` for an error class a user can meet, else ``None``. ``kept``:
+    what a full disk leaves behind, as the command that met it says (a training run: its
+    last complete checkpoint)."""
     if isinstance(e, user_errors()):
         return str(e), 2
     if isinstance(e, RunStopped):
@@ -57,7 +59,7 @@ def known_error(e: BaseException) -> Optional[tuple[str, int]]:
     if isinstance(e, OSError) and (e.filename is not None or e.errno is not None):
         where = "" if e.filename is None else f": {e.filename}" + ("" if e.filename2 is None else f" -> {e.filename2}")
         if e.errno == errno.ENOSPC:
-            return f"no space left on the device{where}; free some space (the last complete checkpoint is kept)", 1
+            return f"no space left on the device{where}; free some space ({kept})", 1
         reason = e.strerror or type(e).__name__
         hint = {errno.EACCES: "a folder you may write", errno.EPERM: "a folder you may write",
                 errno.EROFS: "a writable file system", errno.ENOTDIR: "a path whose parents are folders",

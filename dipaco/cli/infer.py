@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from dipaco.cli import infer_eval, infer_generate
-from dipaco.cli.errors import entry_point, fail, report_user_errors
+from dipaco.cli.errors import entry_point, fail, known_error, report_user_errors
 from dipaco.cli.infer_args import (COMMON_EPILOG, Parser, add_inputs, add_run_args, emit, open_run, positive,
                                    read_jsonl, texts_of)
 from dipaco.inference import ExportError, export_path, export_path_hf, export_routed_hf, parse_path
@@ -215,16 +215,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def interrupted(args: argparse.Namespace) -> str:
-    """The one line for Ctrl-C (SIGINT) during ``args``' verb: what it leaves and how to go on
-    (the error boundary's own line speaks of training checkpoints, which no verb here writes)."""
+def left_behind(args: argparse.Namespace) -> str:
+    """What ``args``' verb leaves when it stops early (Ctrl-C, a full disk) and how to go on:
+    the error boundary's own words are a training run's (its last checkpoint), and no verb
+    here writes one."""
     if args.command == "generate" and getattr(args, "file", None) and getattr(args, "out", None):
-        return (f"interrupted: the whole lines in {args.out} are kept (a torn last one is cut on resume); "
+        return (f"the whole lines in {args.out} are kept and a torn last one is cut on resume: "
                 "the same command with --resume continues it")
     if getattr(args, "out", None):  # score, eval and export write their --out whole or not at all
-        return (f"interrupted: {args.out} is written whole or not at all, so nothing half-written is left; "
-                "run the command again")
-    return f"interrupted: dipaco-infer {args.command} stopped (what it printed is whole lines); run the command again"
+        return f"{args.out} is written whole or not at all, so nothing half-written is left; run the command again"
+    return f"dipaco-infer {args.command} stopped (what it printed is whole lines); run the command again"
+
+
+def interrupted(args: argparse.Namespace) -> str:
+    """The one line for Ctrl-C (SIGINT) during ``args``' verb."""
+    return f"interrupted: {left_behind(args)}"
 
 
 @report_user_errors
@@ -236,8 +241,9 @@ def _dispatch(args: argparse.Namespace) -> None:
     except BrokenPipeError:  # `dipaco-infer generate ... | head`: the reader left; not an error
         # Point stdout at /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except OSError as e:  # a missing file, an --out that exists or cannot be written, a directory for --file, ...
-        fail(f"{e}")
+    except OSError as e:  # a missing file, an --out that cannot be written, a full disk, ...
+        # the boundary's one rule for an OSError (its hint, exit 1 for the environment), in this verb's words
+        fail(*(known_error(e, kept=left_behind(args)) or (str(e), 2)))
 
 
 @entry_point
