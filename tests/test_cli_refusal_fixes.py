@@ -73,7 +73,7 @@ ROWS = [
     (("infer.py", "cmd_route"), ["route", "RUN", "--text", "def f(x):", "--top-k", "9"], "use --top-k 4"),
     (("infer.py", "cmd_score"), ["score", "RUN", "--file", "DOCS", "--seq-len", "999"], "use --seq-len 128"),
     (("infer.py", "cmd_export"), ["export", "RUN", "--all", "--out", "OUT"], "add --format hf"),
-    (("infer_generate.py", "run"), ["generate", "RUN", "--prompt", "def ", "--max-new-tokens", "2", "--out", "F"],
+    (("infer_args.py", "mode_flags"), ["generate", "RUN", "--prompt", "def ", "--max-new-tokens", "2", "--out", "F"],
      "drop --out"),
     (("infer_generate.py", "_out_file"), ["generate", "RUN", "--file", "DOCS", "--max-new-tokens", "2", "--resume"],
      "add --out F"),

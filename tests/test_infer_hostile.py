@@ -150,6 +150,31 @@ def test_a_bad_seed_line_is_refused_before_the_run_is_read(tmp_path, capsys, mon
     assert not out.exists() and not generate_job.job_path(out).exists()
 
 
+@pytest.mark.parametrize("argv", [
+    ["generate", "RUN", "--file", "P", "--json"],
+    ["generate", "RUN", "--prompt", "def f", "--batch-size", "4"],
+    ["generate", "RUN", "--prompt", "def f", "--max-loaded-paths", "2"],
+    ["generate", "RUN", "--prompt", "def f", "--text-field", "body"],
+    ["generate", "RUN", "--prompt", "def f", "--resume"],
+    ["score", "RUN", "--validation", "--text-field", "body"],
+    ["route", "RUN", "--text", "def f", "--text-field", "body"],
+], ids=lambda a: " ".join(a[2:]))
+def test_a_flag_that_does_nothing_with_the_input_given_is_refused_before_any_work(tmp_path, capsys, monkeypatch,
+                                                                                 argv) -> None:
+    """It would be ignored, silently (``--json`` with ``--file`` printed no JSON summary)."""
+    places = {"RUN": str(tmp_path / "no-such-run"), "P": str(_prompts(tmp_path))}
+    code, err = run_cli(main, [places.get(a, a) for a in argv], capsys, monkeypatch)
+    assert code == 2
+    flag = next(a for a in argv[3:] if a.startswith("--"))
+    one_line(err, f"{flag} goes with", f"not {argv[2]}", f"drop {flag}")
+
+
+def test_a_run_directory_that_is_a_file_is_named_as_such(tmp_path, capsys, monkeypatch) -> None:
+    code, err = run_cli(main, ["route", _prompts(tmp_path), "--text", "def f"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "is not a directory")
+
+
 def test_eval_refuses_an_empty_or_folder_data_file_naming_it(tmp_path) -> None:
     """datasets fails on them deep inside lm-eval (an internal error before)."""
     pytest.importorskip("lm_eval")

@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from dipaco.cli import infer_eval, infer_generate
 from dipaco.cli.errors import entry_point, fail, known_error, report_user_errors
-from dipaco.cli.infer_args import (COMMON_EPILOG, Parser, add_inputs, add_run_args, emit, open_run, positive,
-                                   read_jsonl, texts_of)
+from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, Parser, add_inputs, add_run_args, emit, mode_flags,
+                                   open_run, positive, read_jsonl, texts_of)
 from dipaco.inference import ExportError, export_path, export_path_hf, export_routed_hf, parse_path
 from dipaco.inference.export import DIPACO_EXPORT_FILES, check_export_target
 from dipaco.inference.export_hf import HF_EXPORT_FILES
@@ -98,6 +98,7 @@ def _add_export(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_route(args: argparse.Namespace) -> None:
+    mode_flags(args, {"--file": FILE_ONLY})
     run = open_run(args, need_weights=False)
     texts, _ = texts_of(args)
     if args.top_k is not None and args.top_k > run.num_paths:
@@ -131,6 +132,7 @@ def _score_out(path: str) -> Path:
 
 
 def cmd_score(args: argparse.Namespace) -> None:
+    mode_flags(args, {"--file": FILE_ONLY})  # before any work: --text-field with --validation does nothing
     out = _score_out(args.out) if args.out else None
     run = open_run(args)
     from_corpus = args.validation or args.split is not None

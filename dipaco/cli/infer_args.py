@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 from dipaco.cli.errors import fail
 from dipaco.config import DataConfig
@@ -86,8 +86,39 @@ def add_inputs(sp: argparse.ArgumentParser, allow_text: bool) -> None:
                        help="the documents the run's evaluation would score on this split of its corpus "
                             "(e.g. test, for a run evaluated on validation)")
     g.add_argument("--file", metavar="F.jsonl", help="one JSON object per line")
-    sp.add_argument("--text-field", default="text", help="field holding the text in --file (default: text); "
+    sp.add_argument("--text-field", default=None, help="field holding the text in --file (default: text); "
                     "malformed lines are skipped and counted on stderr")
+
+
+# The flags that act with one input mode only, and their defaults there (their parser
+# default is None, so a flag given is told from one left out).
+FILE_ONLY: dict[str, Any] = {"text_field": "text"}
+
+
+def input_mode(args: argparse.Namespace) -> str:
+    """The input flag ``args`` reads its documents by (``--file``, ``--prompt``, ``--text``, ...)."""
+    for dest in ("file", "prompt", "text", "validation", "split"):
+        if getattr(args, dest, None) not in (None, False):
+            return "--" + dest
+    raise ValueError("no input mode given")  # argparse's required group makes this unreachable
+
+
+def mode_flags(args: argparse.Namespace, only: dict[str, dict[str, Any]]) -> None:
+    """Refuse a flag given with an input mode it does nothing in (it would be ignored,
+    silently), then fill in the defaults of the flags of the mode given. ``only``: input
+    flag -> ``{dest: default}`` of the flags that act with it alone."""
+    mode = input_mode(args)
+    for other, flags in only.items():
+        if other == mode:
+            continue
+        for dest in flags:
+            if getattr(args, dest, None) not in (None, False):
+                flag = "--" + dest.replace("_", "-")
+                fail(f"{flag} goes with {other}, not {mode} (it would do nothing): drop {flag}, or read the "
+                     f"input with {other}")
+    for dest, default in only.get(mode, {}).items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
 
 
 def read_jsonl(path: str, text_field: str) -> tuple[list[str], int]:
@@ -120,6 +151,7 @@ def read_jsonl_records(path: str, text_field: str) -> tuple[list[tuple[str, dict
 
 def texts_of(args: argparse.Namespace) -> tuple[list[str], int]:
     """The documents of ``--text`` or ``--file`` and the count of skipped lines."""
+    mode_flags(args, {"--file": FILE_ONLY})
     if getattr(args, "text", None):
         return list(args.text), 0
     return read_jsonl(args.file, args.text_field)

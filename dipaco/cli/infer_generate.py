@@ -15,8 +15,8 @@ import numpy as np
 
 from dipaco.cli.errors import fail
 from dipaco.cli.generate_job import check_record_name, check_resume, claim, describe_job, record_job
-from dipaco.cli.infer_args import (COMMON_EPILOG, add_run_args, emit, int_in, non_negative_float, open_run,
-                                   positive, read_jsonl_records)
+from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, add_run_args, emit, int_in, mode_flags,
+                                   non_negative_float, open_run, positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
 from dipaco.run.path_guard import check_target
 from dipaco.run.run_dir import RunDirError
@@ -46,7 +46,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     src.add_argument("--file", metavar="F.jsonl", help="prompts, one JSON object per line (the training "
                      "readers' rules: malformed lines are skipped and counted on stderr); a line's "
                      "optional \"seed\" field overrides its derived seed")
-    g.add_argument("--text-field", default="text", help="field holding the prompt in --file (default: text)")
+    g.add_argument("--text-field", default=None, help="with --file: field holding the prompt (default: text)")
     g.add_argument("--max-new-tokens", type=positive("--max-new-tokens"), default=64, metavar="N",
                    help="tokens to generate at most (default 64; stops early at end-of-text)")
     g.add_argument("--temperature", type=non_negative_float, default=0.8, metavar="T",
@@ -62,10 +62,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="re-route every W tokens")
     g.add_argument("--no-kv-cache", action="store_true", help="re-run the whole context each step (slow)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-text token")
-    g.add_argument("--json", action="store_true", help="end with one JSON line: text, tokens, paths")
-    g.add_argument("--batch-size", type=positive("--batch-size", 4096), default=32, metavar="B",
+    g.add_argument("--json", action="store_true", help="with --prompt: end with one JSON line: text, tokens, paths")
+    g.add_argument("--batch-size", type=positive("--batch-size", 4096), default=None, metavar="B",
                    help="with --file: rows decoded together (default 32)")
-    g.add_argument("--max-loaded-paths", type=positive("--max-loaded-paths", 4096), default=1, metavar="N",
+    g.add_argument("--max-loaded-paths", type=positive("--max-loaded-paths", 4096), default=None, metavar="N",
                    help="with --file: paths kept in memory at once (default 1: the memory of one path)")
     g.add_argument("--fast", action="store_true",
                    help="with --file: one matrix product per layer for the whole batch (faster; a greedy near-tie "
@@ -110,13 +110,19 @@ class _TextStream:
         return text
 
 
+# The flags that act with one input mode only (docs/serving.md), and their defaults there:
+# given with the other mode they would be ignored, silently, so they are refused.
+MODE_FLAGS: dict[str, dict[str, Any]] = {
+    "--file": {**FILE_ONLY, "batch_size": 32, "max_loaded_paths": 1, "out": None, "resume": False, "fast": False},
+    "--prompt": {"json": False},
+}
+
+
 def run(args: argparse.Namespace) -> None:
     """The ``generate`` verb."""
+    mode_flags(args, MODE_FLAGS)
     if args.file is not None:
         return run_file(args)
-    for flag in ("out", "resume", "fast"):
-        if getattr(args, flag):
-            fail(f"--{flag} goes with --file (one prompt streams its text to stdout): drop --{flag}, or add --file F")
     if not args.prompt.strip():
         fail("--prompt is empty: give some text to continue")
     inf = open_run(args)

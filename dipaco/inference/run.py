@@ -79,7 +79,8 @@ class InferenceRun:
             raise ValueError(f"verify must be 'all' or 'read', got {verify!r}")
         run = RunDir.at(run_dir)
         if not run.root.is_dir():
-            raise RunDirError(f"run directory {run.root} does not exist")
+            what = "is not a directory" if run.root.exists() else "does not exist"
+            raise RunDirError(f"run directory {run.root} {what} (give the folder of a finished dipaco-train run)")
         cfg = run.load_config()
         # config.yaml builds the model the weights are loaded into and says how the router
         # reads: edited after training (rope_theta, norm_eps, max_seq_len, ...) it would run
