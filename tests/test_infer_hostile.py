@@ -187,3 +187,50 @@ def test_eval_refuses_an_empty_or_folder_data_file_naming_it(tmp_path) -> None:
             _check_local("t", {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(path)}}})
     empty.write_text('{"text": "x"}\n', encoding="utf-8")
     _check_local("t", {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(empty)}}})
+
+
+def _task(folder: Path, name: str, split: str = "test", text: str = "{{question}}") -> Path:
+    """A one-document multiple-choice task over a local jsonl file."""
+    folder.mkdir(exist_ok=True)
+    data = _jsonl(folder / f"{name}.jsonl", [{"question": "def f(x):", "choices": [" return x", " pass"], "label": 0}])
+    (folder / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: {split}\n"
+        f"output_type: multiple_choice\ndoc_to_text: '{text}'\ndoc_to_choice: '{{{{choices}}}}'\n"
+        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n", encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("task, extra, words", [
+    (dict(split="validation"), [], "KeyError"),                   # a split its data_files do not name
+    (dict(text="{{prompt}}"), [], "'prompt' is undefined"),        # a field the documents lack
+    ({}, ["--num-fewshot", "3"], "Sample larger than population"),  # more shots than documents
+], ids=["split", "field", "fewshot"])
+def test_eval_a_task_its_data_cannot_serve_is_one_line_naming_it(finished, tmp_path, capsys, monkeypatch, task,
+                                                                 extra, words) -> None:
+    """lm-eval raises these building or reading the task: the user's YAML, not a dipaco bug."""
+    pytest.importorskip("lm_eval")
+    tasks = _task(tmp_path / "tasks", "t_x", **task)
+    code, err = run_cli(main, ["eval", finished[0], "--tasks", "t_x", "--include-path", tasks, "--fast-verify",
+                               *extra], capsys, monkeypatch)
+    assert code == 2
+    errors = [x for x in err.splitlines() if x.startswith("dipaco: error")]  # lm-eval's bars are on stderr too
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert "could not run t_x" in errors[0] and words in errors[0] and "internal error" not in errors[0]
+
+
+def test_eval_a_failure_in_dipacos_own_code_stays_an_internal_error(finished, tmp_path, capsys, monkeypatch) -> None:
+    """The task rule must not hide a dipaco bug: it keeps its traceback file."""
+    pytest.importorskip("lm_eval")
+    from dipaco.inference import lm_eval_adapter
+
+    def bug(*_a, **_k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(lm_eval_adapter, "score_requests", bug)
+    monkeypatch.setenv("DIPACO_CRASH_DIR", str(tmp_path))
+    tasks = _task(tmp_path / "tasks", "t_x")
+    code, err = run_cli(main, ["eval", finished[0], "--tasks", "t_x", "--include-path", tasks, "--fast-verify"],
+                        capsys, monkeypatch)
+    assert code == 1
+    errors = [x for x in err.splitlines() if x.startswith("dipaco: error")]
+    assert len(errors) == 1 and "internal error (RuntimeError: a bug)" in errors[0], err[-2000:]

@@ -28,12 +28,13 @@ at most ``max_loaded_paths`` at a time.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from lm_eval import evaluator as lm_evaluator
 from lm_eval import utils as lm_utils
@@ -51,6 +52,25 @@ _LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 
 class LmEvalError(ValueError):
     """A task or request the adapter refuses (one line for the CLI)."""
+
+
+_OURS = "_dipaco_internal"  # set on an exception raised inside DipacoLM's own code
+
+
+def _ours(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark what escapes a :class:`DipacoLM` method as dipaco's (a bug to report, with its
+    traceback), so that :func:`evaluate_tasks` can tell it from what lm-eval raises about a
+    task (a split, a field, a few-shot count its YAML or data cannot give)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except LmEvalError:
+            raise
+        except Exception as e:
+            setattr(e, _OURS, True)
+            raise
+    return wrapper
 
 
 @register_model("dipaco")
@@ -92,9 +112,11 @@ class DipacoLM(TemplateLM):
     def max_length(self) -> int:
         return int(self.run.cfg.model.max_seq_len)
 
+    @_ours
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs: Any) -> list[int]:
         return self.run.encode(string)  # no special token is ever added (as in training)
 
+    @_ours
     def tok_decode(self, tokens: Sequence[int], **kwargs: Any) -> str:
         return self.run.tokenizer.decode(list(tokens))
 
@@ -108,6 +130,7 @@ class DipacoLM(TemplateLM):
         self.requests_per_path.update(s.path for s in scores)
         return scores
 
+    @_ours
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
         """``((context, continuation), context_ids, continuation_ids)`` → ``(logprob, is_greedy)``."""
         todo = [i for i, (_, _, cont) in enumerate(requests) if cont]
@@ -122,6 +145,7 @@ class DipacoLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood", pair, res)
         return out
 
+    @_ours
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """Each document's log-likelihood, every token scored (see the module docstring)."""
         docs = [self.tok_encode(req.args[0]) for req in requests]
@@ -143,6 +167,7 @@ class DipacoLM(TemplateLM):
 
     # ---------------------------------------------------------------- generation
 
+    @_ours
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Continue each context (routed on its prefix) and cut at the first ``until`` string."""
         try:
@@ -284,10 +309,21 @@ def evaluate_tasks(run: InferenceRun, tasks: Sequence[str], *, include_path: Opt
     for key, is_dense in kinds:
         lm = DipacoLM(run=run, dense=is_dense, batch_size=batch_size, max_loaded_paths=max_loaded_paths)
         start = time.perf_counter()
-        with offline():
-            out = lm_evaluator.simple_evaluate(
-                model=lm, tasks=list(names), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                batch_size=batch_size, bootstrap_iters=bootstrap_iters, log_samples=False)
+        try:
+            with offline():
+                out = lm_evaluator.simple_evaluate(
+                    model=lm, tasks=list(names), num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                    batch_size=batch_size, bootstrap_iters=bootstrap_iters, log_samples=False)
+        except (LmEvalError, OSError, MemoryError):
+            raise  # already one line, or the environment's (the error boundary names the file)
+        except Exception as e:
+            if getattr(e, _OURS, False):
+                raise  # dipaco's own code failed: an internal error with its traceback file
+            # lm-eval building or reading a task: what the YAML asks of its data does not hold
+            first = " ".join(str(e).split())[:200]
+            raise LmEvalError(f"lm-eval could not run {', '.join(names)} ({type(e).__name__}: {first}); check "
+                              "each task's YAML against its data: the split names, the fields doc_to_* read, "
+                              "--num-fewshot against its documents (--debug prints the traceback)") from e
         report[key] = {"results": _plain(out["results"]), "seconds": round(time.perf_counter() - start, 2),
                        "requests_per_path": {str(p): n for p, n in sorted(lm.requests_per_path.items())}}
         report.setdefault("higher_is_better", _plain(out.get("higher_is_better", {})))
