@@ -86,15 +86,35 @@ def _args(prompts: Path, **kw) -> argparse.Namespace:
 def test_resume_on_another_kind_of_device_is_refused(tmp_path) -> None:
     """CPU and CUDA kernels round differently: the lines would mix two devices' numbers."""
     prompts, out = _prompts(tmp_path), tmp_path / "out.jsonl"
-    generate_job.record_job(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cuda"))
+    generate_job.record_job(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cuda", "0" * 64))
     with pytest.raises(RunDirError, match="--device 'cuda'.*'cpu'"):
-        generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu"))
-    generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cuda"))
+        generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu", "0" * 64))
+    generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cuda", "0" * 64))
     # a record from before the device was recorded: continued (it never chose one)
     rec = json.loads(generate_job.job_path(out).read_text(encoding="utf-8"))
     del rec["settings"]["device"]
     generate_job.job_path(out).write_text(json.dumps(rec), encoding="utf-8")
-    generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu"))
+    generate_job.check_resume(out, generate_job.describe_job(_args(prompts), {"files": {}}, "cpu", "0" * 64))
+
+
+def test_a_prompts_file_that_changes_while_read_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    """The record would vouch for the file as it is after the read, not for the prompts
+    generated: a resume with the appended file would mix two prompt lists."""
+    prompts, out = _prompts(tmp_path), tmp_path / "out.jsonl"
+    read = infer_generate.read_jsonl_records
+
+    def read_then_append(path: str, field: str):
+        got = read(path, field)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"text": "appended meanwhile"}) + "\n")
+        return got
+
+    monkeypatch.setattr(infer_generate, "read_jsonl_records", read_then_append)
+    code, err = run_cli(main, ["generate", tmp_path / "no-such-run", "--file", prompts, "--out", out],
+                        capsys, monkeypatch)
+    assert code == 2
+    one_line(err, str(prompts), "changed while it was read")
+    assert not out.exists() and not generate_job.job_path(out).exists()
 
 
 # --------------------------------------------------------------------------- stopping early

@@ -21,13 +21,14 @@ import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from dipaco.run.run_dir import RunDirError
 from dipaco.storage.atomic import write_json
 from dipaco.storage.hashing import sha256_file, sha256_json
 
-__all__ = ["JOB_SUFFIX", "check_record_name", "check_resume", "claim", "describe_job", "job_path", "record_job"]
+__all__ = ["JOB_SUFFIX", "check_record_name", "check_resume", "claim", "describe_job", "job_path", "read_prompts",
+           "record_job"]
 
 JOB_SUFFIX = ".job.json"
 _KIND = "dipaco-infer generate --file"
@@ -43,12 +44,13 @@ def job_path(out: Path) -> Path:
 _ADDED_SINCE = ("device",)
 
 
-def describe_job(args: argparse.Namespace, manifest: dict, device: str) -> dict[str, Any]:
+def describe_job(args: argparse.Namespace, manifest: dict, device: str, prompts_sha256: str) -> dict[str, Any]:
     """What the lines of this command depend on: the checkpoint's weights (its manifest, so a
     run directory that moved still matches), the prompts file's bytes and every setting that
     changes a generated token, the kind of device the models run on included (``cpu`` or
     ``cuda``: their kernels round differently). Batch size and loaded paths do not, except
-    under ``--fast``."""
+    under ``--fast``. ``prompts_sha256``: of the bytes the prompts were read from
+    (:func:`read_prompts`), not of the file as it is now."""
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "reroute_every": args.reroute_every,
                 "ignore_eos": bool(args.ignore_eos), "text_field": args.text_field, "fast": bool(args.fast),
@@ -56,7 +58,19 @@ def describe_job(args: argparse.Namespace, manifest: dict, device: str) -> dict[
     if args.fast:  # one product per layer over the batch: its bits depend on who shares it
         settings["batch_size"] = args.batch_size
     return {"kind": _KIND, "checkpoint_manifest_sha256": sha256_json(manifest),
-            "prompts_file": str(args.file), "prompts_sha256": sha256_file(args.file), "settings": settings}
+            "prompts_file": str(args.file), "prompts_sha256": prompts_sha256, "settings": settings}
+
+
+def read_prompts(args: argparse.Namespace, read: Callable[[str, str], Any]) -> tuple[Any, str]:
+    """``read(args.file, args.text_field)`` and the sha256 of the bytes it read: the file is
+    hashed before and after, and one that changed meanwhile (prompts appended while the job
+    starts) is refused, so the record never vouches for prompts other than the ones read."""
+    before = sha256_file(args.file) if os.path.isfile(args.file) else ""  # read() names what else it is
+    out = read(args.file, args.text_field)
+    if sha256_file(args.file) != before:
+        raise RunDirError(f"--file {args.file} changed while it was read: let whatever writes it finish, "
+                          "then run the command again")
+    return out, before
 
 
 def check_record_name(out: Path) -> None:

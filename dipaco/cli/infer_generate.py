@@ -14,7 +14,8 @@ from typing import Any, Optional
 import numpy as np
 
 from dipaco.cli.errors import fail
-from dipaco.cli.generate_job import check_record_name, check_resume, claim, describe_job, record_job
+from dipaco.cli.generate_job import (check_record_name, check_resume, claim, describe_job, read_prompts,
+                                     record_job)
 from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, add_run_args, emit, int_in, mode_flags,
                                    non_negative_float, open_run, positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
@@ -242,14 +243,14 @@ class _InOrder:
 def run_file(args: argparse.Namespace) -> None:
     """``generate --file``: every prompt through the batched engine, one JSON line each."""
     out, resuming = _out_file(args)
-    records, _ = read_jsonl_records(args.file, args.text_field)
+    (records, _), prompts_sha256 = read_prompts(args, read_jsonl_records)
     seeds = [_line_seed(args, i, line) for i, (_, line) in enumerate(records)]  # refused before any work
     inf = open_run(args)  # the checkpoint is verified once, here
     done = 0
     if out is None:
         fd = sys.stdout.fileno()
     else:
-        job = describe_job(args, inf.manifest, choose_device(inf.cfg.trainer.device).type)
+        job = describe_job(args, inf.manifest, choose_device(inf.cfg.trainer.device).type, prompts_sha256)
         fd = claim(out)  # one job per --out: locked before its record or lines are read
         try:
             if resuming:  # the same job only
