@@ -10,11 +10,12 @@ import argparse
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from _hostile import copy_run, one_line, run_cli
+from _hostile import copy_run, one_line, run_cli, snapshot
 from dipaco.cli import generate_job, infer_generate
 from dipaco.cli.infer import main
 from dipaco.inference import InferenceRun, RoutedEngine
@@ -115,6 +116,19 @@ def test_a_prompts_file_that_changes_while_read_is_refused(tmp_path, capsys, mon
     assert code == 2
     one_line(err, str(prompts), "changed while it was read")
     assert not out.exists() and not generate_job.job_path(out).exists()
+
+
+def test_score_never_writes_into_a_run_it_cannot_write(finished, tmp_path, capsys, monkeypatch) -> None:
+    """A run on a read-only share: its token cache cannot be written, a temporary one is."""
+    run_dir = copy_run(finished[0], tmp_path / "run")
+    shutil.rmtree(run_dir / "cache", ignore_errors=True)  # else nothing needs writing
+    before = snapshot(run_dir)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: (
+        False if str(path).startswith(str(run_dir)) and mode & os.W_OK else real(path, mode, *a, **k)))
+    code, err = run_cli(main, ["score", run_dir, "--validation", "--fast-verify"], capsys, monkeypatch)
+    assert code == 0, err[-2000:]
+    assert snapshot(run_dir) == before
 
 
 # --------------------------------------------------------------------------- stopping early

@@ -6,6 +6,10 @@ and is reused on ``resume=true``, so a resumed run routes exactly as the first d
 """
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
@@ -88,8 +92,27 @@ def validation_ids(cfg: Config, run: RunDir, split: Optional[str] = None) -> Tok
     load = load_token_corpus if cfg.data.source == "tokens" else load_corpus
     with load(cfg.data, progress=False) as corpus:
         ids = split_tokens(corpus, split or cfg.trainer.eval_split, Tokenizer.load(run.tokenizer),
-                           cfg.data.cache_dir or str(run.cache), False)
+                           _readable_cache(cfg.data.cache_dir or str(run.cache)), False)
     return _evaluated(cfg, ids)
+
+
+def _writable(folder: str) -> bool:
+    """Whether ``folder`` (or, while it does not exist, its nearest existing parent) can be written."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return os.access(path, os.W_OK)
+
+
+def _readable_cache(cache: str) -> str:
+    """The token cache a read of a finished run uses: the run's own, or where that cannot be
+    written (a run on a read-only share) a temporary folder removed at exit, so that
+    scoring a run never needs to write into it."""
+    if _writable(cache):
+        return cache
+    tmp = tempfile.mkdtemp(prefix="dipaco-tokens-")
+    atexit.register(shutil.rmtree, tmp, True)
+    return tmp
 
 
 def prepare(cfg: Config, run: RunDir) -> Prepared:
