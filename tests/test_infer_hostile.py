@@ -78,6 +78,17 @@ def test_a_second_job_on_the_same_out_is_refused_while_the_first_writes(finished
     assert len(out.read_text(encoding="utf-8").splitlines()) == len(PROMPTS)
 
 
+def test_an_out_on_a_file_system_without_locks_is_written_with_a_note(tmp_path, capsys, monkeypatch) -> None:
+    """Some network mounts refuse flock: the guard is skipped, said, not a refusal of the job."""
+    def no_locks(*_a):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(generate_job.fcntl, "flock", no_locks)
+    fd = generate_job.claim(tmp_path / "out.jsonl")
+    os.close(fd)
+    assert "cannot be locked" in capsys.readouterr().err
+
+
 def _args(prompts: Path, **kw) -> argparse.Namespace:
     base = dict(file=str(prompts), max_new_tokens=4, temperature=0.0, top_k=None, top_p=None, seed=0,
                 reroute_every=None, ignore_eos=False, text_field="text", fast=False, batch_size=8)

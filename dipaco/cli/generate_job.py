@@ -17,9 +17,11 @@ lines between the first one's.
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -100,6 +102,13 @@ def claim(out: Path) -> int:
         os.close(fd)
         raise RunDirError(f"generate --out {out} is being written by another dipaco-infer generate right now: "
                           "wait for it to end (then --resume continues it), or choose another --out") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.close(fd)
+            raise
+        # a file system without locks (some network mounts): the job runs, unguarded, and says so
+        print(f"dipaco: note: {out} cannot be locked on this file system ({e.strerror}); run one job on it "
+              "at a time", file=sys.stderr)
     except BaseException:
         os.close(fd)
         raise
