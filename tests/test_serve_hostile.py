@@ -79,3 +79,64 @@ def test_an_unexpected_exception_is_a_500_object_and_the_connection_survives(cli
                                                     "second line"), body
     finally:
         conn.close()
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+def test_a_stop_signal_answers_requests_still_open_after_the_grace_503_and_ends() -> None:
+    """Before: past uvicorn's grace its tasks were cancelled (a plain-text 500, a stream cut
+    without [DONE], a traceback per request in the log)."""
+    import signal
+    import socket
+    import threading
+    import time
+
+    from _serve_fakes import TOKENIZER
+    from dipaco.cli.serve import build_server
+    from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
+
+    engine = FakeEngine(step_delay=0.05)  # 48 tokens: 2.4 s, well past the grace
+    model = ServedModel(name="tiny-run", tokenizer=TOKENIZER, max_seq_len=64, num_paths=2, vocab_size=257)
+    service = CompletionService(model, EngineThread(engine), ServeLimits(max_tokens_cap=48))
+    server = build_server(service, grace=0.3)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.02)
+    got: dict = {}
+
+    def whole() -> None:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            got["whole"] = c.post("/v1/completions", json={**OK, "max_tokens": 48})
+
+    with httpx.Client(base_url=url, timeout=30) as c, \
+            c.stream("POST", "/v1/completions", json={**OK, "max_tokens": 48, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        waiter = threading.Thread(target=whole)
+        waiter.start()
+        time.sleep(0.2)
+        server.handle_exit(signal.SIGTERM, None)
+        data = [line for line in lines if line.startswith("data: ")]
+    waiter.join(10)
+    thread.join(15)
+    assert not thread.is_alive() and server.stopped_by == "SIGTERM"
+    assert data[-1] == "data: [DONE]" and "shutting down (SIGTERM)" in data[-2], data[-2:]
+    check_error(got["whole"], 503, None, "the server is shutting down (SIGTERM)", "send the request again")
+    assert getattr(engine, "closed", False)  # the lifespan stopped the engine
+
+
+def test_a_host_that_is_not_this_machines_names_host_as_the_fix(monkeypatch, capsys, tmp_path) -> None:
+    from _hostile import one_line, run_cli
+    from dipaco.cli.serve import main
+
+    code, err = run_cli(main, [tmp_path, "--host", "192.0.2.1", "--port", "0"], capsys, monkeypatch)
+    assert code == 2
+    line = one_line(err, "cannot listen on 192.0.2.1", "--host is not an address of this machine")
+    assert "--port" not in line and "authentication" not in err  # no warning for a server that never listened

@@ -30,6 +30,9 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
   strict and unknown fields are refused.
 * **Stop strings** cut the text before the stop (which is not returned) and free the
   row in the engine; a client that disconnects frees its rows too.
+* **Stopping** (``dipaco/cli/serve.py``). A signal gives open requests a grace period, then
+  answers those left 503 (``EngineThread.refuse_open``); the engine processes are stopped on
+  every way out; exit 0.
 * **No authentication.** The server binds 127.0.0.1 unless told otherwise; anyone who
   can reach its port can use it.
 """
