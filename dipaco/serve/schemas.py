@@ -92,6 +92,8 @@ def check_sampling(req: CompletionRequest) -> None:
     if req.reroute_every is not None and not 1 <= req.reroute_every <= MAX_REROUTE:
         raise bad_request(f"reroute_every must lie in [1, {MAX_REROUTE}] tokens, got {req.reroute_every}",
                           "reroute_every")
+    if req.stream_options is not None and not req.stream:  # as OpenAI: it would be ignored
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if req.n != 1:
         raise bad_request(f"n={req.n} is not supported: this server returns one choice per prompt (n=1); "
                           "send the request again for another sample", "n")
