@@ -84,9 +84,11 @@ def test_an_unexpected_exception_is_a_500_object_and_the_connection_survives(cli
 # --------------------------------------------------------------------------- stopping
 
 
-def test_a_stop_signal_answers_requests_still_open_after_the_grace_503_and_ends() -> None:
+@pytest.mark.parametrize("signals,grace", [(["SIGTERM"], 0.3), (["SIGINT", "SIGINT"], 60.0)])
+def test_a_stop_signal_answers_requests_still_open_after_the_grace_503_and_ends(signals, grace) -> None:
     """Before: past uvicorn's grace its tasks were cancelled (a plain-text 500, a stream cut
-    without [DONE], a traceback per request in the log)."""
+    without [DONE], a traceback per request in the log), as they were at once on a second
+    Ctrl-C, which now ends the grace (60 s here) with the same answers."""
     import signal
     import socket
     import threading
@@ -99,7 +101,7 @@ def test_a_stop_signal_answers_requests_still_open_after_the_grace_503_and_ends(
     engine = FakeEngine(step_delay=0.05)  # 48 tokens: 2.4 s, well past the grace
     model = ServedModel(name="tiny-run", tokenizer=TOKENIZER, max_seq_len=64, num_paths=2, vocab_size=257)
     service = CompletionService(model, EngineThread(engine), ServeLimits(max_tokens_cap=48))
-    server = build_server(service, grace=0.3)
+    server = build_server(service, grace=grace)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -122,13 +124,14 @@ def test_a_stop_signal_answers_requests_still_open_after_the_grace_503_and_ends(
         waiter = threading.Thread(target=whole)
         waiter.start()
         time.sleep(0.2)
-        server.handle_exit(signal.SIGTERM, None)
+        for name in signals:
+            server.handle_exit(getattr(signal, name), None)
         data = [line for line in lines if line.startswith("data: ")]
     waiter.join(10)
     thread.join(15)
-    assert not thread.is_alive() and server.stopped_by == "SIGTERM"
-    assert data[-1] == "data: [DONE]" and "shutting down (SIGTERM)" in data[-2], data[-2:]
-    check_error(got["whole"], 503, None, "the server is shutting down (SIGTERM)", "send the request again")
+    assert not thread.is_alive() and server.stopped_by == signals[0]
+    assert data[-1] == "data: [DONE]" and f"shutting down ({signals[0]})" in data[-2], data[-2:]
+    check_error(got["whole"], 503, None, f"the server is shutting down ({signals[0]})", "send the request again")
     assert getattr(engine, "closed", False)  # the lifespan stopped the engine
 
 

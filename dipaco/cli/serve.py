@@ -11,8 +11,8 @@ The one module that uses uvicorn.
 How it stops (:func:`build_server`): SIGTERM or SIGINT stops accepting connections and
 gives open requests ``GRACE_S`` seconds to finish; those still open then get a 503 saying
 the server is stopping (a stream: an error event, then ``[DONE]``) rather than a cut
-connection. The process prints ``stopped (SIGTERM)`` and exits 0; a second SIGINT skips
-the wait. Every way out of :func:`serve`, an error while starting included, stops the
+connection. The process prints ``stopped (SIGTERM)`` and exits 0; a second SIGINT ends
+the grace at once (the same 503s), a third stops without answering. Every way out of :func:`serve`, an error while starting included, stops the
 engine processes it started.
 """
 from __future__ import annotations
@@ -229,13 +229,16 @@ def build_server(service: Any, *, grace: float = GRACE_S) -> Any:
         stopped_by: Optional[str] = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's, without re-raising the signal
-            if self.should_exit:
-                self.force_exit = self.force_exit or sig == signal.SIGINT  # a second Ctrl-C: no wait
+            if self.should_exit:  # a second Ctrl-C ends the grace now, a third stops waiting at all
+                if sig == signal.SIGINT:
+                    self.force_exit = self.hurried
+                    self.hurried = True
+                    service.engine.refuse_open(self.reason)
                 return
-            self.should_exit = True
+            self.should_exit, self.hurried = True, False
             self.stopped_by = signal.Signals(sig).name
-            reason = f"the server is shutting down ({self.stopped_by}); send the request again once it is back"
-            timer = threading.Timer(grace, service.engine.refuse_open, args=(reason,))
+            self.reason = f"the server is shutting down ({self.stopped_by}); send the request again once it is back"
+            timer = threading.Timer(grace, service.engine.refuse_open, args=(self.reason,))
             timer.daemon = True  # the process may end first: nothing was left open
             timer.start()
 
