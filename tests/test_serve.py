@@ -217,6 +217,7 @@ BAD = [  # (body, status, param, words in the message)
     ({**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
     ({**OK, "stop": [""]}, 400, "stop", "empty string"),
     ({**OK, "max_token": 5}, 400, "max_token", "unknown field"),
+    ({**OK, "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
     ({**OK, "prompt": "a" * 101 + "b"}, 400, "prompt", "context"),
 ]
 

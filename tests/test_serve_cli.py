@@ -91,6 +91,18 @@ def test_a_checkpoint_that_cannot_be_opened_is_one_line_wherever_the_engine_runs
     one_line(err, "round_999999")
 
 
+@pytest.mark.multiprocess
+def test_more_engine_processes_than_paths_is_one_line(finished, monkeypatch, capsys) -> None:
+    # before: accepted (up to 256 processes of ~320 MiB each), all but one per path idle. One
+    # too many here, not 256: a regression would spawn every one of them
+    from dipaco.inference import InferenceRun
+
+    n = InferenceRun.open(finished[0], need_weights=False).num_paths + 1
+    code, err = run_cli(main, [finished[0], "--port", "0", "--engine-processes", str(n)], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, f"--engine-processes {n} is more than the run's {n - 1} paths; give at most {n - 1}")
+
+
 # --------------------------------------------------------------------------- the real engine
 
 
@@ -117,12 +129,40 @@ def _serve(run_dir: Path, cwd: Path, *flags: str):
     while "url" not in found:
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
         time.sleep(0.05)
+    children = _children(proc.pid)  # the engine processes (and multiprocessing's resource tracker)
     try:
         yield found["url"]
     finally:
         proc.terminate()
-        proc.wait(30)
-        assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
+        code = proc.wait(30)
+        log = "".join(lines)
+        assert "Traceback" not in log, log[-3000:]
+        # a stop by SIGTERM is the server's normal end: exit 0, one line, every engine process reaped
+        assert code == 0 and "dipaco-serve: stopped (SIGTERM)" in log, (code, log[-3000:])
+        deadline = time.monotonic() + 10
+        while [c for c in children if _running(c)]:
+            assert time.monotonic() < deadline, [c for c in children if _running(c)]
+            time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc; none where there is no /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")

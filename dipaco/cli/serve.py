@@ -7,20 +7,36 @@
 The server's rules (endpoints, continuous batching, refusals, no authentication) are
 written once, in :mod:`dipaco.serve`; the inference rules in :mod:`dipaco.inference`.
 The one module that uses uvicorn.
+
+How it stops (:func:`build_server`): SIGTERM or SIGINT stops accepting connections and
+gives open requests ``GRACE_S`` seconds to finish; those still open then get a 503 saying
+the server is stopping (a stream: an error event, then ``[DONE]``) rather than a cut
+connection. The process prints ``stopped (SIGTERM)`` and exits 0; a second SIGINT ends
+the grace at once (the same 503s), a third stops without answering. Every way out of :func:`serve`, an error while starting included, stops the
+engine processes it started.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
+import signal
 import socket
 import sys
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Callable, Optional, Sequence
 
 from dipaco.cli.errors import entry_point, fail, report_user_errors
 from dipaco.cli.infer_args import int_in
 
 EXTRA_HINT = 'pip install -e ".[serve]"'
 LOOPBACK = "127.0.0.1"
+# what to change when the listening socket cannot be bound, by its errno
+_BIND_FIX = {errno.EADDRINUSE: "another process has it: choose another --port, or 0 for a free one",
+             errno.EADDRNOTAVAIL: "--host is not an address of this machine: try 127.0.0.1 or 0.0.0.0",
+             errno.EACCES: "ports below 1024 need privileges: choose --port 1024 or above"}
+# seconds a stop signal leaves open requests to finish before they are answered 503
+GRACE_S = 5.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,7 +112,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as e:
         sock.close()
-        fail(f"cannot listen on {host}:{port}: {e.strerror} (choose another --port)")
+        fail(f"cannot listen on {host}:{port}: {e.strerror} ({_BIND_FIX.get(e.errno, 'check --host and --port')})")
     sock.listen(2048)
     return sock
 
@@ -114,20 +130,40 @@ def _say(message: str) -> None:
 
 @report_user_errors
 def serve(args: argparse.Namespace) -> None:
-    """Open the run, start the engine thread, serve until interrupted."""
+    """Open the run, start the engine, serve until a signal; every way out stops the engine."""
     _require_extra()
-    import uvicorn
-
-    from dipaco.inference import InferenceRun
-    from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
-    from dipaco.serve.app import create_app
-
     if args.engine_in_process and args.engine_processes is not None:
         fail("--engine-processes is not allowed with --engine-in-process (see dipaco-serve --help)")
+    sock = _bind(args.host, args.port)
     if not _is_loopback(args.host):
         _say(f"warning: binding {args.host}: the server has no authentication; anyone who can reach "
-             f"port {args.port} can use it")
-    sock = _bind(args.host, args.port)
+             f"port {sock.getsockname()[1]} can use it")
+    # SIGTERM while the run opens ends as Ctrl-C does, through the finally below (uvicorn
+    # takes both signals over while it serves, and gives them back)
+    signal.signal(signal.SIGTERM, _interrupt)
+    stops: list[Callable[[], None]] = []  # what stops the engine once it exists: every way out calls it
+    try:
+        service = _open_service(args, sock, stops)
+        server = build_server(service)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        fail("interrupted while starting: nothing was served", code=130)
+    finally:
+        for stop in stops:
+            stop()  # idempotent: the app's lifespan has usually stopped it already
+    _say(f"stopped ({server.stopped_by or 'shut down'})")
+
+
+def _interrupt(sig: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _open_service(args: argparse.Namespace, sock: socket.socket, stops: list[Callable[[], None]]) -> Any:
+    """The run opened, its engine started and the service over it (what stops the engine is
+    put in ``stops`` as soon as there is one); says what it serves on stderr."""
+    from dipaco.inference import InferenceRun
+    from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
+
     verify = "read" if args.fast_verify else "all"
     shape = {"max_batch_size": args.max_batch_size, "max_loaded_paths": args.max_loaded_paths}
     if args.engine_in_process:
@@ -136,11 +172,17 @@ def serve(args: argparse.Namespace) -> None:
         from dipaco.inference.engine import RoutedEngine  # after the quick checks: it imports torch kernels
 
         engine: Any = RoutedEngine(run, **shape)
+        stops.append(engine.close)
     else:  # the weights are opened (and verified) by the process that reads them
         run = InferenceRun.open(args.run_dir, device=args.device, need_weights=False)
         from dipaco.serve.engine_pool import EnginePool, engine_processes
         from dipaco.serve.engine_process import EngineFailed, EngineProcess, EngineSpec
 
+        if args.engine_processes is not None and args.engine_processes > run.num_paths:
+            # a path's requests go to one engine at a time: engines past the paths would only
+            # hold memory (about 320 MiB each on the default run)
+            fail(f"--engine-processes {args.engine_processes} is more than the run's {run.num_paths} paths; "
+                 f"give at most {run.num_paths}")
         n = engine_processes(args.engine_processes, str(args.device or run.cfg.trainer.device), run.num_paths)
         threads = args.engine_threads if args.engine_threads is not None or n == 1 else 1
         spec = EngineSpec(str(args.run_dir), checkpoint=args.checkpoint, verify=verify, device=args.device,
@@ -150,10 +192,13 @@ def serve(args: argparse.Namespace) -> None:
                 EnginePool.start([spec] * n, int(run.cfg.model.vocab_size), route=run.route)
         except EngineFailed as e:
             fail(str(e))
+        stops.append(engine.close)
         model = ServedModel.from_run(run, checkpoint=engine.info["checkpoint"])
     cap = model.max_seq_len if args.max_tokens_cap is None else args.max_tokens_cap
     limits = ServeLimits(max_tokens_cap=cap, max_body_bytes=args.max_body_bytes, reroute_every=args.reroute_every)
-    service = CompletionService(model, EngineThread(engine), limits)
+    thread = EngineThread(engine)
+    stops[:] = [thread.stop]  # the thread's stop closes the engine too (and ends a thread still stepping)
+    service = CompletionService(model, thread, limits)
     host, port = sock.getsockname()[:2]
     if args.engine_in_process:
         where = "in this process"
@@ -164,10 +209,43 @@ def serve(args: argparse.Namespace) -> None:
     _say(f"serving model {model.name!r} ({model.num_paths} paths, context {model.max_seq_len} tokens) on "
          f"http://{_url_host(host)}:{port}/v1 (at most {args.max_loaded_paths} path(s) loaded, batches of "
          f"{args.max_batch_size}, max_tokens <= {cap}; engine {where})")
+    return service
+
+
+def build_server(service: Any, *, grace: float = GRACE_S) -> Any:
+    """uvicorn's server for ``service`` with dipaco-serve's stop rule (module docstring).
+
+    ``stopped_by`` is the name of the signal that stopped it (``None`` until one came).
+    Why not uvicorn's own rule: past its grace it cancels the requests' tasks, so a client
+    got a bare ``500 Internal Server Error`` in plain text or a stream cut without
+    ``[DONE]`` (and the log a traceback per request); and it re-raises the signal once
+    stopped, so a clean stop by SIGTERM exited -15 and SIGINT as a Ctrl-C of training.
+    """
+    import uvicorn
+
+    from dipaco.serve.app import create_app
+
+    class Server(uvicorn.Server):
+        stopped_by: Optional[str] = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's, without re-raising the signal
+            if self.should_exit:  # a second Ctrl-C ends the grace now, a third stops waiting at all
+                if sig == signal.SIGINT:
+                    self.force_exit = self.hurried
+                    self.hurried = True
+                    service.engine.refuse_open(self.reason)
+                return
+            self.should_exit, self.hurried = True, False
+            self.stopped_by = signal.Signals(sig).name
+            self.reason = f"the server is shutting down ({self.stopped_by}); send the request again once it is back"
+            timer = threading.Timer(grace, service.engine.refuse_open, args=(self.reason,))
+            timer.daemon = True  # the process may end first: nothing was left open
+            timer.start()
+
+    # uvicorn's own limit comes after ours, so the 503s are written before it cancels anything
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
-    _say("stopped")
+                            timeout_graceful_shutdown=grace + 5)
+    return Server(config)
 
 
 def _url_host(host: str) -> str:

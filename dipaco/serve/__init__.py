@@ -24,10 +24,15 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
   but one (``--engine-threads``). ``--engine-in-process`` keeps one process.
 * **Refusals.** Every refusal is OpenAI's error object with a one-line message and a
   4xx status (413 for a body over ``--max-body-bytes``, checked before parsing; 404 for
-  an unknown model; 400 for the rest), or 503 while the engine is down; never a
-  traceback. Types are strict and unknown fields are refused.
+  an unknown model; 415 for a body not sent as JSON; 400 for the rest), or 503 while the
+  engine is down; never a traceback (a bug is a 500 with the same object, its traceback in
+  the log). Every body goes through one parser (``schemas.parse_completion``). Types are
+  strict and unknown fields are refused.
 * **Stop strings** cut the text before the stop (which is not returned) and free the
   row in the engine; a client that disconnects frees its rows too.
+* **Stopping** (``dipaco/cli/serve.py``). A signal gives open requests a grace period, then
+  answers those left 503 (``EngineThread.refuse_open``); the engine processes are stopped on
+  every way out; exit 0.
 * **No authentication.** The server binds 127.0.0.1 unless told otherwise; anyone who
   can reach its port can use it.
 """

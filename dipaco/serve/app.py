@@ -2,7 +2,10 @@
 
 The one module that uses FastAPI / Starlette. Every error a client can cause is OpenAI's
 error object with a one-line message (FastAPI's 422 output and Starlette's ``{"detail"}``
-are replaced); a body larger than the limit is refused before it is parsed.
+are replaced); a body larger than the limit is refused before it is parsed, and the body
+is parsed by one parser (:func:`dipaco.serve.schemas.parse_completion`). An exception no
+handler expected is a 500 with the error object, caught by one boundary
+(:class:`ErrorBoundary`) before it reaches uvicorn, which would drop the connection.
 """
 from __future__ import annotations
 
@@ -20,12 +23,43 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dipaco.serve import sse
 from dipaco.serve.completions import Completion, CompletionService
 from dipaco.serve.errors import APIError, error_body, one_line
-from dipaco.serve.schemas import CompletionRequest, validation_error
+from dipaco.serve.schemas import parse_completion, validation_error
 
 log = logging.getLogger("dipaco.serve")
 # how often a non-streaming request checks that its client is still there
 _DISCONNECT_POLL_S = 0.25
 ENDPOINTS = "POST /v1/completions, GET /v1/models, GET /health"
+
+
+class ErrorBoundary:
+    """ASGI middleware: an exception that reaches it is logged with its traceback and answered
+    500 with the error object (if the response has not started), and goes no further.
+
+    Why here and not in an ``Exception`` handler: Starlette sends that handler's response
+    and then re-raises, and uvicorn closes the connection, so a keep-alive client's next
+    request on it failed with a reset. A streamed response that already started cannot
+    change its status: it ends there (its rows are freed by its own ``finally``).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:  # noqa: BLE001 - the boundary: nothing passes it
+            log.exception("internal error")  # the traceback stays in the server's log
+            if not started:
+                await _send_error(send, 500, f"internal error: {type(e).__name__}: {one_line(str(e))}")
 
 
 class BodyLimit:
@@ -96,6 +130,7 @@ def create_app(service: CompletionService) -> FastAPI:
 
     app = FastAPI(title="dipaco-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=service.limits.max_body_bytes)
+    app.add_middleware(ErrorBoundary)  # added last: the outermost, so it sees every exception
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -113,12 +148,6 @@ def create_app(service: CompletionService) -> FastAPI:
             message = (f"{request.method} {request.url.path}: {message.lower()}; this server answers "
                        f"{ENDPOINTS}")
         return JSONResponse(error_body(e.status_code, message), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, e: Exception) -> JSONResponse:
-        log.exception("internal error")  # the traceback stays in the server's log
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {one_line(str(e))}"),
-                            status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -152,7 +181,10 @@ def create_app(service: CompletionService) -> FastAPI:
         return model_card()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        # parsed here, not by FastAPI: one parser for every body (schemas.parse_completion:
+        # strict UTF-8 JSON, no lone surrogates, the Content-Type checked)
+        body = parse_completion(await request.body(), request.headers.get("content-type"))
         if not service.engine.alive:
             raise APIError(503, f"the engine is not running: {service.engine.error}", code="engine_down")
         completion = await service.open(body)

@@ -100,6 +100,13 @@ class EngineThread:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def refuse_open(self, reason: str) -> None:
+        """Answer every open request ``reason`` (503, as for a failure: a stream gets an error
+        event before ``[DONE]``) and refuse later ones: the server is stopping and will not
+        finish them. Any thread; the engine process is stopped by :meth:`stop`."""
+        if self.error is None:
+            self._fail(reason)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None

@@ -16,6 +16,7 @@ from dipaco.serve.errors import APIError, bad_request
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
 MAX_REROUTE = 2**20
+_BOM = b"\xef\xbb\xbf"
 
 
 class StreamOptions(BaseModel):
@@ -91,6 +92,8 @@ def check_sampling(req: CompletionRequest) -> None:
     if req.reroute_every is not None and not 1 <= req.reroute_every <= MAX_REROUTE:
         raise bad_request(f"reroute_every must lie in [1, {MAX_REROUTE}] tokens, got {req.reroute_every}",
                           "reroute_every")
+    if req.stream_options is not None and not req.stream:  # as OpenAI: it would be ignored
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if req.n != 1:
         raise bad_request(f"n={req.n} is not supported: this server returns one choice per prompt (n=1); "
                           "send the request again for another sample", "n")
@@ -141,8 +144,24 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
     return bad_request(f"{where}: {err.get('msg', 'invalid value')}", field)
 
 
-def parse_completion(body: Union[bytes, str]) -> CompletionRequest:
-    """Parse a JSON body (tests and tools; the app lets FastAPI parse it)."""
+def parse_completion(body: Union[bytes, str], content_type: Optional[str] = None) -> CompletionRequest:
+    """The request of a ``POST /v1/completions`` body: the one parser every body goes through.
+
+    pydantic's own JSON parser reads it, so text that is not UTF-8, a ``\\ud800`` escape
+    without its pair and nesting past its depth limit are ``invalid_json`` 400s like any
+    malformed JSON (Python's ``json`` module accepts lone surrogates, which then broke the
+    tokenizer). A leading UTF-8 byte order mark is skipped. ``content_type``: the request's
+    header; absent or JSON is read, anything else is a 415 naming the header.
+    """
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Content-Type is {media!r}; this server reads JSON bodies: send "
+                       "Content-Type: application/json (curl: -H 'Content-Type: application/json')",
+                       code="unsupported_media_type")
+    if isinstance(body, bytes) and body.startswith(_BOM):
+        body = body[len(_BOM):]
+    if not body.strip():  # pydantic would say "EOF while parsing a value"
+        raise bad_request("the request body is empty: send a JSON object", code="invalid_json")
     try:
         return CompletionRequest.model_validate_json(body)
     except ValidationError as e:
