@@ -12,8 +12,8 @@ How it stops (:func:`build_server`): SIGTERM or SIGINT stops accepting connectio
 gives open requests ``GRACE_S`` seconds to finish; those still open then get a 503 saying
 the server is stopping (a stream: an error event, then ``[DONE]``) rather than a cut
 connection. The process prints ``stopped (SIGTERM)`` and exits 0; a second SIGINT ends
-the grace at once (the same 503s), a third stops without answering. Every way out of :func:`serve`, an error while starting included, stops the
-engine processes it started.
+the grace at once (the same 503s), a third stops without answering. Every way out of
+:func:`serve`, an error while starting included, stops the engine processes it started.
 """
 from __future__ import annotations
 
