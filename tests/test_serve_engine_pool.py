@@ -179,6 +179,7 @@ def test_two_engines_answer_as_one_keep_a_path_together_and_fail_together(finish
                           lambda ev: failed.set() if ev is ENGINE_FAILED else None)
         assert failed.wait(30)
         assert not thread.alive and "engine process exited" in (thread.error or ""), thread.error
+        assert pool.open_per_engine() == [0, 0] and not pool.has_work()  # /health shows none left open
     finally:
         t0 = time.monotonic()
         if thread is not None:

@@ -151,8 +151,15 @@ class EnginePool:
                 return []
             raise
         events: list[Any] = []
-        for conn in ready:
-            events.extend(by_conn[conn].step())
+        try:
+            for conn in ready:
+                events.extend(by_conn[conn].step())
+        except BaseException:  # the engine thread fails every open request on any error of a step:
+            with self._lock:   # none is open any longer (/health's per-engine counts say so)
+                self._where.clear()
+                self._owner.clear()
+                self._open_in = [0] * len(self.engines)
+            raise
         with self._lock:
             for ev in events:
                 if ev.finished:
