@@ -317,7 +317,7 @@ def test_an_engine_failure_is_a_503_and_health_says_why() -> None:
             next(line for line in lines if line.startswith("data: "))
             check_error(c.post("/v1/completions", json={**OK, "prompt": "BOOM"}), 503, None, "fake kernel fault")
             events = sse_events(lines)  # the stream still ends, with the error before [DONE]
-        assert "fake kernel fault" in events[-1]["error"]["message"]
+        assert "fake kernel fault" in events[-1]["error"]["message"] and events[-1]["error"]["code"] == "engine_down"
         h = c.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "failed"
         assert "RuntimeError: a fake kernel fault with a second line" in h.json()["error"]

@@ -186,7 +186,7 @@ def create_app(service: CompletionService) -> FastAPI:
         # strict UTF-8 JSON, no lone surrogates, the Content-Type checked)
         body = parse_completion(await request.body(), request.headers.get("content-type"))
         if not service.engine.alive:
-            raise APIError(503, f"the engine is not running: {service.engine.error}", code="engine_down")
+            raise APIError(503, f"the engine is not running: {service.engine.error}", code=service.engine.down_code)
         completion = await service.open(body)
         if body.stream:
             return StreamingResponse(_stream(completion), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)

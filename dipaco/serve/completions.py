@@ -171,7 +171,7 @@ class Completion:
             raise bad_request(str(e)) from None
         except EngineDown as e:
             self.cancel()
-            raise APIError(503, f"the engine is not running: {e}", code="engine_down") from None
+            raise APIError(503, f"the engine is not running: {e}", code=self.service.engine.down_code) from None
 
     @property
     def finished(self) -> bool:
@@ -192,7 +192,7 @@ class Completion:
         while not self.finished:
             event = await self._queue.get()
             if event is ENGINE_FAILED:
-                raise APIError(503, self.service.engine.error or "the engine failed", code="engine_down")
+                raise APIError(503, self.service.engine.error or "the engine failed", code=self.service.engine.down_code)
             if isinstance(event, list):  # a whole row at once (no stream, no stop string)
                 update = self._whole_row(event)
                 if update is not None:

@@ -77,6 +77,9 @@ class EngineThread:
         self.engine = engine
         self.stats = BatchStats()
         self.error: Optional[str] = None
+        # the error code of the 503s once it is not running: ``engine_down`` (a failure: look
+        # at the server) or ``shutting_down`` (:meth:`refuse_open`: try again once it is back)
+        self.down_code = "engine_down"
         self._sinks: dict[int, Sink] = {}
         self._started: set[int] = set()  # requests that have had a token
         self._lock = threading.Lock()  # sinks, stats; held around submit so no event outruns its sink
@@ -105,6 +108,7 @@ class EngineThread:
         event before ``[DONE]``) and refuse later ones: the server is stopping and will not
         finish them. Any thread; the engine process is stopped by :meth:`stop`."""
         if self.error is None:
+            self.down_code = "shutting_down"
             self._fail(reason)
 
     @property
