@@ -154,3 +154,20 @@ def test_the_default_threads_leave_one_core_to_the_server_on_a_cpu() -> None:
         assert engine_threads(3, "cpu") == 3 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_child_is_born_ignoring_sigint(finished) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: a child still importing (long
+    before its own ``signal.signal`` call) must ignore it already, or it prints a
+    KeyboardInterrupt traceback over the server's one line."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("reads the child's signal mask from /proc")
+    before = signal.getsignal(signal.SIGINT)
+    spawned = EngineProcess.spawn(EngineSpec(str(finished[0]), verify="read"))
+    try:
+        with open(f"/proc/{spawned._proc.pid}/status", encoding="ascii") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    finally:
+        spawned.kill()
+    assert ignored & (1 << (signal.SIGINT - 1)), f"SigIgn {ignored:#x}"
+    assert signal.getsignal(signal.SIGINT) is before  # this process's own handler is back

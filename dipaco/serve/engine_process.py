@@ -26,16 +26,19 @@ Rules:
   raises, and the engine thread fails every open request (503).
 * **Signals.** The child ignores SIGINT (a Ctrl-C reaches the whole process group): the
   server shuts it down itself (:meth:`close`), and a child whose parent is gone exits at
-  the pipe's end.
+  the pipe's end. It is born ignoring it (:func:`_sigint_ignored`): an ignored signal stays
+  ignored across ``exec``, and Python then installs no ``KeyboardInterrupt`` handler, so a
+  Ctrl-C while the child still imports prints no traceback either.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import signal
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from dipaco.serve.errors import one_line
 
@@ -104,7 +107,8 @@ class EngineProcess:
         ctx = mp.get_context("spawn")  # never fork a process holding torch's threads
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=_child_main, args=(child, spec), name="dipaco-engine", daemon=True)
-        proc.start()
+        with _sigint_ignored():
+            proc.start()
         child.close()
         return Spawned(proc, parent)
 
@@ -247,6 +251,21 @@ def engine_threads(requested: Optional[int], device: str) -> int:
         requested = max(1, torch.get_num_threads() - 1)
     torch.set_num_threads(int(requested))
     return int(requested)
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process while the body spawns a child, which inherits that
+    (main thread only: elsewhere Python cannot set handlers, and the child's own
+    ``signal.signal`` call in :func:`_child_main` covers it from then on)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _child_main(conn: Connection, spec: EngineSpec) -> None:
