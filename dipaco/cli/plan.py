@@ -33,6 +33,7 @@ from dipaco.plan.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, ConfigError
 from dipaco.plan.memory import RankMemory, outer_on_device, rank_memory
 from dipaco.job.preflight import compose, preflight
+from dipaco.run.path_guard import check_target
 
 
 def planned_ranks(cfg: Config) -> int:
@@ -141,7 +142,27 @@ def _options(argv: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
         i += 1
     if (opts["--json"] or opts["--plot"]) and not opts["--simulate"]:
         fail("--json and --plot write the simulation: add --simulate")
+    _check_outputs(opts)
     return opts, rest
+
+
+def _check_outputs(opts: dict[str, Optional[str]]) -> None:
+    """Refuse before simulating what ``--json`` / ``--plot`` could not write, or must not:
+    a file of a run directory (contract 8), a folder, a plot format matplotlib lacks."""
+    for flag in ("--json", "--plot"):
+        if opts[flag] and os.path.isdir(opts[flag]):
+            fail(f"{flag} {opts[flag]} is a folder: name a file in it ({flag} {os.path.join(opts[flag], 'sim')}."
+                 f"{'json' if flag == '--json' else 'png'})")
+        if opts[flag]:
+            check_target(opts[flag], f"dipaco-plan {flag}", fix="write it outside every run directory")
+    if opts["--plot"]:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        suffix = os.path.splitext(opts["--plot"])[1].lstrip(".").lower()
+        if suffix not in kinds:
+            fail(f"--plot {opts['--plot']}: the file's suffix names its format; use one of "
+                 f"{', '.join('.' + k for k in sorted(kinds))} (e.g. --plot sim.png)")
 
 
 def _simulate(cfg: Config, opts: dict[str, Optional[str]]) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from dipaco.config import Config
+from dipaco.storage.atomic import atomic_write_text, write_atomically
+from dipaco.sim.cost import check_cost
 from dipaco.sim.decoupled import simulate_decoupled
 from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.rounds import ROUND_MODES, simulate_rounds
@@ -52,7 +54,8 @@ class SimReport:
         return "\n".join(lines)
 
     def write_json(self, path: str) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1, default=str) + "\n", encoding="utf-8")
+        """The :meth:`to_dict` numbers as JSON, written atomically (a stopped run leaves the old file)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, default=str) + "\n")
 
     def plot(self, path: str) -> None:
         """Goodput and wall-time split (compute vs exposed communication) per mode."""
@@ -73,18 +76,26 @@ class SimReport:
         b.set_title("wall per round (s)")
         b.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(path, dpi=90)
+        fmt = Path(path).suffix.lstrip(".").lower() or "png"  # the temporary file's name has no suffix
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=90, format=fmt))
         plt.close(fig)
 
 
-def simulate_job(job: SimJob, modes: Sequence[str] = MODES) -> SimReport:
-    """Simulate ``modes`` of ``job`` (horizon: ``cluster.horizon_hours``)."""
+def horizons(job: SimJob) -> tuple[Optional[float], Optional[float]]:
+    """Simulated seconds of the round modes and of decoupled mode (None: until the
+    config's rounds are applied)."""
     h = job.cluster.horizon_hours
     horizon: Optional[float] = None if h is None else h * 3600.0
     # a decoupled worker standing for many groups folds their failures into each phase: its
     # goodput is a stationary rate, and ten simulated minutes measure it (a week of phases
     # of 256 workers would be millions of events)
     dec = horizon if job.groups <= job.workers or horizon is None else min(horizon, STATIONARY_S)
+    return horizon, dec
+
+
+def simulate_job(job: SimJob, modes: Sequence[str] = MODES) -> SimReport:
+    """Simulate ``modes`` of ``job`` (horizon: ``cluster.horizon_hours``)."""
+    horizon, dec = horizons(job)
     out = [simulate_decoupled(job, dec) if m == "decoupled" else simulate_rounds(job, m, horizon)
            for m in modes]
     return SimReport(job, tuple(out))
@@ -96,4 +107,6 @@ def simulate(cfg: Config, modes: Sequence[str] = MODES) -> SimReport:
     if unknown:
         raise ValueError(f"unknown modes {unknown}: choose from {MODES}")
     assert set(ROUND_MODES) | {"decoupled"} == set(MODES)
-    return simulate_job(sim_job(cfg), modes)
+    job = sim_job(cfg)
+    check_cost(job, *horizons(job), modes)  # refuse in one line what would run for hours
+    return simulate_job(job, modes)

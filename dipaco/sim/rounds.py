@@ -94,7 +94,10 @@ class _RoundSim:
         else:
             exposed = job.transfer_s(self.path_bytes)
             nbytes = self.path_bytes * ranks
-        return H * step + exposed, exposed, nbytes, steps, self.faults.mean_factor(up)
+        # a group's steps are busy at most as long as the round's slowest group: the mean
+        # factor of a heavy tail (lognormal, large sigma) can exceed the draw, and goodput 1
+        slowest = step / max(job.step_s * job.path_load(up), 1e-300)
+        return H * step + exposed, exposed, nbytes, steps, min(self.faults.mean_factor(up), slowest)
 
     # ------------------------------------------------------------------ accounting
     def _commit(self, rounds: list[tuple[float, float, float, float, float]]) -> None:
