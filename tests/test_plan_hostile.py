@@ -3,11 +3,11 @@ refused in one line naming the key, goodput stays a share, and ``--json`` / ``--
 never write into a run directory."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
+from _sim_jobs import TINY, on, tiny_job
 from dipaco.cli import plan as plan_cli
 from dipaco.config import ConfigError, compose_config
 from dipaco.sim.cost import check_cost
@@ -15,16 +15,9 @@ from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.report import MODES, horizons
 from dipaco.sim.rounds import simulate_rounds
 
-TINY = ["experiment=smoke", "cluster.chips=4", "cluster.step_s=0.5"]
-
-
 @pytest.fixture(scope="module")
 def job() -> SimJob:
-    return sim_job(compose_config(TINY))
-
-
-def on(job: SimJob, **cluster) -> SimJob:
-    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, **cluster))
+    return tiny_job()
 
 
 @pytest.mark.parametrize("cluster, key", [

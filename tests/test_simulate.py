@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _sim_jobs import TINY, on, tiny_job
 from dipaco.cli import plan as plan_cli
 from dipaco.config import compose_config
 from dipaco.config.decoupled import DecoupledConfig
@@ -24,17 +25,9 @@ from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.report import MODES, simulate_job
 from dipaco.sim.rounds import simulate_rounds
 
-TINY = ["experiment=smoke", "cluster.chips=4", "cluster.step_s=0.5"]
-
-
 @pytest.fixture(scope="module")
 def job() -> SimJob:
-    return sim_job(compose_config(TINY))
-
-
-def on(job: SimJob, **cluster) -> SimJob:
-    """``job`` on a cluster with ``cluster`` changed (no recomposition)."""
-    return dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, **cluster))
+    return tiny_job()
 
 
 def test_no_failures_and_an_infinitely_fast_link_take_the_plans_compute_time(job: SimJob) -> None:
