@@ -15,6 +15,7 @@ from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.report import MODES, horizons
 from dipaco.sim.rounds import simulate_rounds
 
+
 @pytest.fixture(scope="module")
 def job() -> SimJob:
     return tiny_job()

@@ -25,6 +25,7 @@ from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.report import MODES, simulate_job
 from dipaco.sim.rounds import simulate_rounds
 
+
 @pytest.fixture(scope="module")
 def job() -> SimJob:
     return tiny_job()
