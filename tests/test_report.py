@@ -65,3 +65,18 @@ def test_cli_writes_the_report_into_the_first_directory(two_sweeps: tuple[Path, 
     assert (paths / "report.md").read_text().strip() == out.strip()
     assert json.loads((paths / "report.json").read_text())[0]["seeds"] == 2
     assert (paths / "report.png").stat().st_size > 0
+
+
+def test_a_metric_no_run_has_is_refused_naming_those_they_have(two_sweeps: tuple[Path, Path], capsys) -> None:
+    from dipaco.config import ConfigError
+    from dipaco.job.report import plot_metric
+
+    records = build_table(find_runs(*two_sweeps), ignore=frozenset({"sweep"}))[2]
+    with pytest.raises(ConfigError, match=r"--metric.*'nope'.*routed_ppl"):
+        plot_metric(records, "nope")  # was: routed_ppl plotted instead, silently
+    assert plot_metric(records, None) == "ratio_vs_dense" and plot_metric(records, "dense_ppl") == "dense_ppl"
+    assert plot_metric([{k: v for k, v in r.items() if k != "ratio_vs_dense"} for r in records], None) == "routed_ppl"
+    paths, _ = two_sweeps
+    with pytest.raises(SystemExit):
+        report_main([str(paths), "--metric", "nope"])
+    assert "no run has a value of 'nope'" in capsys.readouterr().err and not (paths / "report.md").exists()

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dipaco-report", description=__doc__.splitlines()[0])
     parser.add_argument("directories", type=Path, nargs="+", metavar="DIR",
                         help="multirun (sweep) or single run directories; the report goes into the first")
-    parser.add_argument("--metric", default="ratio_vs_dense", help="summary.json key to plot")
+    parser.add_argument("--metric", default=None,
+                        help="summary.json key to plot (default: ratio_vs_dense, or routed_ppl without a dense baseline)")
     parser.add_argument("--ignore", nargs="*", default=[], metavar="KEY",
                         help="more override keys that do not define a setting (e.g. trainer.dense_baseline)")
     args = parser.parse_args(argv)

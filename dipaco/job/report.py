@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from dipaco.config import ConfigError
 from dipaco.job.plots import bar_chart
 from dipaco.run.owned import OwnedWrite, check_owned
 from dipaco.run.provenance import one_line as provenance_line, read as read_provenance
@@ -161,10 +162,28 @@ def markdown(header: list[str], table: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], out: Path, metric: str = "ratio_vs_dense") -> Optional[Path]:
+DEFAULT_METRIC = "ratio_vs_dense"
+
+
+def plot_metric(records: list[dict[str, Any]], asked: Optional[str]) -> str:
+    """The metric to plot: ``asked`` (``--metric``) when some run has a value of it, else a
+    :class:`ConfigError` naming those the runs have (a name plotted as another would be a
+    wrong chart under the right title); by default ``ratio_vs_dense``, or ``routed_ppl``
+    for runs without the dense baseline."""
+    def held(key: str) -> bool:
+        return any(r.get(key) is not None for r in records)
+
+    if asked is None:
+        return DEFAULT_METRIC if held(DEFAULT_METRIC) else "routed_ppl"
+    if not held(asked):
+        names = sorted({k for r in records for k, v in r.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        raise ConfigError("--metric", f"no run has a value of {asked!r}", f"choose one of {', '.join(names)}")
+    return asked
+
+
+def plot(records: list[dict[str, Any]], out: Path, metric: str = DEFAULT_METRIC) -> Optional[Path]:
     """Bar chart of one metric per setting (mean over seeds)."""
-    if all(r.get(metric) is None for r in records):
-        metric = "routed_ppl"  # e.g. a sweep without the dense baseline has no ratio
     pts = [(", ".join(f"{k}={v}" for k, v in r["setting"].items()) or "run", r[metric])
            for r in records if r.get(metric) is not None]
     if not pts:
@@ -192,7 +211,7 @@ def provenance_section(rows: list[RunRow], root: Path) -> str:
     return "\n".join(lines)
 
 
-def write_report(root: Path, metric: str = "ratio_vs_dense", more: tuple[Path, ...] = (),
+def write_report(root: Path, metric: Optional[str] = None, more: tuple[Path, ...] = (),
                  ignore: frozenset[str] = IGNORED) -> str:
     """Write ``report.md``, ``report.json`` (+ ``report.png``) in ``root`` from the runs under
     ``root`` and under the directories ``more``; return the markdown. The files replace
@@ -201,6 +220,7 @@ def write_report(root: Path, metric: str = "ratio_vs_dense", more: tuple[Path, .
     if not rows:
         raise FileNotFoundError(f"no finished run (summary.json) under {root}")
     header, table, records = build_table(rows, ignore)
+    metric = plot_metric(records, metric)  # before anything is written
     text = markdown(header, table) + "\n\n" + provenance_section(rows, root)
     check_owned(root, REPORT_FILES, "dipaco-report DIR", replace=True)  # before the plot's work
     with OwnedWrite(root, "dipaco-report DIR", replace=True) as staging:
