@@ -7,7 +7,6 @@ and is reused on ``resume=true``, so a resumed run routes exactly as the first d
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import tempfile
 import time
@@ -28,6 +27,7 @@ from dipaco.job.prepare_tokens import (_require_documents_per_path, evaluated_ro
                                    peak_rss_mib, prepare_tokens, split_tokens)
 from dipaco.runtime.hardware import release_free_memory
 from dipaco.runtime.progress import bars_enabled, log
+from dipaco.run.path_guard import resolved, writable_problem
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.config.schedule import warmup_steps
 from modules.features import lm_featurizer
@@ -96,19 +96,11 @@ def validation_ids(cfg: Config, run: RunDir, split: Optional[str] = None) -> Tok
     return _evaluated(cfg, ids)
 
 
-def _writable(folder: str) -> bool:
-    """Whether ``folder`` (or, while it does not exist, its nearest existing parent) can be written."""
-    path = os.path.abspath(folder)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return os.access(path, os.W_OK)
-
-
 def _readable_cache(cache: str) -> str:
     """The token cache a read of a finished run uses: the run's own, or where that cannot be
     written (a run on a read-only share) a temporary folder removed at exit, so that
     scoring a run never needs to write into it."""
-    if _writable(cache):
+    if writable_problem(resolved(cache), folder=True) is None:
         return cache
     tmp = tempfile.mkdtemp(prefix="dipaco-tokens-")
     atexit.register(shutil.rmtree, tmp, True)
