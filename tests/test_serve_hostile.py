@@ -144,3 +144,15 @@ def test_a_host_that_is_not_this_machines_names_host_as_the_fix(monkeypatch, cap
     assert code == 2
     line = one_line(err, "cannot listen on 192.0.2.1", "--host is not an address of this machine")
     assert "--port" not in line and "authentication" not in err  # no warning for a server that never listened
+
+
+def test_a_run_that_cannot_open_leaves_the_callers_sigterm_handler(monkeypatch, capsys, tmp_path) -> None:
+    import signal
+
+    from _hostile import one_line, run_cli
+    from dipaco.cli.serve import main
+
+    before = signal.getsignal(signal.SIGTERM)
+    code, err = run_cli(main, [tmp_path / "nowhere", "--port", "0"], capsys, monkeypatch)
+    assert code == 2 and one_line(err, "does not exist")
+    assert signal.getsignal(signal.SIGTERM) is before  # serve() took it over while starting, and gave it back

@@ -140,7 +140,7 @@ def serve(args: argparse.Namespace) -> None:
              f"port {sock.getsockname()[1]} can use it")
     # SIGTERM while the run opens ends as Ctrl-C does, through the finally below (uvicorn
     # takes both signals over while it serves, and gives them back)
-    signal.signal(signal.SIGTERM, _interrupt)
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
     stops: list[Callable[[], None]] = []  # what stops the engine once it exists: every way out calls it
     try:
         service = _open_service(args, sock, stops)
@@ -151,6 +151,7 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         for stop in stops:
             stop()  # idempotent: the app's lifespan has usually stopped it already
+        signal.signal(signal.SIGTERM, old_term)  # serve() called in a process that goes on (tests)
     _say(f"stopped ({server.stopped_by or 'shut down'})")
 
 
