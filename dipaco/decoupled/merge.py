@@ -5,10 +5,9 @@ outer step, on top of the per-module core both modes share
 :class:`MergingModuleSync` is pure logic on tensors with an injected clock (unit tests
 drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
 
-An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase,
-times its relative shard size with ``diloco.alpha=shard_size``;
-Δ_u = θ_base − θ_path; encoded with the codec and error feedback exactly as a sync
-worker group encodes its contribution). One outer step over the pending updates U:
+An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase, times
+its relative shard size with ``diloco.alpha=shard_size``; Δ_u = θ_base − θ_path; encoded
+as a sync worker group encodes its contribution). One outer step over the pending updates U:
 
     g = Σ_{u∈U} d(s_u)·c_u / (n_u·D)   d(s) = (1 + s)^(−staleness_power)
     D = Σ_{u∈U} α_u / n_u                        if every sharing path is in U
@@ -19,10 +18,8 @@ where s_u is the update's staleness in versions of the module and n_u the number
 pending *alternatives* of u (updates of u's path with the same anchor,
 :mod:`dipaco.decoupled.alternatives`). A decoupled worker starts each phase from the
 pulled θ_global, which cannot contain the path's own still-pending update, so such
-phases are two displacements from about the same point, not increments. Summing them
-moved the module n times as far; when the synchroniser fell behind a path running alone
-(a loaded host, the other workers being restarted), six such phases piled up and the
-routed loss ended above its initial value. A path's alternatives therefore weigh as one
+phases are two displacements from about the same point, not increments (summing them
+moved the module n times as far). A path's alternatives therefore weigh as one
 contributor with their mean; one that lands after its siblings were applied adds only
 the difference between the mean of all of them and what was applied, so the module
 ends where applying them together would have put it, whatever the timing. Updates are
@@ -44,7 +41,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dipaco.decoupled.alternatives import Alternatives
+from dipaco.decoupled.alternatives import Alternatives, Applied
 from dipaco.decoupled import quorum as rules
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.sync.module_core import RESIDUAL, ModuleCore, contribution
@@ -221,13 +218,30 @@ class MergingModuleSync:
         Staleness is re-checked here: an update that was fresh on arrival may have aged
         while it waited (other steps of this module in between) — it is then dropped.
         """
-        if not self.pending:
+        self._note_fill(now, trigger)
+        keep = self._take_fresh()
+        if not keep:  # nothing pending, or all of it aged past max_staleness
             return None
-        if trigger == "quorum" and self.first_pending_at is not None:
-            fill = now - self.first_pending_at
-            self.fill_ema = rules.next_fill_ema(self.fill_ema, fill)
-        # (a grace expiry leaves the EMA alone: widening it would make every worker that
-        # waits for this module wait longer whenever one sharing path is slow)
+        merge = _Merge.weigh(keep, self.version, self.discount, self.alternatives)
+        contribs = [u.contribution() for u in keep]
+        update, amended = self._outer_step(merge.numerator(contribs, self.core.numel),
+                                           max(self._denominator(merge), 1e-12), set(merge.groups),
+                                           merge.all_late())
+        self.version += 1
+        self._record(merge, contribs, now)
+        return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
+                          [u.path_id for u in keep], merge.staleness, merge.weights(), update.norm, trigger,
+                          update.momentum_applied, amended)
+
+    def _note_fill(self, now: float, trigger: str) -> None:
+        """A quorum step measures how long the quorum took to fill (the grace window's EMA;
+        a grace expiry leaves it alone: :func:`dipaco.decoupled.quorum.next_fill_ema`)."""
+        if trigger == "quorum" and self.pending and self.first_pending_at is not None:
+            self.fill_ema = rules.next_fill_ema(self.fill_ema, now - self.first_pending_at)
+
+    def _take_fresh(self) -> list[Update]:
+        """Empty the pending list: the updates still fresh enough, in (path, phase) order
+        (the synchronous exchange's), the aged ones dropped as stale."""
         keep: list[Update] = []
         for u in self.pending:
             if rules.is_stale(self.version, u.base_version, self.cfg.max_staleness):
@@ -235,48 +249,26 @@ class MergingModuleSync:
             else:
                 keep.append(u)
         self.pending, self.first_pending_at = [], None
-        if not keep:
-            return None
-        keep.sort(key=lambda u: (u.path_id, u.phase))  # the synchronous exchange's order
-        stal = [self.version - u.base_version for u in keep]
-        disc = [self.discount(s) for s in stal]
-        # one path's pending alternatives (same anchor) share one contributor's weight, n_u
-        # each; a group whose siblings were applied before lands as a correction (module doc)
-        keys = [(u.path_id, self.alternatives.anchor(u.path_id, u.base_version)) for u in keep]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
-        prior = {key: self.alternatives.prior(*key) for key in groups}
-        n = [len(groups[key]) for key in keys]
-        w = [float(u.tokens) * (d if prior[key] is None else prior[key].discount) / (k if prior[key] is None else prior[key].n + k)
-             for u, d, k, key in zip(keep, disc, n, keys)]
-        alpha_sum = 0.0
-        for u, k in zip(keep, n):
-            alpha_sum += float(u.tokens) if k == 1 else float(u.tokens) / k
-        if {u.path_id for u in keep} >= set(self.sharing_paths):
-            denom = alpha_sum  # a whole round: synchronous mode's token-weighted mean
-        else:
-            denom = max(alpha_sum, len(self.sharing_paths) * float(self.alpha_ema or 0.0))
-        contribs = [u.contribution() for u in keep]
-        g = torch.zeros(self.core.numel, dtype=torch.float32)
-        for i, key in enumerate(keys):
-            if prior[key] is None:
-                d = disc[i] / n[i]
-                # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
-                g += contribs[i] if d == 1.0 else contribs[i] * d
-            elif i == groups[key][0]:
-                g += prior[key].correction([contribs[j] for j in groups[key]])
-        update, amended = self._outer_step(g, max(denom, 1e-12), set(groups), all(prior[k] is not None for k in groups))
-        self.version += 1
-        for key, members in groups.items():
-            self.alternatives.record(*key, [contribs[j] for j in members], [disc[j] for j in members])
-        for u in keep:
+        keep.sort(key=lambda u: (u.path_id, u.phase))
+        return keep
+
+    def _denominator(self, merge: "_Merge") -> float:
+        """D: the tokens of a whole round when every sharing path is present (synchronous
+        mode's token-weighted mean), else at least a round's expected tokens (a partial step
+        moves by its share only)."""
+        if {u.path_id for u in merge.updates} >= set(self.sharing_paths):
+            return merge.alpha_sum()
+        return max(merge.alpha_sum(), len(self.sharing_paths) * float(self.alpha_ema or 0.0))
+
+    def _record(self, merge: "_Merge", contribs: list[torch.Tensor], now: float) -> None:
+        """After the step to ``self.version``: the groups applied (for late alternatives)
+        and the ledger (each update's version, each path's applied phases)."""
+        for key, members in merge.groups.items():
+            self.alternatives.record(*key, [contribs[j] for j in members], [merge.discounts[j] for j in members])
+        for u in merge.updates:
             self.applied[u.update_id] = self.version
             self.alternatives.note_applied(u.path_id, u.phase, self.version)
         self.last_step_at = now
-        return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
-                          [u.path_id for u in keep], stal, w, update.norm, trigger, update.momentum_applied,
-                          amended)
 
     def _outer_step(self, g: torch.Tensor, denom: float, keys: set[tuple[int, int]], late: bool) -> tuple[Any, bool]:
         """The outer step of ``g / denom``; ``(update, amended)``.
@@ -336,6 +328,68 @@ class MergingModuleSync:
         self.pending, self.first_pending_at = [], None
         self._last = None  # the state before the last step is not saved: a late alternative then steps alone
         self.alternatives.rebuild(self.phases, self.applied)
+
+
+@dataclass
+class _Merge:
+    """How one step weighs its updates (in (path, phase) order): staleness and its
+    discount per update, and each path's alternatives (updates with the same anchor) as
+    one group, with the applied group it is late to, if any (:mod:`dipaco.decoupled.alternatives`)."""
+
+    updates: list[Update]
+    staleness: list[int]
+    discounts: list[float]
+    keys: list[tuple[int, int]]  # (path, anchor) of each update
+    groups: dict[tuple[int, int], list[int]]  # (path, anchor) → indices of its updates
+    prior: dict[tuple[int, int], Optional[Applied]]  # the group applied before, for late ones
+
+    @classmethod
+    def weigh(cls, updates: list[Update], version: int, discount: Any, alternatives: Alternatives) -> "_Merge":
+        staleness = [version - u.base_version for u in updates]
+        keys = [(u.path_id, alternatives.anchor(u.path_id, u.base_version)) for u in updates]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        return cls(updates, staleness, [discount(s) for s in staleness], keys, groups,
+                   {key: alternatives.prior(*key) for key in groups})
+
+    def size(self, i: int) -> int:
+        """n_u: how many pending alternatives share update ``i``'s contributor weight."""
+        return len(self.groups[self.keys[i]])
+
+    def all_late(self) -> bool:
+        """Every group is late to one applied before (the step is a correction)."""
+        return all(self.prior[k] is not None for k in self.groups)
+
+    def weights(self) -> list[float]:
+        """α·d(s)/n per update, as the step record logs it (a late one: its group's)."""
+        out = []
+        for i, u in enumerate(self.updates):
+            prior, k = self.prior[self.keys[i]], self.size(i)
+            out.append(float(u.tokens) * self.discounts[i] / k if prior is None
+                       else float(u.tokens) * prior.discount / (prior.n + k))
+        return out
+
+    def alpha_sum(self) -> float:
+        """Σ α_u / n_u: one contributor's tokens per path's group of alternatives."""
+        total = 0.0
+        for i, u in enumerate(self.updates):
+            k = self.size(i)
+            total += float(u.tokens) if k == 1 else float(u.tokens) / k
+        return total
+
+    def numerator(self, contribs: list[torch.Tensor], numel: int) -> torch.Tensor:
+        """Σ d(s_u)·α_u·Δ_u / n_u in update order; a late group adds its correction."""
+        g = torch.zeros(numel, dtype=torch.float32)
+        for i, key in enumerate(self.keys):
+            prior = self.prior[key]
+            if prior is None:
+                d = self.discounts[i] / self.size(i)
+                # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
+                g += contribs[i] if d == 1.0 else contribs[i] * d
+            elif i == self.groups[key][0]:
+                g += prior.correction([contribs[j] for j in self.groups[key]])
+        return g
 
 
 def _has_state(opt: torch.optim.Optimizer) -> bool:
