@@ -38,17 +38,20 @@ class DecoupledConfig:
     grace_init_s: float = 2.0
     grace_min_s: float = 0.1
     grace_max_s: float = 30.0
-    # staleness s = module version now − version the update started from
-    max_staleness: int = 8  # s > this: dropped (reason "stale")
-    staleness_power: float = 0.5  # kept updates weigh tokens · (1 + s)^(−power)
+    # staleness = module version now − version the update started from
+    max_staleness: int = 8  # versions; more: dropped (reason "stale")
+    # kept updates weigh tokens · (1 + r)^(−power), r how late the update is in rounds beyond
+    # the rest of its own round (dipaco/decoupled/quorum.py rounds_late): a round-mate
+    # applied in an earlier partial step does not make it late
+    staleness_power: float = 0.5
     # delayed Nesterov (Liu et al. 2024; dipaco.sync.outer.DelayedNesterov): momentum is
-    # updated and applied every N outer steps with the mean of the buffered pseudo-gradients;
-    # between activations the step is −lr·(g + momentum_scale·β·m). Applies to
-    # diloco.outer.name=sgd with momentum in decoupled mode, and to
-    # diloco.outer.name=delayed_nesterov in both modes; other optimisers step as torch does.
-    # N=1 is plain Nesterov (= torch SGD nesterov), which
-    # diverged with stale updates in benchmarks/bench_decoupled.py (routed loss 5.9 and 7.4
-    # against 3.8–4.0 with N=4; docs/decoupled.md), as Liu et al. report for async Nesterov.
+    # updated and applied every N rounds of contributions (a partial step brings Σα/D of one)
+    # with the buffered pseudo-gradients' mean per round; between activations the step is
+    # −lr·(g + momentum_scale·β·m). Applies to diloco.outer.name=sgd with momentum in
+    # decoupled mode, and to diloco.outer.name=delayed_nesterov in both modes; other
+    # optimisers step as torch does. N=1 is sync mode's Nesterov, which on stale updates did
+    # worse in benchmarks/bench_decoupled.py (docs/decoupled.md), as Liu et al. report for
+    # async Nesterov.
     momentum_every: int = 4
     momentum_scale: float = 0.0
 

@@ -9,13 +9,14 @@ An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this
 its relative shard size with ``diloco.alpha=shard_size``; Δ_u = θ_base − θ_path; encoded
 as a sync worker group encodes its contribution). One outer step over the pending updates U:
 
-    g = Σ_{u∈U} d(s_u)·c_u / (n_u·D)   d(s) = (1 + s)^(−staleness_power)
+    g = Σ_{u∈U} d(r_u)·c_u / (n_u·D)   d(r) = (1 + r)^(−staleness_power)
     D = Σ_{u∈U} α_u / n_u                        if every sharing path is in U
         max(Σ_{u∈U} α_u / n_u, n_sharing·EMA(α)) otherwise (a partial step)
     g ← g·√n_sharing                             with diloco.sharing_rescale
 
-where s_u is the update's staleness in versions of the module and n_u the number of
-pending *alternatives* of u (updates of u's path with the same anchor,
+where r_u is how late the update is in rounds (:func:`dipaco.decoupled.quorum.rounds_late`:
+the share of a round applied since its base version, beyond the rest of its own round;
+each step applies ``Σα/n / D`` of a round), and n_u the number of pending *alternatives* of u (updates of u's path with the same anchor,
 :mod:`dipaco.decoupled.alternatives`). A decoupled worker starts each phase from the
 pulled θ_global, which cannot contain the path's own still-pending update, so such
 phases are two displacements from about the same point, not increments (summing them
@@ -28,7 +29,7 @@ so with every sharing path present and fresh the step is synchronous mode's, bit
 bit, whatever the arrival order. A partial step (quorum < 1) moves only by its share of
 a full round: the others' updates, arriving later from the same version, add theirs
 (with lr 1 and no momentum the result equals the synchronous average when α is as
-expected). Updates with s > max_staleness are dropped ("stale").
+expected). Updates more than max_staleness versions behind are dropped ("stale").
 
 The outer optimiser is any of ``diloco.outer`` (:func:`dipaco.sync.outer.outer_options`):
 SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
@@ -36,12 +37,12 @@ SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from dipaco.decoupled.alternatives import Alternatives, Applied
+from dipaco.decoupled.alternatives import Alternatives, MergeGroups
 from dipaco.decoupled import quorum as rules
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.sync.module_core import RESIDUAL, ModuleCore, contribution
@@ -93,13 +94,14 @@ class StepRecord:
     time: float
     update_ids: list[str]
     paths: list[int]
-    staleness: list[int]
-    weights: list[float]  # α·d(s)/n per update (n: pending updates of its path)
+    staleness: list[int]  # versions behind
+    weights: list[float]  # α·d(r)/n per update (r: rounds late, n: pending updates of its path)
     norm: float  # ‖g‖
     trigger: str  # "quorum" | "grace" | "flush"
     momentum_applied: bool
     # late alternatives only: the previous step was taken again with them (see _amend)
     amended: bool = False
+    rounds_late: list[float] = field(default_factory=list)  # r per update
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -141,9 +143,11 @@ class MergingModuleSync:
         self.alpha_ema: Optional[float] = None  # tokens per update
         self.last_step_at = now
         self.created_at = now
+        # rounds applied up to each recent version (Σ of each step's Σα/n / D): lateness in rounds
+        self.rounds_at: dict[int, float] = {0: 0.0}
         # the last step, to take it again when late alternatives of its groups land (_amend):
         # the core's state before it, its outer gradient, its groups; None for plain SGD
-        self._last: Optional[tuple[dict[str, torch.Tensor], torch.Tensor, set[tuple[int, int]]]] = None
+        self._last: Optional[tuple[dict[str, torch.Tensor], torch.Tensor, set[tuple[int, int]], float]] = None
 
     @property
     def theta(self) -> torch.Tensor:
@@ -222,16 +226,19 @@ class MergingModuleSync:
         keep = self._take_fresh()
         if not keep:  # nothing pending, or all of it aged past max_staleness
             return None
-        merge = _Merge.weigh(keep, self.version, self.discount, self.alternatives)
+        merge = MergeGroups.weigh(keep, self.version, self.alternatives)
+        denom = max(self._denominator(merge), 1e-12)
+        late = self._rounds_late(merge, denom)
+        merge.discounts = [self.discount(r) for r in late]
         contribs = [u.contribution() for u in keep]
-        update, amended = self._outer_step(merge.numerator(contribs, self.core.numel),
-                                           max(self._denominator(merge), 1e-12), set(merge.groups),
-                                           merge.all_late())
+        share = merge.alpha_sum() / denom  # of a round: 1 for a whole one
+        update, amended = self._outer_step(merge.numerator(contribs, self.core.numel), denom, set(merge.groups),
+                                           merge.all_late(), share)
         self.version += 1
-        self._record(merge, contribs, now)
+        self._record(merge, contribs, now, share)
         return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
                           [u.path_id for u in keep], merge.staleness, merge.weights(), update.norm, trigger,
-                          update.momentum_applied, amended)
+                          update.momentum_applied, amended, late)
 
     def _note_fill(self, now: float, trigger: str) -> None:
         """A quorum step measures how long the quorum took to fill (the grace window's EMA;
@@ -252,7 +259,7 @@ class MergingModuleSync:
         keep.sort(key=lambda u: (u.path_id, u.phase))
         return keep
 
-    def _denominator(self, merge: "_Merge") -> float:
+    def _denominator(self, merge: "MergeGroups") -> float:
         """D: the tokens of a whole round when every sharing path is present (synchronous
         mode's token-weighted mean), else at least a round's expected tokens (a partial step
         moves by its share only)."""
@@ -260,9 +267,30 @@ class MergingModuleSync:
             return merge.alpha_sum()
         return max(merge.alpha_sum(), len(self.sharing_paths) * float(self.alpha_ema or 0.0))
 
-    def _record(self, merge: "_Merge", contribs: list[torch.Tensor], now: float) -> None:
-        """After the step to ``self.version``: the groups applied (for late alternatives)
-        and the ledger (each update's version, each path's applied phases)."""
+    def _rounds_late(self, merge: "MergeGroups", denom: float) -> list[float]:
+        """r per update (:func:`dipaco.decoupled.quorum.rounds_late`): the rounds applied since
+        its base version (one a version where that is no longer known) beyond the rest of
+        its own round, its share being α/n / D."""
+        out = []
+        for i, u in enumerate(merge.updates):
+            lag = self._rounds(self.version) - self._rounds(u.base_version)
+            out.append(rules.rounds_late(lag, float(u.tokens) / merge.size(i) / denom))
+        return out
+
+    def _rounds(self, version: int) -> float:
+        """Rounds applied up to ``version``; one a version from the nearest one known."""
+        if version in self.rounds_at:
+            return self.rounds_at[version]
+        near = min(self.rounds_at, key=lambda v: abs(v - version))
+        return self.rounds_at[near] + (version - near)
+
+    def _record(self, merge: "MergeGroups", contribs: list[torch.Tensor], now: float, share: float) -> None:
+        """After the step to ``self.version``, which applied ``share`` of a round: the rounds
+        clock, the groups applied (for late alternatives) and the ledger (each update's
+        version, each path's applied phases)."""
+        self.rounds_at[self.version] = self._rounds(self.version - 1) + share
+        for v in [v for v in self.rounds_at if v < self.version - self.cfg.max_staleness - 1]:
+            del self.rounds_at[v]  # older bases are dropped as stale anyway
         for key, members in merge.groups.items():
             self.alternatives.record(*key, [contribs[j] for j in members], [merge.discounts[j] for j in members])
         for u in merge.updates:
@@ -270,7 +298,8 @@ class MergingModuleSync:
             self.alternatives.note_applied(u.path_id, u.phase, self.version)
         self.last_step_at = now
 
-    def _outer_step(self, g: torch.Tensor, denom: float, keys: set[tuple[int, int]], late: bool) -> tuple[Any, bool]:
+    def _outer_step(self, g: torch.Tensor, denom: float, keys: set[tuple[int, int]], late: bool,
+                    share: float = 1.0) -> tuple[Any, bool]:
         """The outer step of ``g / denom``; ``(update, amended)``.
 
         Late alternatives (``late``: every group was applied before) of the groups of the
@@ -287,13 +316,15 @@ class MergingModuleSync:
         amend = late and last is not None and keys <= last[2]
         avg = g[: self.core.numel] / denom
         if amend:
-            before, last_avg, last_keys = last  # type: ignore[misc]
+            before, last_avg, last_keys, share = last  # type: ignore[misc]
             residuals = {k: v for k, v in self.core.state_dict().items() if k.startswith(RESIDUAL)}
             self.core.load_state_dict({**before, **residuals})
             avg, keys = last_avg + avg, last_keys
         if stateful:
             state = {k: v for k, v in self.core.state_dict().items() if not k.startswith(RESIDUAL)}
-            self._last = (state, avg.clone(), set(keys))
+            self._last = (state, avg.clone(), set(keys), share)
+        # delayed Nesterov counts its momentum period in rounds (dipaco.sync.outer.DelayedNesterov)
+        self.core.outer_optimizer.param_groups[0]["share"] = share
         return self.core.step(avg, 1.0, count, rescale=self.sharing_rescale), amend
 
     # ----------------------------------------------------------------- state
@@ -313,6 +344,7 @@ class MergingModuleSync:
                        if v in self.applied or v in self.dropped},
             "fill_ema": self.fill_ema,
             "alpha_ema": self.alpha_ema,
+            "rounds_at": {str(v): r for v, r in self.rounds_at.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -325,71 +357,11 @@ class MergingModuleSync:
         self.phases = {str(k): str(v) for k, v in state.get("phases", {}).items()}
         self.fill_ema = state.get("fill_ema")
         self.alpha_ema = state.get("alpha_ema")
+        self.rounds_at = {int(v): float(r) for v, r in (state.get("rounds_at") or {}).items()}
+        self.rounds_at.setdefault(self.version, float(self.version))  # a store written before the rounds clock
         self.pending, self.first_pending_at = [], None
         self._last = None  # the state before the last step is not saved: a late alternative then steps alone
         self.alternatives.rebuild(self.phases, self.applied)
-
-
-@dataclass
-class _Merge:
-    """How one step weighs its updates (in (path, phase) order): staleness and its
-    discount per update, and each path's alternatives (updates with the same anchor) as
-    one group, with the applied group it is late to, if any (:mod:`dipaco.decoupled.alternatives`)."""
-
-    updates: list[Update]
-    staleness: list[int]
-    discounts: list[float]
-    keys: list[tuple[int, int]]  # (path, anchor) of each update
-    groups: dict[tuple[int, int], list[int]]  # (path, anchor) → indices of its updates
-    prior: dict[tuple[int, int], Optional[Applied]]  # the group applied before, for late ones
-
-    @classmethod
-    def weigh(cls, updates: list[Update], version: int, discount: Any, alternatives: Alternatives) -> "_Merge":
-        staleness = [version - u.base_version for u in updates]
-        keys = [(u.path_id, alternatives.anchor(u.path_id, u.base_version)) for u in updates]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
-        return cls(updates, staleness, [discount(s) for s in staleness], keys, groups,
-                   {key: alternatives.prior(*key) for key in groups})
-
-    def size(self, i: int) -> int:
-        """n_u: how many pending alternatives share update ``i``'s contributor weight."""
-        return len(self.groups[self.keys[i]])
-
-    def all_late(self) -> bool:
-        """Every group is late to one applied before (the step is a correction)."""
-        return all(self.prior[k] is not None for k in self.groups)
-
-    def weights(self) -> list[float]:
-        """α·d(s)/n per update, as the step record logs it (a late one: its group's)."""
-        out = []
-        for i, u in enumerate(self.updates):
-            prior, k = self.prior[self.keys[i]], self.size(i)
-            out.append(float(u.tokens) * self.discounts[i] / k if prior is None
-                       else float(u.tokens) * prior.discount / (prior.n + k))
-        return out
-
-    def alpha_sum(self) -> float:
-        """Σ α_u / n_u: one contributor's tokens per path's group of alternatives."""
-        total = 0.0
-        for i, u in enumerate(self.updates):
-            k = self.size(i)
-            total += float(u.tokens) if k == 1 else float(u.tokens) / k
-        return total
-
-    def numerator(self, contribs: list[torch.Tensor], numel: int) -> torch.Tensor:
-        """Σ d(s_u)·α_u·Δ_u / n_u in update order; a late group adds its correction."""
-        g = torch.zeros(numel, dtype=torch.float32)
-        for i, key in enumerate(self.keys):
-            prior = self.prior[key]
-            if prior is None:
-                d = self.discounts[i] / self.size(i)
-                # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
-                g += contribs[i] if d == 1.0 else contribs[i] * d
-            elif i == self.groups[key][0]:
-                g += prior.correction([contribs[j] for j in self.groups[key]])
-        return g
 
 
 def _has_state(opt: torch.optim.Optimizer) -> bool:

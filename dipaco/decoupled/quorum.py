@@ -13,7 +13,7 @@ from typing import Collection, Iterable, Optional
 
 from dipaco.config.decoupled import DecoupledConfig
 
-__all__ = ["quorum_size", "grace_window", "step_due", "is_stale", "discount", "next_fill_ema"]
+__all__ = ["quorum_size", "grace_window", "step_due", "is_stale", "rounds_late", "discount", "next_fill_ema"]
 
 
 def quorum_size(share: float, sharing: int) -> int:
@@ -57,9 +57,23 @@ def is_stale(version: int, base_version: int, max_staleness: int) -> bool:
     return version - base_version > max_staleness
 
 
-def discount(staleness: int, power: float) -> float:
-    """A kept update's weight factor ``(1 + s)^(-power)``."""
-    return (1.0 + max(0, staleness)) ** (-power)
+def rounds_late(lag_rounds: float, own_share: float) -> float:
+    """How late an update is, in rounds: the share of a round applied to its module since
+    the version it started from (``lag_rounds``), beyond the rest of its own round.
+
+    A round is every sharing path's contribution once (a synchronous step's worth; a
+    partial step applies ``Σα/D`` of one). While an update's path trained, the other
+    paths contributed too: with paths at one pace, the rest of a round, ``1 − own_share``
+    (``own_share`` = its α/D). Those are its round-mates, as the other worker groups'
+    pseudo-gradients are in a synchronous step from the same base: no lateness. Only the
+    lag beyond them (a slow path, a phase that waited) is.
+    """
+    return max(0.0, float(lag_rounds) - (1.0 - float(own_share)))
+
+
+def discount(staleness: float, power: float) -> float:
+    """A kept update's weight factor ``(1 + s)^(-power)`` (``s``: :func:`rounds_late`)."""
+    return (1.0 + max(0.0, staleness)) ** (-power)
 
 
 def next_fill_ema(fill_ema: Optional[float], fill_s: float) -> float:
