@@ -77,6 +77,7 @@ class Update:
     arrived_at: float = 0.0
     inner_steps: int = 0
     weighted: bool = False
+    phase_s: Optional[float] = None  # the phase's seconds on its worker (the grace window's scale)
 
     def contribution(self) -> torch.Tensor:
         """α·Δ (computed like a sync worker group's accumulator when not ``weighted``)."""
@@ -140,6 +141,7 @@ class MergingModuleSync:
         self.pending: list[Update] = []
         self.first_pending_at: Optional[float] = None
         self.fill_ema: Optional[float] = None  # seconds from first pending update to quorum
+        self.phase_ema: Optional[float] = None  # seconds of a phase, as the workers measured them
         self.alpha_ema: Optional[float] = None  # tokens per update
         self.last_step_at = now
         self.created_at = now
@@ -184,6 +186,7 @@ class MergingModuleSync:
             return self._drop(u, "stale")
         self.phases[slot] = u.update_id
         u.arrived_at = now
+        self.phase_ema = rules.next_phase_ema(self.phase_ema, u.phase_s)
         self.pending.append(u)
         if self.first_pending_at is None:
             self.first_pending_at = now
@@ -196,8 +199,9 @@ class MergingModuleSync:
         return len({u.path_id for u in self.pending})
 
     def grace_s(self) -> float:
-        """The current grace window: grace_factor × EMA(fill time), clipped."""
-        return rules.grace_window(self.cfg, self.fill_ema)
+        """The current grace window: grace_factor × EMA(fill time), within bounds derived
+        from the phases' seconds (:func:`dipaco.decoupled.quorum.grace_bounds`)."""
+        return rules.grace_window(self.cfg, self.fill_ema, self.phase_ema, self.quorum, len(self.sharing_paths))
 
     def due(self, now: float, done: Optional[set[int]] = None) -> Optional[str]:
         """Why a step is due now ("quorum" / "grace"), or None.
@@ -343,6 +347,7 @@ class MergingModuleSync:
             "phases": {k: v for k, v in self.phases.items()
                        if v in self.applied or v in self.dropped},
             "fill_ema": self.fill_ema,
+            "phase_ema": self.phase_ema,
             "alpha_ema": self.alpha_ema,
             "rounds_at": {str(v): r for v, r in self.rounds_at.items()},
         }
@@ -356,6 +361,7 @@ class MergingModuleSync:
         self.dropped = {str(k): str(v) for k, v in state.get("dropped", {}).items()}
         self.phases = {str(k): str(v) for k, v in state.get("phases", {}).items()}
         self.fill_ema = state.get("fill_ema")
+        self.phase_ema = state.get("phase_ema")
         self.alpha_ema = state.get("alpha_ema")
         self.rounds_at = {int(v): float(r) for v, r in (state.get("rounds_at") or {}).items()}
         self.rounds_at.setdefault(self.version, float(self.version))  # a store written before the rounds clock
