@@ -1,4 +1,6 @@
-"""Path leases of decoupled mode: exclusive, expiring claims built on ``Store.put_new``."""
+"""Leases of decoupled mode: exclusive, expiring claims built on ``Store.put_new``, on
+paths (``path_<p>``, held by the decoupled worker training it) and on modules
+(``module_<m>``, held by the synchroniser stepping it)."""
 from __future__ import annotations
 
 import json
@@ -17,9 +19,10 @@ class LeaseLost(RuntimeError):
 
 @dataclass
 class Lease:
-    """An exclusive, expiring claim on a named resource (a path), built on ``put_new``.
+    """An exclusive, expiring claim on a named resource (a path, a module), built on ``put_new``.
 
-    Layout: ``leases/<name>/<epoch:010d>.json`` holding ``{owner, expires_at, released}``.
+    Layout: ``leases/<name>/<epoch:010d>.json`` holding ``{owner, expires_at, released,
+    since}`` (``since``: when this epoch was taken).
     The live lease is the highest epoch. To take a resource whose lease expired or was
     released, a decoupled worker creates epoch+1 with ``put_new``: of two workers racing, exactly
     one create succeeds. The holder renews by rewriting its own epoch file, then checks
@@ -34,16 +37,23 @@ class Lease:
     lease_s: float
     epoch: int = 0
     took_over_from: Optional[str] = None
+    since: float = 0.0
 
     @staticmethod
     def holder(store: Store, name: str, now: Optional[float] = None) -> Optional[str]:
         """The owner of a live (unreleased, unexpired) lease on ``name``, else None."""
-        probe = Lease(store, name, "", 0.0)
-        epochs = probe._epochs()
-        info = store.get_json(probe._key(epochs[-1])) if epochs else None
+        info = Lease.info(store, name)
         if not info or info.get("released") or float(info["expires_at"]) < (now or time.time()):
             return None
         return str(info["owner"])
+
+    @staticmethod
+    def info(store: Store, name: str) -> Optional[dict]:
+        """The newest epoch's record of ``name`` with its ``epoch`` (None: never leased)."""
+        probe = Lease(store, name, "", 0.0)
+        epochs = probe._epochs()
+        info = store.get_json(probe._key(epochs[-1])) if epochs else None
+        return None if info is None else {**info, "epoch": epochs[-1]}
 
     @property
     def _folder(self) -> str:
@@ -74,17 +84,26 @@ class Lease:
             return False
         return bool(info.get("released")) or float(info["expires_at"]) < (now or time.time())
 
-    def acquire(self) -> bool:
-        """Try to take the lease; True on success (then :meth:`renew` and :meth:`release`)."""
+    def acquire(self, reclaim: bool = False) -> bool:
+        """Try to take the lease; True on success (then :meth:`renew` and :meth:`release`).
+
+        ``reclaim``: also take it while it is live if its holder has this lease's owner
+        name, at once: a process restarted under the name of one known to be dead (a
+        supervisor restarting its synchroniser) need not wait ``lease_s``. The new epoch
+        fences the old holder all the same; names must be unique among live processes.
+        """
         epochs = self._epochs()
         top = epochs[-1] if epochs else 0
         if epochs:
             info = self.store.get_json(self._key(top))
             if info is None:
                 return False
-            if not info.get("released") and float(info["expires_at"]) >= time.time():
+            mine = reclaim and info.get("owner") == self.owner
+            if not info.get("released") and float(info["expires_at"]) >= time.time() and not mine:
                 return False
-        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
+        self.since = time.time()
+        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False,
+                "since": self.since}
         if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
             return False  # another worker won the race for this epoch
         self.epoch = top + 1
@@ -98,7 +117,8 @@ class Lease:
         """Extend the expiry (heartbeat); raise :class:`LeaseLost` if taken over."""
         if self._epochs()[-1:] != [self.epoch]:
             raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
-        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
+        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False,
+                "since": self.since}
         self.store.put(self._key(self.epoch), json.dumps(body).encode())
         # A taker may have read our *old* expiry before the rewrite landed: check again.
         if self._epochs()[-1:] != [self.epoch]:
@@ -112,5 +132,5 @@ class Lease:
     def release(self) -> None:
         """Give the resource up (others may take it at once)."""
         if self._epochs()[-1:] == [self.epoch]:
-            body = {"owner": self.owner, "expires_at": 0.0, "released": True}
+            body = {"owner": self.owner, "expires_at": 0.0, "released": True, "since": self.since}
             self.store.put(self._key(self.epoch), json.dumps(body).encode())
