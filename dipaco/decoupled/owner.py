@@ -162,6 +162,10 @@ class JoinRefused(RunDirError):
     """A role may not join the run in a store (one line: what and what to do)."""
 
 
+class NoRunYet(JoinRefused):
+    """The store holds no run (yet: its creator makes it once the data is prepared)."""
+
+
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: d}
@@ -192,8 +196,9 @@ def open_run(url: str, *, cfg_dict: Optional[dict] = None, to_train: bool = True
     (``to_train``) the run is finished."""
     local = _local_path(url)
     if local is not None and not local.is_dir():
-        raise JoinRefused(f"no store at {url} ({'not a folder' if local.exists() else 'no such folder'}): "
-                          "pass the store of a run (diloco.decoupled.store_url, default RUN_DIR/decoupled)")
+        kind = JoinRefused if local.exists() else NoRunYet
+        raise kind(f"no store at {url} ({'not a folder' if local.exists() else 'no such folder'}): "
+                   "pass the store of a run (diloco.decoupled.store_url, default RUN_DIR/decoupled)")
     if local is not None:
         store = open_store(str(local))
     else:
@@ -203,16 +208,19 @@ def open_run(url: str, *, cfg_dict: Optional[dict] = None, to_train: bool = True
         try:
             store = open_store(url)
             store.list("")
-        except (ImportError, ValueError, OSError) as e:
-            raise JoinRefused(f"cannot reach the store at {url}: {' '.join(str(e).split())[:300]}") from None
+        except Exception as e:  # noqa: BLE001 - whatever the backend raises (no credentials, no network)
+            raise JoinRefused(f"cannot reach the store at {url} ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]})") from None
     try:
         record = store.get_json(RUN_KEY)
     except ValueError:
         record = None
     if not isinstance(record, dict) or "config" not in record:
-        why = ("a dipaco store from before run records (resume it with dipaco-train)"
-               if store.get(PLAN_KEY) is not None else "not the store of a dipaco run (no run.json)")
-        raise JoinRefused(f"{url} is {why}; pass the store of a decoupled run (diloco.decoupled.store_url)")
+        legacy = store.get(PLAN_KEY) is not None
+        why = ("a dipaco store from before run records (resume it with dipaco-train)" if legacy
+               else "not the store of a dipaco run (no run.json)")
+        kind = NoRunYet if record is None and not legacy else JoinRefused
+        raise kind(f"{url} is {why}; pass the store of a decoupled run (diloco.decoupled.store_url)")
     check_role(record, url, cfg_dict)
     if to_train and store.get(FINISHED_KEY) is not None:
         fin = store.get_json(FINISHED_KEY) or {}
@@ -221,5 +229,5 @@ def open_run(url: str, *, cfg_dict: Optional[dict] = None, to_train: bool = True
     return store, record
 
 
-__all__ = ["OWNER_KEY", "PLAN_KEY", "RUN_KEY", "FINISHED_KEY", "JoinRefused", "check_store", "claim_store",
+__all__ = ["OWNER_KEY", "PLAN_KEY", "RUN_KEY", "FINISHED_KEY", "JoinRefused", "NoRunYet", "check_store", "claim_store",
            "code_version", "config_digest", "write_run_record", "check_role", "open_run"]
