@@ -38,6 +38,7 @@ class Lease:
     epoch: int = 0
     took_over_from: Optional[str] = None
     since: float = 0.0
+    expires_at: float = 0.0  # this holder's own expiry, as it last wrote it
 
     @staticmethod
     def holder(store: Store, name: str, now: Optional[float] = None) -> Optional[str]:
@@ -102,8 +103,8 @@ class Lease:
             if not info.get("released") and float(info["expires_at"]) >= time.time() and not mine:
                 return False
         self.since = time.time()
-        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False,
-                "since": self.since}
+        self.expires_at = self.since + self.lease_s
+        body = {"owner": self.owner, "expires_at": self.expires_at, "released": False, "since": self.since}
         if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
             return False  # another worker won the race for this epoch
         self.epoch = top + 1
@@ -114,18 +115,29 @@ class Lease:
         return True
 
     def renew(self) -> None:
-        """Extend the expiry (heartbeat); raise :class:`LeaseLost` if taken over."""
-        if self._epochs()[-1:] != [self.epoch]:
-            raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
-        body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False,
-                "since": self.since}
+        """Extend the expiry (heartbeat); raise :class:`LeaseLost` if taken over, or if it
+        already expired (the holder was paused or stalled past it: from then on others
+        may take it at any moment, so its holder gives it up rather than race them)."""
+        self.check()
+        self.expires_at = time.time() + self.lease_s
+        body = {"owner": self.owner, "expires_at": self.expires_at, "released": False, "since": self.since}
         self.store.put(self._key(self.epoch), json.dumps(body).encode())
         # A taker may have read our *old* expiry before the rewrite landed: check again.
         if self._epochs()[-1:] != [self.epoch]:
             raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
 
+    def beat(self, every_s: float) -> None:
+        """:meth:`renew` if ``every_s`` passed since the last write of the expiry (long
+        work between heartbeats: a phase's pushes to a slow store)."""
+        if time.time() > self.expires_at - self.lease_s + every_s:
+            self.renew()
+
     def check(self) -> None:
-        """Raise :class:`LeaseLost` if a higher epoch exists (cheap: one listing)."""
+        """Raise :class:`LeaseLost` if the lease expired or a higher epoch exists (one listing)."""
+        late = time.time() - self.expires_at
+        if late > 0:
+            raise LeaseLost(f"lease {self.name} epoch {self.epoch} expired {late:.1f}s ago (its holder was paused "
+                            "or stalled past lease_s)")
         if self._epochs()[-1:] != [self.epoch]:
             raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
 

@@ -81,7 +81,6 @@ def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
 @dataclass
 class _Phase:
     """One phase of a leased path, as its steps hand it on (:meth:`DecoupledWorker.run_phase`)."""
-
     path: int
     learner: PathLearner
     index: int = 0  # phases of the path done before this one
@@ -150,7 +149,6 @@ class DecoupledWorker(WorkerScheduling):
         H = cfg.diloco.inner_steps
         self.picker = PathPicker(dcfg, H, cfg.trainer.rounds * H)
 
-    # ------------------------------------------------------------------ events
     def event(self, obj: dict) -> None:
         obj.setdefault("t", time.time())
         obj.setdefault("worker", self.id)
@@ -167,8 +165,7 @@ class DecoupledWorker(WorkerScheduling):
                                            step_offset=self.n_warm, log_every=self.cfg.logging.every_steps)
         return self.learners[p]
 
-    def _progress(self, p: int) -> int:
-        """Inner steps path ``p`` has completed (its progress file)."""
+    def _progress(self, p: int) -> int:  # inner steps path ``p`` has completed (its progress file)
         return path_steps_done(self.store.get_json(progress_key(p)), self.cfg.diloco.inner_steps)
 
     # ---------------------------------------------------------------- scheduling
@@ -206,7 +203,7 @@ class DecoupledWorker(WorkerScheduling):
         stats = self._train(ph, lease)
         if stats is None:
             return False
-        self._push(ph, stats)
+        self._push(ph, stats, lease)
         if not self._commit(ph, stats, lease):
             return False
         lease.release()
@@ -297,11 +294,12 @@ class DecoupledWorker(WorkerScheduling):
         ph.seconds = time.time() - t0
         return stats
 
-    def _push(self, ph: _Phase, stats: InnerStats) -> None:
+    def _push(self, ph: _Phase, stats: InnerStats, lease: Lease) -> None:
         """Push: each module's α·Δ against the version it pulled, encoded with the path's
         error-feedback residual, into the module's inbox (written once, never replaced)."""
         p, phase = ph.path, ph.index
         for m in self.grid.module_ids_of_path(p):
+            lease.beat(self.dcfg.heartbeat_s)  # a slow store must not let the lease lapse mid-push
             base = ph.pulled[m][1]
             delta = pseudo_gradient(base, flatten_params(list(self.grid.module(m).parameters())))
             codec = self.codecs[m]
@@ -367,9 +365,11 @@ class DecoupledWorker(WorkerScheduling):
                 time.sleep(self.dcfg.poll_s)
         backoff = 0.0
         while True:
-            self.current = None
             try:
                 lease, finished = self.pick()
+                if backoff:
+                    say(f"worker {self.id}: the store answers again")
+                backoff = 0.0
                 if finished:
                     break
                 if lease is None:
@@ -377,11 +377,10 @@ class DecoupledWorker(WorkerScheduling):
                     continue
                 try:
                     self.run_phase(lease)
-                except LeaseLost as e:
-                    self.event({"e": "abort", "why": str(e)})
-                if backoff:
-                    say(f"worker {self.id}: the store answers again")
-                backoff = 0.0
+                except LeaseLost as e:  # lost outside the inner steps (pull wait, push): the phase is wasted
+                    path, phase = self.current[1:] if self.current else (None, None)
+                    self.event({"e": "abort", "path": path, "phase": phase, "why": str(e)})
+                self.current = None
             except OSError as e:
                 backoff = self._outage(e, backoff)
         self.event({"e": "bye"})
