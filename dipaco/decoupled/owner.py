@@ -148,12 +148,15 @@ def config_digest(cfg_dict: dict) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def write_run_record(store: Store, cfg_dict: dict, run_dir: Path) -> dict:
+def write_run_record(store: Store, cfg_dict: dict, run_dir: Path, slurm: Optional[dict] = None) -> dict:
     """Record the run in its store (at every start of its creator: a resume may change
-    keys a resume may change, and the code): what every joining role is checked against."""
+    keys a resume may change, and the code): what every joining role is checked against.
+    ``slurm``: the job and attempt of a ``launcher=slurm`` creator (its other tasks join
+    the run of their own attempt only)."""
     old = store.get_json(RUN_KEY) or {}
     record = {"format": 1, "code": code_version(), "config": cfg_dict, "config_digest": config_digest(cfg_dict),
-              "run_dir": str(run_dir), "created": old.get("created", time.time()), "updated": time.time()}
+              "run_dir": str(run_dir), "created": old.get("created", time.time()), "updated": time.time(),
+              "slurm": slurm}
     store.put_json(RUN_KEY, record)
     return record
 
@@ -219,7 +222,8 @@ def open_run(url: str, *, cfg_dict: Optional[dict] = None, to_train: bool = True
         legacy = store.get(PLAN_KEY) is not None
         why = ("a dipaco store from before run records (resume it with dipaco-train)" if legacy
                else "not the store of a dipaco run (no run.json)")
-        kind = NoRunYet if record is None and not legacy else JoinRefused
+        # no run.json: a store being made (its plan comes first), or one from before run records
+        kind = NoRunYet if record is None else JoinRefused
         raise kind(f"{url} is {why}; pass the store of a decoupled run (diloco.decoupled.store_url)")
     check_role(record, url, cfg_dict)
     if to_train and store.get(FINISHED_KEY) is not None:

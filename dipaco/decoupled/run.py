@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from dipaco.plan.build import build_grid
 from dipaco.run.checkpoint import CheckpointManager, save_state
-from dipaco.config import Config, ConfigError
+from dipaco.config import Config, ConfigError, to_config
 from dipaco.config.decoupled import DecoupledConfig, validate_decoupled
-from dipaco.decoupled.owner import FINISHED_KEY, PLAN_KEY, claim_store, write_run_record
+from dipaco.decoupled.owner import FINISHED_KEY, PLAN_KEY, NoRunYet, claim_store, open_run, write_run_record
 from dipaco.decoupled.merge import MergingModuleSync
 from dipaco.decoupled.metrics import compute_metrics, worker_events
 from dipaco.decoupled.module_leases import live_synchronisers, module_folder, read_module, write_module
@@ -38,6 +39,8 @@ from dipaco.decoupled.supervisor import DecoupledError, Supervisor, run_config_d
 from dipaco.decoupled.worker import RESIDUALS
 from dipaco.run.fingerprint import checkpoint_stamp
 from dipaco.rounds.dense import load_dense_state
+from dipaco.run.lock import restart_count
+from dipaco.runtime.launch import StopSignals
 from dipaco.runtime.progress import say
 from dipaco.run.run_dir import RunDir
 from dipaco.config.schedule import warmup_steps
@@ -49,7 +52,8 @@ from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
 
-__all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main", "finish_run", "init_store"]
+__all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main", "finish_run", "init_store",
+           "join_task"]
 
 
 def decoupled_config(cfg: Config, override: Optional[DecoupledConfig] = None) -> DecoupledConfig:
@@ -98,9 +102,8 @@ def init_store(cfg: Config, run: RunDir, store: Store, dcfg: DecoupledConfig) ->
         if read_module(store, m, meta_only=True) is None:
             theta = flatten_params(list(grid.module(m).parameters()))
             write_module(store, MergingModuleSync(m, theta, sharing[m], dcfg, outer), 0)
-    for name in store.list("slots"):  # numbers of an earlier attempt's workers (this one restarts them)
-        store.delete(f"slots/{name}")
-    write_run_record(store, run_config_dict(cfg, dcfg), run.root)
+    write_run_record(store, run_config_dict(cfg, dcfg), run.root,
+                     slurm=slurm_attempt(os.environ) if cfg.launcher.name == "slurm" else None)
     return plan
 
 
@@ -125,9 +128,12 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
     R, P, H = plan["rounds"], plan["num_paths"], plan["inner_steps"]
     start_round = min(_rounds_done(store, p, H) for p in range(P))
     n_workers = dcfg.num_workers or (cfg.launcher.nproc if cfg.launcher.nproc > 1 else P)
+    n_syncs = None  # dcfg.sync_procs
+    if cfg.launcher.name == "slurm":  # task 0 of the job: its share, as every task's (join_task)
+        n_workers, n_syncs = 1, 1
     for key in dcfg.deprecated_keys():
         say(f"{key} is deprecated: the decoupled process is a decoupled worker")
-    sup = Supervisor(cfg, run, store, store_url, plan, dcfg, outer_settings(cfg, dcfg), n_workers)
+    sup = Supervisor(cfg, run, store, store_url, plan, dcfg, outer_settings(cfg, dcfg), n_workers, n_syncs=n_syncs)
     say(f"decoupled: {n_workers} workers, {sup.nsync} synchroniser(s), {P} paths x {R} phases of "
         f"{cfg.diloco.inner_steps} steps; store {store_url}")
     t0 = time.time()
@@ -157,7 +163,45 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
         sync_s=max(0.0, train_s - compute_s),
         checkpoint=str(ckpt) if ckpt is not None else None,
         decoupled={k: v for k, v in metrics.items() if k != "ledger"},
+        resumed_from_round=start_round if cfg.resume and start_round > 0 else None,
     )
+
+
+def slurm_attempt(env: Mapping[str, str]) -> dict:
+    """This SLURM job and attempt (``SLURM_RESTART_COUNT``): what a task's run record names."""
+    return {"job": env.get("SLURM_JOB_ID"), "restart": restart_count(env)}
+
+
+def join_task(cfg: Config, run: RunDir, task: int) -> dict:
+    """A task of a ``launcher=slurm`` decoupled job other than task 0: wait until task 0
+    has made (or, requeued, resumed) the run in the store, then run one decoupled worker,
+    and a synchroniser on the first ``sync_procs`` tasks, until every path has its budget
+    or a stop signal (the run goes on from the store: a requeued task rejoins it). Returns
+    ``{}``, as a rank other than 0 does."""
+    dcfg = decoupled_config(cfg)
+    url, attempt = dcfg.store_url or str(run.root / "decoupled"), slurm_attempt(os.environ)
+    deadline = time.time() + dcfg.timeout_s
+    while not StopSignals.received:
+        try:
+            store, record = open_run(url, to_train=False)
+            if record.get("slurm") == attempt:
+                break
+        except NoRunYet:
+            pass
+        if time.time() > deadline:
+            raise DecoupledError(f"task {task}: task 0 made no run for SLURM job {attempt['job']} in {url} "
+                                 f"within diloco.decoupled.timeout_s={dcfg.timeout_s}s (its log says why)")
+        time.sleep(1.0)
+    else:
+        return {}
+    joined, jd = to_config(record["config"]), DecoupledConfig(**record["config"]["diloco"]["decoupled"])
+    sup = Supervisor(joined, run, store, url, store.get_json(PLAN_KEY), jd, outer_settings(joined, jd), 1,
+                     n_syncs=int(task < jd.sync_procs), role=f"slurm task {task}")
+    say(f"task {task} joined the run in {url}: 1 decoupled worker, {sup.nsync} synchroniser(s)")
+    sup.start()
+    stopped = sup.watch(deadline=time.time() + jd.timeout_s)
+    say(f"task {task}: " + (f"stopped by {stopped}; the run goes on from its store" if stopped else "done"))
+    return {}
 
 
 def finish_run(cfg: Config, run: RunDir, store: Store, plan: dict, dcfg: DecoupledConfig, n_workers: int, *,
