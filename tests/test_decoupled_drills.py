@@ -92,7 +92,7 @@ class Drill:
         wait_for(f"host {h.name} busy", holds, timeout=200, poll=0.05)
         return self.names(h)
 
-    def finish(self, prepared_loss: float, survivors: list[Host]) -> dict:
+    def finish(self, prepared_loss: float, survivors: list[Host], **timings: float) -> dict:
         for h in survivors:
             assert h.wait(timeout=240) == [0, 0], h.name
         counts = check_accounts(self.store, self.plan)
@@ -101,7 +101,8 @@ class Drill:
         assert done.value.code == 0
         ckpt = self.run_dir / "checkpoints" / f"round_{self.plan['rounds']:06d}"
         loss = routed_loss(self.run_dir, ckpt)
-        counts.update({"loss": loss, "reference_loss": prepared_loss})
+        counts.update({"loss": round(loss, 4), "reference_loss": round(prepared_loss, 4),
+                       **{k: round(v, 2) for k, v in timings.items()}})
         print("drill:", json.dumps(counts))
         assert abs(loss - prepared_loss) <= LOSS_TOL, counts
         return counts
@@ -119,10 +120,17 @@ def test_drill_a_a_host_killed_mid_run(prepared, tmp_path: Path) -> None:
         a = d.hosts[0]
         worker, sync = d.busy(a)
         a.signal(signal.SIGKILL)
-        d.finish(ref, d.hosts[1:])
-        # its path was taken over by another host's worker, its modules by another synchroniser
-        assert any(e["e"] == "takeover" and e["from"].startswith(worker) for e in worker_events(d.store))
-        assert any(e["from"] == sync for e in lease_events(d.store, "sync-", "takeover"))
+        killed = time.time()
+
+        def paths() -> list[float]:
+            return [e["t"] for e in worker_events(d.store) if e["e"] == "takeover" and e["from"].startswith(worker)]
+
+        def mods() -> list[float]:
+            return [e["t"] for e in lease_events(d.store, "sync-", "takeover") if e["from"] == sync]
+
+        # its path is taken over by another host's worker, its modules by another synchroniser
+        wait_for("the takeovers", lambda: bool(paths() and mods()), timeout=120, poll=0.5)
+        d.finish(ref, d.hosts[1:], path_taken_after_s=min(paths()) - killed, modules_taken_after_s=min(mods()) - killed)
     finally:
         d.stop()
 
@@ -138,7 +146,8 @@ def test_drill_b_a_host_paused_past_its_leases(prepared, tmp_path: Path) -> None
         stopped = time.time()
         time.sleep(2 * LEASE_S)
         b.signal(signal.SIGCONT)
-        d.finish(ref, d.hosts)
+        woke = time.time()
+        d.finish(ref, d.hosts, stopped_s=woke - stopped)
         # woken, it found its leases expired: its worker abandoned the phase it held, its
         # synchroniser dropped its modules; nothing it computed meanwhile was applied (the ledger)
         aborts = [e for e in worker_events(d.store) if e["e"] == "abort" and e["worker"].startswith(worker)
@@ -162,7 +171,13 @@ def test_drill_c_a_host_whose_store_fails_for_a_while(prepared, tmp_path: Path) 
         time.sleep(2 * LEASE_S)
         flag.unlink()
         back = time.time()
-        d.finish(ref, d.hosts)
+
+        def rejoined() -> list[float]:
+            return [e["t"] for e in worker_events(d.store)
+                    if e["e"] == "end" and e["worker"].startswith(worker) and e["t"] > back]
+
+        wait_for("the rejoin", lambda: bool(rejoined()), timeout=120, poll=0.5)
+        d.finish(ref, d.hosts, phase_ended_after_outage_s=min(rejoined()) - back)
         # it backed off (its commands said so) and rejoined: phases ended, modules taken again
         logs = "".join((tmp_path / f"C-{v}.log").read_text() for v in ("worker", "sync"))
         assert "the store failed" in logs and "the store answers again" in logs
