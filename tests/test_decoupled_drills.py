@@ -20,12 +20,16 @@ one-host run with as many workers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+import math
 import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -36,6 +40,7 @@ from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.metrics import worker_events
 from dipaco.decoupled.owner import PLAN_KEY
 from dipaco.decoupled.run import run_decoupled
+from dipaco.cli.infer import main as infer_main
 from dipaco.fleet.cli import main
 from dipaco.run.run_dir import RunDir
 
@@ -77,8 +82,11 @@ class Drill:
         sync = next(n[:-5] for n in self.store.list("syncs") if f"-{sync_cli}-" in n)
         return f"W{slot}.", sync
 
-    def busy(self, h: Host, min_phases: int = 4) -> tuple[str, str]:
-        """Wait until the run is under way and ``h`` holds a path lease and a module lease."""
+    def hit(self, i: int, sig: Optional[int] = None, min_phases: int = 4) -> tuple[str, str, float]:
+        """Wait until the run is under way and host ``i`` holds a path lease and a module
+        lease, then send its process group ``sig``: its worker-id prefix, its
+        synchroniser's name, and when."""
+        h = self.hosts[i]
         def holds() -> bool:
             if phases_done(self.store, self.plan["num_paths"]) < min_phases:
                 return False
@@ -90,7 +98,10 @@ class Drill:
             mods = [Lease.holder(self.store, f"module_{m}") for m in self.plan["module_ids"]]
             return any(x.startswith(w) for x in paths) and s in mods
         wait_for(f"host {h.name} busy", holds, timeout=200, poll=0.05)
-        return self.names(h)
+        worker, sync = self.names(h)
+        if sig is not None:
+            h.signal(sig)
+        return worker, sync, time.time()
 
     def finish(self, prepared_loss: float, survivors: list[Host], **timings: float) -> dict:
         for h in survivors:
@@ -107,20 +118,18 @@ class Drill:
         assert abs(loss - prepared_loss) <= LOSS_TOL, counts
         return counts
 
-    def stop(self) -> None:
-        for h in self.hosts:
+    def __enter__(self) -> "Drill":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.hosts:  # whatever is left of them (a failed drill)
             h.stop()
 
 
 @pytest.mark.timeout(420)
 def test_drill_a_a_host_killed_mid_run(prepared, tmp_path: Path) -> None:
-    run_dir, ref = prepared
-    d = Drill(run_dir, tmp_path)
-    try:
-        a = d.hosts[0]
-        worker, sync = d.busy(a)
-        a.signal(signal.SIGKILL)
-        killed = time.time()
+    with Drill(prepared[0], tmp_path) as d:
+        worker, sync, killed = d.hit(0, signal.SIGKILL)
 
         def paths() -> list[float]:
             return [e["t"] for e in worker_events(d.store) if e["e"] == "takeover" and e["from"].startswith(worker)]
@@ -130,43 +139,35 @@ def test_drill_a_a_host_killed_mid_run(prepared, tmp_path: Path) -> None:
 
         # its path is taken over by another host's worker, its modules by another synchroniser
         wait_for("the takeovers", lambda: bool(paths() and mods()), timeout=120, poll=0.5)
-        d.finish(ref, d.hosts[1:], path_taken_after_s=min(paths()) - killed, modules_taken_after_s=min(mods()) - killed)
-    finally:
-        d.stop()
+        counts = d.finish(prepared[1], d.hosts[1:], path_taken_after_s=min(paths()) - killed,
+                          modules_taken_after_s=min(mods()) - killed)
+        # dipaco-infer scores the checkpoint dipaco-decoupled finish wrote, as the job's evaluation did
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            infer_main(["score", str(d.run_dir), "--validation"])
+        assert abs(math.log(json.loads(out.getvalue().splitlines()[-1])["ppl"]) - counts["loss"]) < 1e-3
 
 
 @pytest.mark.timeout(420)
 def test_drill_b_a_host_paused_past_its_leases(prepared, tmp_path: Path) -> None:
-    run_dir, ref = prepared
-    d = Drill(run_dir, tmp_path)
-    try:
-        b = d.hosts[1]
-        worker, sync = d.busy(b)
-        b.signal(signal.SIGSTOP)
-        stopped = time.time()
+    with Drill(prepared[0], tmp_path) as d:
+        worker, sync, stopped = d.hit(1, signal.SIGSTOP)
         time.sleep(2 * LEASE_S)
-        b.signal(signal.SIGCONT)
-        woke = time.time()
-        d.finish(ref, d.hosts, stopped_s=woke - stopped)
+        d.hosts[1].signal(signal.SIGCONT)
+        d.finish(prepared[1], d.hosts, stopped_s=time.time() - stopped)
         # woken, it found its leases expired: its worker abandoned the phase it held, its
         # synchroniser dropped its modules; nothing it computed meanwhile was applied (the ledger)
         aborts = [e for e in worker_events(d.store) if e["e"] == "abort" and e["worker"].startswith(worker)
                   and e["t"] > stopped]
         assert aborts and any("expired" in e.get("why", "") or "taken over" in e.get("why", "") for e in aborts)
-        lost = [e for e in lease_events(d.store, sync, "lost") if e["t"] > stopped]
-        assert lost
-    finally:
-        d.stop()
+        assert [e for e in lease_events(d.store, sync, "lost") if e["t"] > stopped]
 
 
 @pytest.mark.timeout(420)
 def test_drill_c_a_host_whose_store_fails_for_a_while(prepared, tmp_path: Path) -> None:
-    run_dir, ref = prepared
     flag = tmp_path / "outage"
-    d = Drill(run_dir, tmp_path, envs={"C": {"DIPACO_FAULT": f"store_error:file={flag}"}})
-    try:
-        c = d.hosts[2]
-        worker, sync = d.busy(c)
+    with Drill(prepared[0], tmp_path, envs={"C": {"DIPACO_FAULT": f"store_error:file={flag}"}}) as d:
+        worker, sync, _ = d.hit(2)
         flag.write_text("")
         time.sleep(2 * LEASE_S)
         flag.unlink()
@@ -177,13 +178,9 @@ def test_drill_c_a_host_whose_store_fails_for_a_while(prepared, tmp_path: Path) 
                     if e["e"] == "end" and e["worker"].startswith(worker) and e["t"] > back]
 
         wait_for("the rejoin", lambda: bool(rejoined()), timeout=120, poll=0.5)
-        d.finish(ref, d.hosts, phase_ended_after_outage_s=min(rejoined()) - back)
+        d.finish(prepared[1], d.hosts, phase_ended_after_outage_s=min(rejoined()) - back)
         # it backed off (its commands said so) and rejoined: phases ended, modules taken again
         logs = "".join((tmp_path / f"C-{v}.log").read_text() for v in ("worker", "sync"))
         assert "the store failed" in logs and "the store answers again" in logs
-        assert any(e["e"] == "end" and e["worker"].startswith(worker) and e["t"] > back
-                   for e in worker_events(d.store))
         assert [e for e in lease_events(d.store, sync, "take") + lease_events(d.store, sync, "takeover")
                 if e["t"] > back]
-    finally:
-        d.stop()

@@ -180,8 +180,73 @@ def test_a_store_error_fault_fails_every_store_call_while_its_file_exists(tmp_pa
     cut = faults.store_outage(st)
     cut.put_json("k.json", {"a": 1})
     flag.write_text("")
-    for call in (lambda: cut.get_json("k.json"), lambda: cut.list(""), lambda: cut.put("x", b"1")):
+    for use in (lambda: cut.get_json("k.json"), lambda: cut.list(""), lambda: cut.put("x", b"1")):
         with pytest.raises(OSError, match="injected store outage"):
-            call()
+            use()
     flag.unlink()
     assert cut.get_json("k.json") == {"a": 1} and cut.root == st.root
+
+
+def test_the_final_weights_are_the_ledgers_updates_applied_once(tmp_path: Path, monkeypatch) -> None:
+    """Six rounds of updates from two paths, stepped by three synchronisers in turn through
+    a death (no release), a pause past the lease and the check/put race: the final weights
+    equal the initial ones minus, for every version in the ledger, the mean of the updates
+    it lists as applied at that version (full quorum, lr 1, no momentum): every update
+    applied exactly once, none lost, whoever stepped it."""
+    cfg = DecoupledConfig(quorum=1.0, grace_init_s=60, lease_s=LEASE, heartbeat_s=0.1, poll_s=0.01)
+    st = FileStore(tmp_path)
+    assert write_module(st, MergingModuleSync("m", torch.zeros(3), [0, 1], cfg, AVG), 0)
+    gen = torch.Generator().manual_seed(0)
+    deltas = {}
+
+    def sync(name: str) -> SyncService:
+        return SyncService(st, ["m"], {"m": [0, 1]}, rounds=99, cfg=cfg, outer=AVG, name=name, inner_steps=1)
+
+    def push(k: int) -> None:
+        for p in (0, 1):
+            uid = f"u{p}.{k}"
+            deltas[uid] = torch.randn(3, generator=gen)
+            _push_at(st, uid, p, k, deltas[uid])
+
+    a = sync("A")
+    push(0)
+    assert a.poll_once() == 1
+    push(1)
+    a._intake("m", [])  # A intakes round 1 (it would step at its next poll) and dies
+    time.sleep(LEASE + 0.05)  # A is dead: no release, no heartbeat
+    b = sync("B")
+    assert b.poll_once() == 1  # takes over, re-reads round 1 from the inbox, steps it
+    push(2)
+    assert b.poll_once() == 1
+    push(3)
+    b._intake("m", [])
+    time.sleep(LEASE + 0.05)  # B paused past its lease with round 3 pending
+    c = sync("C")
+    assert c.poll_once() == 1  # C steps round 3
+    assert b.poll_once() == 0  # B wakes: its lease expired, it writes nothing
+    push(4)
+    c._intake("m", [])  # C has round 4 pending; A2 took over after C's lease ran out ...
+    time.sleep(LEASE + 0.05)
+    a2 = sync("A2")
+    a2.balance()
+    monkeypatch.setattr(c.leases["m"], "check", lambda: None)  # ... but C's check passed just before
+    c.next_balance = float("inf")  # (and its renewal too)
+    assert c.poll_once() == 1  # the late writer's revision lands first
+    assert a2.poll_once() == 0  # A2's put of the same revision is fenced: reload
+    push(5)
+    a2.poll_once()
+    assert a2.poll_once() + a2.poll_once() <= 1
+    rev, state, meta = read_module(st, "m")
+    assert set(state["applied"]) == set(deltas) and not state["dropped"] and meta["version"] == 6
+    by_version: dict[int, list[str]] = {}
+    for uid, v in state["applied"].items():
+        by_version.setdefault(v, []).append(uid)
+    expected = -sum(torch.stack([deltas[u] for u in ids]).mean(0) for ids in by_version.values())
+    torch.testing.assert_close(state["global"], expected)
+    assert sorted(len(ids) for ids in by_version.values()) == [2] * 6 and ledger_report(st, ["m"])["ok"]
+
+
+def _push_at(st: FileStore, uid: str, path: int, base: int, delta: torch.Tensor) -> None:
+    meta = {"update_id": uid, "module_id": "m", "path_id": path, "phase": base, "base_version": base,
+            "tokens": 10.0, "codec": "none", "codec_kw": {}, "numel": delta.numel()}
+    assert st.put_new(f"{inbox('m')}/{uid}.st", encode_state({"payload": list(make_codec("none").encode(delta))}, meta))
