@@ -81,7 +81,8 @@ def _cases(tmp: Path, cfg_dict: dict, other: dict) -> list[tuple[str, list[str],
         ("a run directory without the data", ["worker", good], good, "prepared data"),
         ("finish into a run directory without the data", ["finish", good, run_dir], good, "prepared data"),
         ("a bad count", ["worker", good, "--count", "0"], good, "--count"),
-    ]
+    ] + ([("a GPU this host lacks", ["worker", good, "--device", "cuda"], good, "no CUDA device")]
+         if not torch.cuda.is_available() else [])
 
 
 def test_every_bad_input_is_one_line_and_changes_nothing(made, tmp_path: Path, capsys, monkeypatch) -> None:

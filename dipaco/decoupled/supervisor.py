@@ -102,9 +102,11 @@ def allocate_slots(store: Store, n: int, host: str) -> list[int]:
     """``n`` worker slot numbers of the run, the lowest free ones (``slots/<i>.json``,
     created once: two hosts never get the same number)."""
     out: list[int] = []
+    taken = {int(name[:6]) for name in store.list("slots") if name[:6].isdigit()}
     i = 0
     while len(out) < n:
-        if store.put_new(f"slots/{i:06d}.json", json.dumps({"host": host, "t": time.time()}).encode()):
+        if i not in taken and store.put_new(f"slots/{i:06d}.json",
+                                            json.dumps({"host": host, "t": time.time()}).encode()):
             out.append(i)
         i += 1
     return out

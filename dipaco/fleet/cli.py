@@ -22,6 +22,7 @@ from dipaco.cli.errors import entry_point
 from dipaco.cli.infer_args import HUGE, Parser, positive
 from dipaco.config.names import DEVICES
 from dipaco.decoupled.owner import FINISHED_KEY, JoinRefused
+from dipaco.runtime.device import cuda_count
 from dipaco.fleet.join import check_data, finish, join, serve_host
 from dipaco.fleet.status import render, run_status
 
@@ -64,6 +65,8 @@ def build_parser() -> Parser:
 
 
 def _worker(a: Any) -> int:
+    if a.device == "cuda" and cuda_count() == 0:
+        raise JoinRefused("--device cuda, but this host has no CUDA device visible; use --device auto or cpu")
     j = join(a.store, run_dir=a.run_dir, config=a.config, needs_data=True, wait_s=a.wait or 0)
     return 1 if serve_host(j, workers=a.count, device=a.device) else 0
 
