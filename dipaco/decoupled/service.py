@@ -129,6 +129,7 @@ class SyncService(ModuleLeases):
         self.last_step: dict[str, Optional[dict]] = {}
         self._decoded: dict[str, set[str]] = {}  # per module: inbox files already offered
         self.next_balance = -math.inf
+        self._next_drain_check = -math.inf
         self.started = time.time()
 
     # ----------------------------------------------------------------- merge
@@ -222,6 +223,10 @@ class SyncService(ModuleLeases):
         return steps
 
     def _inboxes_empty(self) -> bool:
+        """Every module's inbox drained (read at most every ``heartbeat_s``: one listing per module)."""
+        if time.time() < self._next_drain_check:
+            return False
+        self._next_drain_check = time.time() + self.cfg.heartbeat_s
         return not any(n.endswith(".st") for m in self.modules for n in self.store.list(inbox(m)))
 
     def run(self) -> None:
