@@ -24,7 +24,7 @@ from dipaco.decoupled.store import Store
 from dipaco.decoupled.supervisor import DecoupledError, Supervisor, run_config_dict
 from dipaco.run.fingerprint import check_config
 from dipaco.run.lock import RunLock, check_unlocked
-from dipaco.run.run_dir import RunDir
+from dipaco.run.run_dir import RunDir, RunStopped
 from dipaco.runtime.launch import StopSignals
 from dipaco.runtime.progress import say
 
@@ -99,8 +99,8 @@ def serve_host(j: Joined, *, workers: int = 0, syncs: int = 0, device: Optional[
         sup.start()
         try:
             stopped = sup.watch(deadline=time.time() + j.dcfg.timeout_s)
-        except DecoupledError as e:
-            raise JoinRefused(str(e)) from None
+        except DecoupledError as e:  # this host's share failed (timeout, restarts spent): one line, exit 1
+            raise RunStopped(f"{role} host {sup.host}: {e}; the run goes on with the other hosts") from None
     say(f"{role} host {sup.host}: " + (f"stopped by {stopped}" if stopped else
                                        "done: every path has its budget" + (" and every inbox is drained" * bool(syncs))))
     return stopped
