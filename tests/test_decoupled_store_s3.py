@@ -9,8 +9,10 @@ fixture covers both backends.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from typing import Callable
 
 import pytest
 from _s3 import IGNORE_CONDITIONS, REJECT_CONDITIONS, UNAVAILABLE, LocalS3, free_port, s3  # noqa: F401 (fixture)
@@ -19,22 +21,26 @@ from dipaco.decoupled.fsspec_store import PROBE_FOLDER, FsspecStore, open_store
 from dipaco.decoupled.lease import Lease
 
 
-def _race(stores: list[FsspecStore], key: str) -> list[int]:
-    """Every store creates ``key`` at once (a barrier); the indices of those told they won."""
+def _race(attempts: list[Callable[[], bool]]) -> list[int]:
+    """Every attempt at once (a barrier), each in a thread: the indices of those that won."""
     wins: list[int] = []
-    barrier = threading.Barrier(len(stores))
+    barrier = threading.Barrier(len(attempts))
 
-    def create(i: int) -> None:
+    def attempt(i: int) -> None:
         barrier.wait()
-        if stores[i].put_new(key, f"racer {i}".encode()):
+        if attempts[i]():
             wins.append(i)
 
-    threads = [threading.Thread(target=create, args=(i,)) for i in range(len(stores))]
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(len(attempts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     return wins
+
+
+def _creates(stores: list[FsspecStore], key: str) -> list[Callable[[], bool]]:
+    return [functools.partial(st.put_new, key, f"racer {i}".encode()) for i, st in enumerate(stores)]
 
 
 def test_exclusive_create_is_one_conditional_put(s3: LocalS3) -> None:
@@ -56,7 +62,7 @@ def test_two_racers_one_winner(s3: LocalS3) -> None:
     # two clients of their own (two s3fs filesystems, as on two hosts)
     a, b = (FsspecStore(s3.url(), skip_instance_cache=True) for _ in range(2))
     for k in range(10):
-        wins = _race([a, b], f"leases/path_{k}/0000000001.json")
+        wins = _race(_creates([a, b], f"leases/path_{k}/0000000001.json"))
         assert len(wins) == 1, (k, wins)
         assert a.get(f"leases/path_{k}/0000000001.json") == f"racer {wins[0]}".encode()
 
@@ -64,7 +70,7 @@ def test_two_racers_one_winner(s3: LocalS3) -> None:
 def test_many_threads_one_winner_per_key(s3: LocalS3) -> None:
     st = FsspecStore(s3.url())
     for k in range(6):
-        wins = _race([st] * 12, f"k{k}")
+        wins = _race(_creates([st] * 12, f"k{k}"))
         assert len(wins) == 1, (k, wins)
         assert st.get(f"k{k}") == f"racer {wins[0]}".encode()
 
@@ -72,19 +78,7 @@ def test_many_threads_one_winner_per_key(s3: LocalS3) -> None:
 def test_lease_race_and_takeover_on_s3(s3: LocalS3) -> None:
     st = open_store(s3.url())
     leases = [Lease(st, "path_3", f"w{i}", lease_s=0.5) for i in range(6)]
-    barrier = threading.Barrier(len(leases))
-    got: list[int] = []
-
-    def take(i: int) -> None:
-        barrier.wait()
-        if leases[i].acquire():
-            got.append(i)
-
-    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(leases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    got = _race([lease.acquire for lease in leases])
     assert len(got) == 1 and Lease.holder(st, "path_3") == f"w{got[0]}"
     time.sleep(0.6)  # the holder stops heartbeating: its lease expires
     late = Lease(st, "path_3", "late", lease_s=5)
