@@ -1,12 +1,11 @@
 """Path leases of decoupled mode: exclusive, expiring claims built on ``Store.put_new``."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-from dipaco.decoupled.store import Store
+from dipaco.decoupled.store import Store, encode_json
 
 __all__ = ["Lease", "LeaseLost"]
 
@@ -85,7 +84,7 @@ class Lease:
             if not info.get("released") and float(info["expires_at"]) >= time.time():
                 return False
         body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
-        if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
+        if not self.store.put_new(self._key(top + 1), encode_json(body)):
             return False  # another worker won the race for this epoch
         self.epoch = top + 1
         # taken from a holder that never released it (died or stalled past its expiry)
@@ -99,7 +98,7 @@ class Lease:
         if self._epochs()[-1:] != [self.epoch]:
             raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
         body = {"owner": self.owner, "expires_at": time.time() + self.lease_s, "released": False}
-        self.store.put(self._key(self.epoch), json.dumps(body).encode())
+        self.store.put(self._key(self.epoch), encode_json(body))
         # A taker may have read our *old* expiry before the rewrite landed: check again.
         if self._epochs()[-1:] != [self.epoch]:
             raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
@@ -113,4 +112,4 @@ class Lease:
         """Give the resource up (others may take it at once)."""
         if self._epochs()[-1:] == [self.epoch]:
             body = {"owner": self.owner, "expires_at": 0.0, "released": True}
-            self.store.put(self._key(self.epoch), json.dumps(body).encode())
+            self.store.put(self._key(self.epoch), encode_json(body))
