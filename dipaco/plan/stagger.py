@@ -26,7 +26,7 @@ module is exchanged once per round, as in the synchronous rounds.
 Bytes in flight (:func:`inflight_peak`): right after the sync point of step ``s`` the
 modules launched at or before ``s`` that land after it, and those launched and landed at
 ``s`` (the driver lands earlier modules first, then launches, then lands the τ = 0
-ones: :meth:`dipaco.sync.diloco.DiLoCoSync.sync_point`). The synchronous round has a whole path in flight at
+ones: :meth:`dipaco.sync.round_driver.RoundDriver.sync_point`). The synchronous round has a whole path in flight at
 once; a staggered round one fragment (plus any whose delay outlasts the gap to the next
 launch). Pure Python: ``dipaco-plan`` and the streaming driver both call it.
 """
