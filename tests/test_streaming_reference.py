@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dipaco.plan.schedule import RoundSchedule
-from dipaco.plan.stagger import streaming_points, synchronous_points
+from dipaco.plan.stagger import streaming_schedule
 from dipaco.plan.topology import Topology
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.diloco import DiLoCoSync
@@ -123,8 +122,7 @@ def run_code() -> list[Snapshot]:
     topo = Topology(IDS, PATHS, world_size=2)
     sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=LR, momentum=MOMENTUM, nesterov=True),
                       track_cosine=False)
-    stream = RoundDriver(sync, RoundSchedule.staggered(streaming_points(IDS, H, TAU, fragments=FRAGMENTS), H), ROUNDS,
-                         keep=KEEP)
+    stream = RoundDriver(sync, streaming_schedule(IDS, H, TAU, fragments=FRAGMENTS), ROUNDS, keep=KEEP)
     alpha = PathAlpha.from_shard_tokens(SHARD_TOKENS)
     out: list[Snapshot] = []
     for r in range(ROUNDS):
@@ -149,9 +147,9 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 
 def test_the_schedule_is_the_equations() -> None:
-    assert streaming_points(IDS, H, TAU, fragments=FRAGMENTS) == reference_points() == {
+    got = {m: (pt.launch, pt.land) for m, pt in streaming_schedule(IDS, H, TAU, fragments=FRAGMENTS).points.items()}
+    assert got == reference_points() == {
         "embed": (1, 2), "L0.0": (2, 3), "L0.1": (2, 3), "L1.0": (2, 3), "L1.1": (2, 3), "head": (3, 4)}
-    assert synchronous_points(IDS, H) == {m: (H, H) for m in IDS}
 
 
 def test_alpha_differs_within_every_module() -> None:

@@ -225,7 +225,7 @@ class RoundDriver:
                 self.resident[m] = None
         stats = RoundStats(round=self.round, modules={m: self._landed[m] for m in self.syncs if m in self._landed})
         if self.measure:
-            stats.inflight_peak_bytes = max((inflight_peak(self.current.as_points(), self.path_modules[p], self._bytes)
+            stats.inflight_peak_bytes = max((inflight_peak(self.current, self.path_modules[p], self._bytes)
                                              for p in self.paths
                                              if all(m in self._bytes for m in self.path_modules[p])), default=0)
             stats.inflight_peak_wall_bytes = wall_peak(self._intervals)
