@@ -100,9 +100,12 @@ def test_the_path_scanner_finds_what_it_should() -> None:
 
 
 def test_the_readme_is_written_for_users() -> None:
-    """Two set-up commands a newcomer pastes (CI runs the second), and no project history:
+    """At most 180 lines, two set-up commands a newcomer pastes (CI runs the second), and no project history:
     issue numbers in no doc (README, docs/, benchmarks/README.md), commit hashes not in the README."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
+    # read in five minutes: what it is, set-up, the default run, use, where to read more;
+    # the chronicle of re-runs and suite timings lives in docs/results.md
+    assert len(text.splitlines()) <= 180, len(text.splitlines())
     setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv && ")]
     assert len(setups) == 2, setups
     # the suite: in-process tests on both cores, then the multiprocess ones alone (the two
