@@ -3,12 +3,11 @@ paths (``path_<p>``, held by the decoupled worker training it) and on modules
 (``module_<m>``, held by the synchroniser stepping it)."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Optional
 
-from dipaco.decoupled.store import Store
+from dipaco.decoupled.store import Store, encode_json
 
 __all__ = ["Lease", "LeaseLost"]
 
@@ -105,7 +104,7 @@ class Lease:
         self.since = time.time()
         self.expires_at = self.since + self.lease_s
         body = {"owner": self.owner, "expires_at": self.expires_at, "released": False, "since": self.since}
-        if not self.store.put_new(self._key(top + 1), json.dumps(body).encode()):
+        if not self.store.put_new(self._key(top + 1), encode_json(body)):
             return False  # another worker won the race for this epoch
         self.epoch = top + 1
         # taken from a holder that never released it (died or stalled past its expiry)
@@ -121,7 +120,7 @@ class Lease:
         self.check()
         self.expires_at = time.time() + self.lease_s
         body = {"owner": self.owner, "expires_at": self.expires_at, "released": False, "since": self.since}
-        self.store.put(self._key(self.epoch), json.dumps(body).encode())
+        self.store.put(self._key(self.epoch), encode_json(body))
         # A taker may have read our *old* expiry before the rewrite landed: check again.
         if self._epochs()[-1:] != [self.epoch]:
             raise LeaseLost(f"lease {self.name} epoch {self.epoch} was taken over")
@@ -145,4 +144,4 @@ class Lease:
         """Give the resource up (others may take it at once)."""
         if self._epochs()[-1:] == [self.epoch]:
             body = {"owner": self.owner, "expires_at": 0.0, "released": True, "since": self.since}
-            self.store.put(self._key(self.epoch), json.dumps(body).encode())
+            self.store.put(self._key(self.epoch), encode_json(body))

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import dipaco
 from dipaco.decoupled.fsspec_store import open_store
-from dipaco.decoupled.store import Store
+from dipaco.decoupled.store import JSON_DIGEST, CorruptBlob, Store, decode_json
 from dipaco.run.path_guard import check_target
 from dipaco.run.provenance import git_commit
 from dipaco.run.run_dir import RunDir, RunDirError
@@ -56,16 +56,34 @@ def _local_path(url: str) -> Optional[Path]:
     return None if "://" in url else Path(url).expanduser().resolve()
 
 
-def _read_local(path: Path) -> tuple[Optional[dict], bool, bool]:
+def _owner_record(url: str, blob: Optional[bytes]) -> Optional[Any]:
+    """The run named by ``owner.json``, checked against its sha256. A record without one
+    (a store made before records had one) is read as it is: it is only ever compared
+    with this run's, and anything else in it is refused as another run's store."""
+    if blob is None:
+        return None
+    try:
+        record = json.loads(blob.decode("utf-8"))
+    except ValueError:
+        return None  # unreadable: the store is judged by what else it holds
+    if not isinstance(record, dict) or JSON_DIGEST not in record:
+        return record
+    try:
+        return decode_json(blob)
+    except CorruptBlob as e:
+        raise RunDirError(f"{_KEY}={url}: its {OWNER_KEY} is corrupt ({e}); whose store it is cannot be told, so "
+                          "it is left alone: point store_url at a new location") from None
+
+
+def _read_local(url: str, path: Path) -> tuple[Optional[Any], bool, bool]:
     """``(owner record, holds a plan, holds anything)`` of a local store directory."""
     if not path.is_dir():
         return None, False, False
-    owner = None
     try:
-        owner = json.loads((path / OWNER_KEY).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
-    return owner, (path / PLAN_KEY).is_file(), any(path.iterdir())
+        blob: Optional[bytes] = (path / OWNER_KEY).read_bytes()
+    except OSError:
+        blob = None
+    return _owner_record(url, blob), (path / PLAN_KEY).is_file(), any(path.iterdir())
 
 
 def check_store(url: str, run: RunDir, resume: bool) -> None:
@@ -82,7 +100,7 @@ def claim_store(url: str, run: RunDir, resume: bool) -> Store:
         assert local is not None  # _inspect refuses a non-empty remote store for a fresh run
         shutil.rmtree(local)
     store = open_store(url)
-    if store.get_json(OWNER_KEY) is None:
+    if store.get(OWNER_KEY) is None:
         store.put_json(OWNER_KEY, {"run_dir": str(run.root)})
     return store
 
@@ -93,11 +111,11 @@ def _inspect(url: str, run: RunDir, resume: bool) -> tuple[Optional[Path], bool]
     if local is not None:
         check_target(url[len("file://"):] if url.startswith("file://") else url, _KEY, own_run=run.root,
                      owned=("decoupled",), folder=True, fix="point it at a new directory, or leave it null (RUN/decoupled)")
-        owner, has_plan, nonempty = _read_local(local)
+        owner, has_plan, nonempty = _read_local(url, local)
         here = local == run.root / "decoupled" or run.root in local.parents
     else:
         store = _open_remote(url)
-        owner, has_plan = store.get_json(OWNER_KEY), store.get_json(PLAN_KEY) is not None
+        owner, has_plan = _owner_record(url, store.get(OWNER_KEY)), store.get(PLAN_KEY) is not None
         nonempty, here = owner is not None or has_plan or bool(store.list("")), False
     _refuse_foreign(url, owner, has_plan, nonempty, here, {"run_dir": str(run.root)})
     if nonempty and not resume and local is None:

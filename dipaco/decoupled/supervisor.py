@@ -34,7 +34,7 @@ from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.owner import RUN_KEY, JoinRefused, check_role
 from dipaco.decoupled.service import SyncService
-from dipaco.decoupled.store import Store
+from dipaco.decoupled.store import Store, encode_json
 from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime import faults, process_start
@@ -106,7 +106,7 @@ def allocate_slots(store: Store, n: int, host: str) -> list[int]:
     i = 0
     while len(out) < n:
         if i not in taken and store.put_new(f"slots/{i:06d}.json",
-                                            json.dumps({"host": host, "t": time.time()}).encode()):
+                                            encode_json({"host": host, "t": time.time()})):
             out.append(i)
         i += 1
     return out
