@@ -33,8 +33,8 @@ from typing import Any, Optional
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.lease import Lease, LeaseLost
 from dipaco.decoupled.merge import MergingModuleSync
-from dipaco.decoupled.store import Store, decode_meta, decode_state, encode_state
-from dipaco.decoupled.versions import latest, prune, publish
+from dipaco.decoupled.store import Store, encode_state
+from dipaco.decoupled.versions import prune, publish, read_latest
 
 __all__ = ["ModuleLeases", "module_folder", "module_lease", "read_module", "write_module", "live_synchronisers"]
 
@@ -51,15 +51,8 @@ def module_lease(module_id: str) -> str:
 
 def read_module(store: Store, module_id: str, meta_only: bool = False) -> Optional[tuple[int, Any, dict]]:
     """``(revision, state, meta)`` of a module's newest revision (``state`` None with
-    ``meta_only``: the header alone is decoded), or None before version 0 exists."""
-    got = latest(store, module_folder(module_id))
-    if got is None:
-        return None
-    rev, blob = got
-    if meta_only:
-        return rev, None, decode_meta(blob)
-    state, meta = decode_state(blob)
-    return rev, state, meta
+    ``meta_only``: the header alone is decoded, unverified: see ``peek_meta``), or None before version 0 exists."""
+    return read_latest(store, module_folder(module_id), meta_only)
 
 
 def write_module(store: Store, sync: MergingModuleSync, revision: int = 0, **meta: Any) -> bool:

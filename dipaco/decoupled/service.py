@@ -22,7 +22,7 @@ from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.merge import MergingModuleSync, Update
 from dipaco.decoupled.module_leases import ModuleLeases
 from dipaco.decoupled.store import Store, decode_state
-from dipaco.decoupled.versions import latest
+from dipaco.decoupled.versions import read_latest
 from dipaco.plan.codecs import make_codec
 from dipaco.runtime.progress import say
 
@@ -64,11 +64,7 @@ def path_folder(path_id: int) -> str:
 
 def read_path_state(store: Store, path_id: int) -> Optional[tuple[int, Any, dict]]:
     """``(revision, state, meta)`` of a path's newest state, or None before its first phase."""
-    got = latest(store, path_folder(path_id))
-    if got is None:
-        return None
-    state, meta = decode_state(got[1])
-    return got[0], state, meta
+    return read_latest(store, path_folder(path_id))
 
 
 def wait_out_outage(who: str, e: OSError, backoff: float, cfg: DecoupledConfig) -> float:

@@ -17,11 +17,11 @@ hold the single key ``<folder>.st``: it is read as revision 0.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
-from dipaco.decoupled.store import Store
+from dipaco.decoupled.store import CorruptBlob, Store, decode_state, peek_meta
 
-__all__ = ["KEEP", "revision_key", "revisions", "latest", "publish", "prune"]
+__all__ = ["KEEP", "revision_key", "revisions", "latest", "read_latest", "publish", "prune"]
 
 KEEP = 3  # revisions kept behind the newest (readers that listed just before a prune)
 _TRIES = 20  # re-lists when the listed newest was pruned before it was read
@@ -55,6 +55,25 @@ def latest(store: Store, folder: str) -> Optional[tuple[int, bytes]]:
             return revs[-1], blob
         # pruned between the listing and the read: a newer one exists, list again
     raise OSError(f"{store}: {folder} changed {_TRIES} times while being read")
+
+
+def read_latest(store: Store, folder: str, meta_only: bool = False) -> Optional[tuple[int, Any, dict]]:
+    """``(revision, state, meta)`` of the newest revision, checked against the sha256
+    recorded when it was written (a mismatch is :class:`CorruptBlob` naming its key);
+    with ``meta_only`` the state is None and the header is read unchecked
+    (:func:`~dipaco.decoupled.store.peek_meta`: for display only). None when there is none."""
+    got = latest(store, folder)
+    if got is None:
+        return None
+    rev, blob = got
+    try:
+        if meta_only:
+            return rev, None, peek_meta(blob)
+        state, meta = decode_state(blob)
+    except CorruptBlob as e:
+        key = revision_key(folder, rev) if revisions(store, folder) else f"{folder}.st"
+        raise CorruptBlob(f"{store!r}: key {key!r} is corrupt: {e}") from None
+    return rev, state, meta
 
 
 def publish(store: Store, folder: str, n: int, blob: bytes) -> bool:
