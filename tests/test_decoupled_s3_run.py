@@ -22,7 +22,8 @@ from _s3 import LocalS3, s3  # noqa: F401 (fixture)
 from dipaco.decoupled.fsspec_store import FsspecStore, open_store
 from dipaco.decoupled.merge import DROP_REASONS
 from dipaco.decoupled.metrics import ledger_report, pushed_ids
-from dipaco.decoupled.service import module_key, progress_key
+from dipaco.decoupled.module_leases import read_module
+from dipaco.decoupled.service import progress_key
 
 R, H, PATHS = 4, 8, 4
 TRAIN = ["experiment=smoke", "data.max_documents=200", f"trainer.rounds={R}", f"diloco.inner_steps={H}",
@@ -55,7 +56,7 @@ def test_a_decoupled_run_on_s3_survives_killed_workers_and_scores(s3: LocalS3, t
     report = ledger_report(store, modules)
     assert report["ok"], report
     for m in modules:
-        state, meta = store.get_state(module_key(m))
+        _, state, meta = read_module(store, m)
         applied, dropped = set(state["applied"]), set(state["dropped"])
         assert pushed_ids(store, m) == applied | dropped and not applied & dropped, m
         assert set(state["dropped"].values()) <= set(DROP_REASONS), state["dropped"]

@@ -17,7 +17,8 @@ from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.merge import MergingModuleSync
 from dipaco.decoupled.metrics import ledger_report
 from dipaco.decoupled.owner import OWNER_KEY, check_store, claim_store
-from dipaco.decoupled.service import SyncService, inbox, module_key, write_module
+from dipaco.decoupled.module_leases import read_module, write_module
+from dipaco.decoupled.service import SyncService, inbox
 from dipaco.decoupled.store import CorruptBlob, FileStore, decode_json, decode_state, encode_json, encode_state
 from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.storage.tensor_io import tensors_to_bytes
@@ -120,7 +121,7 @@ def test_the_synchroniser_drops_a_corrupt_update_and_applies_the_rest(tmp_path: 
     st.put_new(f"{inbox('m')}/bad.st", flipped(_update("m", "bad", 1, 0, [20.0, 20.0, 20.0]), -1))
     svc = SyncService(st, ["m"], {"m": [0, 1]}, rounds=1, cfg=cfg, outer=AVG, inner_steps=1)
     svc.poll_once({0, 1})  # both paths done: the good one is stepped alone
-    state, meta = st.get_state(module_key("m"))
+    _, state, meta = read_module(st, "m")
     assert state["dropped"] == {"bad": "corrupt"} and set(state["applied"]) == {"good"}
     assert not torch.equal(state["global"], torch.zeros(3)) and bool(torch.isfinite(state["global"]).all())
     assert ledger_report(st, ["m"])["ok"]
@@ -131,10 +132,11 @@ def test_the_synchroniser_drops_a_corrupt_update_and_applies_the_rest(tmp_path: 
 def test_a_corrupt_module_version_is_an_error_naming_its_key(tmp_path: Path) -> None:
     st = FileStore(tmp_path)
     write_module(st, MergingModuleSync("m", torch.zeros(3), [0], DecoupledConfig(), AVG))
-    path = tmp_path / "modules" / "m.st"
+    path = tmp_path / "modules" / "m" / "0000000000.st"
     path.write_bytes(flipped(path.read_bytes(), -1))
-    with pytest.raises(CorruptBlob, match="key 'modules/m.st' is corrupt"):
-        SyncService(st, ["m"], {"m": [0]}, rounds=1, cfg=DecoupledConfig(), outer=AVG, inner_steps=1)
+    svc = SyncService(st, ["m"], {"m": [0]}, rounds=1, cfg=DecoupledConfig(), outer=AVG, inner_steps=1)
+    with pytest.raises(CorruptBlob, match="key 'modules/m/0000000000.st' is corrupt"):
+        svc.poll_once()  # takes the module's lease, then loads its newest revision
 
 
 def _run(d: Path) -> RunDir:

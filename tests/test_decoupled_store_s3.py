@@ -135,3 +135,15 @@ def test_probe_refuses_an_unreachable_or_failing_endpoint(s3: LocalS3, monkeypat
         open_store(s3.url())
     assert "store_url" in str(exc.value) and "127.0.0.1" in str(exc.value), exc.value
     assert time.monotonic() - t0 < 30
+
+
+def test_a_key_another_process_creates_after_a_listing_is_read(s3: LocalS3) -> None:
+    """A long-lived reader lists a folder, another writer adds a key to it: the reader's
+    get finds it (s3fs answered "not found" from its cached listing: the supervisor of a
+    decoupled run on s3:// read every path's progress as absent and stopped at round 0)."""
+    reader, writer = FsspecStore(s3.url()), FsspecStore(s3.url(), skip_instance_cache=True)
+    writer.put_json("paths/path_0.json", {"steps_done": 1})
+    assert reader.list("paths") == ["path_0.json"]  # the listing the reader would cache
+    writer.put_json("paths/path_1.json", {"steps_done": 2})
+    assert reader.get_json("paths/path_1.json") == {"steps_done": 2}
+    assert reader.get_state("paths/none.st") is None

@@ -70,7 +70,11 @@ class FsspecStore(Store):
         from fsspec.core import url_to_fs  # lazy: only fsspec URLs need fsspec
 
         self.url = url
-        self.fs, root = url_to_fs(url, **storage_options)
+        # No listings cache: a long-lived process (a supervisor, a synchroniser) would
+        # otherwise answer "not found" for a key another process created after this one
+        # listed its folder (s3fs checks the cached listing before a GET): the store is
+        # shared, so every read must go to the backend.
+        self.fs, root = url_to_fs(url, **{"use_listings_cache": False, **storage_options})
         self.root = root.rstrip("/")
         protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
         self.object_store = bool(OBJECT_STORES.intersection(protocols))

@@ -107,6 +107,17 @@ def _header(blob: bytes) -> dict[str, str]:
     return json.loads(blob[8 : 8 + n].decode("utf-8")).get("__metadata__", {}) or {}
 
 
+def peek_meta(blob: bytes) -> dict:
+    """The ``meta`` of a blob written by :func:`encode_state`, NOT checked against its
+    sha256: for display (``dipaco-decoupled status``) and existence checks only, where
+    hashing every module's whole blob would cost a full read per line shown. Anything
+    that acts on a blob's content reads it with :func:`decode_state`."""
+    try:
+        return json.loads(_header(blob).get("meta", "{}"))
+    except Exception as e:  # torn or not safetensors: the library's errors vary
+        raise CorruptBlob(f"not a store blob ({type(e).__name__})") from None
+
+
 def decode_state(blob: bytes) -> tuple[Any, dict]:
     """Inverse of :func:`encode_state`: ``(state, meta)``, once the recorded sha256 matches
     (else :class:`CorruptBlob`)."""
