@@ -25,8 +25,8 @@ from typing import Any
 from dipaco.config import compose_config
 from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.decoupled import simulate_decoupled
+from dipaco.sim.modes import simulate_mode
 from dipaco.sim.report import simulate_job
-from dipaco.sim.rounds import simulate_rounds
 
 DECOUPLED_S = 600.0  # simulated seconds of decoupled mode at scale (256 workers: ~300 phases each)
 
@@ -106,13 +106,13 @@ def scale(plot_dir: str | None) -> dict[str, Any]:
                                 cluster=dataclasses.replace(base.cluster, chips=chips, **kw))
         j = dataclasses.replace(j, workers=min(j.groups, base.paths))
         horizon = j.cluster.horizon_hours * 3600.0
-        res = {m: round(simulate_rounds(j, m, horizon).goodput, 4) for m in modes if m != "decoupled"}
+        res = {m: round(simulate_mode(j, m, horizon).goodput, 4) for m in modes if m != "decoupled"}
         res["decoupled"] = round(simulate_decoupled(j, DECOUPLED_S).goodput, 4)
         return res
 
     t0 = time.process_time()  # the 60 s budget: every round mode over a simulated week on 10^6 chips
     j6 = dataclasses.replace(base, groups=1_000_000 // base.chips_per_group)
-    week = {m: simulate_rounds(j6, m, 168 * 3600.0).to_dict() for m in ("sync", "elastic", "streaming", "ddp")}
+    week = {m: simulate_mode(j6, m, 168 * 3600.0).to_dict() for m in ("sync", "elastic", "streaming", "ddp")}
     note("cpu_s_for_1m_week_round_modes", round(time.process_time() - t0, 1))
     note("week_1m", {m: {k: r[k] for k in ("goodput", "failures", "rounds", "wall_per_round_s", "exposed_share")}
                      for m, r in week.items()})
@@ -144,7 +144,7 @@ def bandwidth(base: SimJob | None = None) -> dict[str, float]:
         for gbps in (1, 10, 100, 1000, 10000):
             j = dataclasses.replace(base, workers=base.paths,
                                     cluster=dataclasses.replace(base.cluster, link_gbps=gbps, mtbf_hours=None))
-            r = simulate_decoupled(j, 300.0) if mode == "decoupled" else simulate_rounds(j, mode, 3600.0)
+            r = simulate_mode(j, mode, 300.0 if mode == "decoupled" else 3600.0)
             if r.exposed_share < 0.05:
                 rates[mode] = gbps
                 break
