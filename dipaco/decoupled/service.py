@@ -88,7 +88,7 @@ def read_update(blob: bytes) -> Update:
     return Update(update_id=meta["update_id"], module_id=meta["module_id"], path_id=int(meta["path_id"]),
                   phase=int(meta["phase"]), base_version=int(meta["base_version"]),
                   tokens=float(meta["tokens"]), delta=delta, inner_steps=int(meta.get("inner_steps", 0)),
-                  weighted=bool(meta.get("weighted", False)))
+                  weighted=bool(meta.get("weighted", False)), phase_s=meta.get("phase_s"))
 
 
 class SyncService(ModuleLeases):

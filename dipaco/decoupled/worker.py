@@ -312,7 +312,8 @@ class DecoupledWorker(WorkerScheduling):
                     "base_version": ph.pulled[m][0], "tokens": self.alpha(p, stats.tokens),
                     "trained_tokens": stats.tokens, "codec": codec.name,
                     "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,
-                    "worker": self.id, "inner_steps": stats.steps, "created_at": time.time()}
+                    "worker": self.id, "inner_steps": stats.steps, "created_at": time.time(),
+                    "phase_s": ph.seconds}  # the synchronisers' grace window scales with it
             # put_new: an id is written once; a file name is never reused for other content
             self.store.put_new(f"{inbox(m)}/{uid}.st", encode_state({"payload": list(payload)}, meta))
             ph.ids[m] = uid
