@@ -46,7 +46,15 @@ def test_min_p_keeps_the_tokens_near_the_likeliest() -> None:
     assert draws == {0, 1}  # 0.15 and 0.05 are under half of 0.5
 
 
-@pytest.mark.parametrize("field,value,words", [("repetition_penalty", 0.0, "> 0"), ("min_tokens", -1, ">= 0"),
+def test_a_temperature_too_small_to_divide_by_is_greedy() -> None:
+    """5e-324 lies in the server's [0, 2]; dividing by it overflowed the logits, the softmax
+    was NaN and the draw raised, failing the engine's whole step (every open request)."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for t in (5e-324, 1e-300, 9e-6):
+        assert int(sample_token(logits, t, 2, 0.5, torch.Generator().manual_seed(0), min_p=0.5)) == 1
+
+
+@pytest.mark.parametrize("field,value,words", [("repetition_penalty", 0.0, "[0.01"), ("min_tokens", -1, ">= 0"),
                                                ("stop_ids", (99,), "token id"), ("logit_bias", {0: 101.0}, "[-100"),
                                                ("presence_penalty", float("nan"), "finite"), ("logprobs", -1, "[0, 10]")])
 def test_the_engine_refuses_rules_outside_their_domain(field, value, words) -> None:

@@ -9,6 +9,7 @@ re-encodes its trailing window every step (the long-context rule).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -88,9 +89,10 @@ class Row:
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     scored: bool = False  # the prompt's log-probabilities have been computed
 
-    @property
+    @cached_property
     def shaped(self) -> bool:
-        """Whether its logits go through :func:`shape_logits` before a token is chosen."""
+        """Whether its logits go through :func:`shape_logits` before a token is chosen (asked
+        of every row at every step: computed once)."""
         return shapes_logits(self.req)
 
     def path_at(self, pos: int) -> int:

@@ -51,9 +51,7 @@ def check_shaping(req: Any, vocab_size: int) -> None:
         raise ValueError(f"min_tokens must be an integer >= 0, got {req.min_tokens!r}")
     for t in req.stop_ids:
         token("stop_ids", t)
-    if not (isinstance(req.repetition_penalty, (int, float)) and math.isfinite(req.repetition_penalty)
-            and req.repetition_penalty > 0):
-        raise ValueError(f"repetition_penalty must be a finite number > 0, got {req.repetition_penalty!r}")
+    _finite("repetition_penalty", req.repetition_penalty, *REPETITION_PENALTY_RANGE)
     _finite("presence_penalty", req.presence_penalty, -2, 2)
     _finite("frequency_penalty", req.frequency_penalty, -2, 2)
     for t, bias in (req.logit_bias or {}).items():
@@ -114,17 +112,26 @@ def token_logprobs(logits: torch.Tensor, chosen: Sequence[int], top: int) -> lis
     return [(lp, list(zip(i, v))) for lp, i, v in zip(mine, ids.tolist(), vals.tolist())]
 
 
+# a temperature below this is greedy (vLLM's rule): dividing by a subnormal one overflowed the
+# logits to inf, and the softmax of inf - inf is NaN, which failed the engine's whole step
+GREEDY_BELOW = 1e-5
+# repetition_penalty's domain: dividing or multiplying a logit by a number outside it could
+# overflow it, or make every seen token -inf
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
 def sample_token(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float],
                  generator: Optional[torch.Generator], min_p: Optional[float] = None) -> torch.Tensor:
     """The next token id (a 0-d long tensor on ``logits``' device) from one row's ``logits [V]``.
 
-    ``temperature == 0`` is greedy (the first of equal maxima). Otherwise: scale by
+    ``temperature`` below :data:`GREEDY_BELOW` (0 among them) is greedy (the first of equal
+    maxima). Otherwise: scale by
     ``1/temperature`` in float64, keep the tokens whose probability is at least ``min_p``
     times the likeliest's, then the ``top_k`` likeliest, then the smallest set of the
     likeliest whose probability reaches ``top_p`` (the likeliest always stays), and draw one
     with ``generator``.
     """
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return logits.argmax()
     scaled = logits.double() / temperature
     if min_p:

@@ -92,7 +92,7 @@ class CompletionRequest(BaseModel):
     prompt: Any  # str | list[str] | list[int] | list[list[int]]; checked by prompts_of (clear message)
     max_tokens: Annotated[Optional[StrictInt], Domain(0, note="prompt + max_tokens <= the model's context, "
                                                         "unless the server slides past it; 0 only with echo")] = None
-    temperature: Annotated[Optional[Number], Domain(0, 2)] = None
+    temperature: Annotated[Optional[Number], Domain(0, 2, note="below 1e-5: greedy")] = None
     top_p: Annotated[Optional[Number], Domain(0, 1, low_open=True)] = None
     top_k: Annotated[Optional[StrictInt], Domain(1, also=(-1,), note="-1: off")] = None
     min_p: Annotated[Optional[Number], Domain(0, 1)] = None
@@ -108,7 +108,7 @@ class CompletionRequest(BaseModel):
     suffix: Optional[StrictStr] = None
     presence_penalty: Annotated[Optional[Number], Domain(-2, 2)] = None
     frequency_penalty: Annotated[Optional[Number], Domain(-2, 2)] = None
-    repetition_penalty: Annotated[Optional[Number], Domain(0, low_open=True)] = None
+    repetition_penalty: Annotated[Optional[Number], Domain(0.01, 100)] = None
     logit_bias: Optional[dict[str, Annotated[Number, Domain(-100, 100)]]] = None  # token id (as text) -> bias
     min_tokens: Annotated[Optional[StrictInt], Domain(0, note="<= max_tokens")] = None
     ignore_eos: StrictBool = False
