@@ -59,6 +59,16 @@ def test_a_bad_run_directory_or_flag_is_one_line(monkeypatch, capsys, tmp_path) 
     code, err = run_cli(main, [tmp_path, "--engine-processes", "0"], capsys, monkeypatch)
     assert code == 2
     one_line(err, "--engine-processes must lie in")
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < 1 << 20:  # more connections than files this process may open
+        code, err = run_cli(main, [tmp_path, "--max-connections", str(soft)], capsys, monkeypatch)
+        assert code == 2
+        one_line(err, f"--max-connections {soft} is more than this process can open", "ulimit -n")
+    code, err = run_cli(main, [tmp_path, "--body-timeout", "0"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "--body-timeout must lie in")
 
 
 def test_a_busy_port_is_one_line(monkeypatch, capsys, tmp_path) -> None:

@@ -42,7 +42,7 @@ Rules, written once here and referred to by ``dipaco-serve --help`` and docs/ser
   Types are strict and unknown fields are refused.
 * **Stop strings** cut the text before the stop (which is not returned) and free the
   row in the engine; a client that disconnects frees its rows too, within a few tokens
-  (a stream behind its tokens catches up in one chunk; an engine process stays at most 2
+  (a stream behind its tokens catches up in one chunk; an engine process stays at most 8
   steps ahead of the server).
 * **Stopping** (:mod:`dipaco.serve.server`). A signal, to the server or its whole process
   group, gives open requests a grace period, then answers those left 503

@@ -31,8 +31,6 @@ from dipaco.serve.schemas import (CompletionRequest, DetokenizeRequest, Tokenize
                                   validation_error)
 
 log = logging.getLogger("dipaco.serve")
-# how often a non-streaming request checks that its client is still there
-_DISCONNECT_POLL_S = 0.25
 ENDPOINTS = ("POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /tokenizer_info, "
              "GET /metrics, GET /health")
 BODY_TIMEOUT_S = 30.0
@@ -223,7 +221,7 @@ def create_app(service: CompletionService, *, body_timeout: float = BODY_TIMEOUT
         completion = await service.open(body)
         request.state.completion = completion  # its token counts, for the access log
         if body.stream:
-            return StreamingResponse(_stream(completion, request), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+            return StreamingResponse(_stream(completion), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
         return await _collect(completion, request)
 
     @app.post("/tokenize")
@@ -272,7 +270,7 @@ def _per_engine(engine: Any) -> list[dict[str, Any]] | None:
             for n, e in zip(open_per_engine(), engine.engines)]
 
 
-async def _stream(completion: Completion, request: Request) -> AsyncIterator[str]:
+async def _stream(completion: Completion) -> AsyncIterator[str]:
     """The chunks of a streamed completion; rows still generating are freed however it ends."""
     try:
         async for choice, text, finished in completion.updates():
@@ -287,22 +285,26 @@ async def _stream(completion: Completion, request: Request) -> AsyncIterator[str
 
 
 async def _collect(completion: Completion, request: Request) -> Response:
-    """Wait for the whole completion, freeing its rows if the client leaves first."""
+    """Wait for the whole completion, freeing its rows as soon as the client leaves (its
+    connection's close is awaited, not polled for)."""
 
     async def drain() -> None:
         async for _ in completion.updates():
             pass
 
-    task = asyncio.ensure_future(drain())
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, left = asyncio.ensure_future(drain()), asyncio.ensure_future(gone())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                task.result()  # an APIError (engine failed) propagates to its handler
-                return JSONResponse(completion.response())
-            if await request.is_disconnected():
-                log.info("client left %s: freeing its rows", completion.id)
-                return Response(status_code=499)
+        done, _ = await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # an APIError (engine failed) propagates to its handler
+            return JSONResponse(completion.response())
+        log.info("client left %s: freeing its rows", completion.id)
+        return Response(status_code=499)
     finally:
         task.cancel()
+        left.cancel()
         completion.cancel()

@@ -50,7 +50,7 @@ class Plan:
     """A checked request: its prompts as token ids, and each row's engine settings."""
 
     prompts: list[list[int]]
-    texts: list[str]                 # each prompt as text (``echo`` returns it)
+    texts: list[str]                 # each prompt as text, with ``echo`` (which returns it)
     rows: list[dict[str, Any]]       # engine settings of each row, prompt by prompt
     stops: list[str]
 
@@ -101,15 +101,14 @@ class CompletionService:
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise bad_request(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab})", name)
-        texts = [p if isinstance(p, str) else self.model.tokenizer.decode(p) for p in prompts]
+        texts = [p if isinstance(p, str) else self.model.tokenizer.decode(p) for p in prompts] if req.echo else []
         shared = self._settings(req, per_prompt)
         rows = []
         for i, prompt in enumerate(ids):
             max_tokens = self._max_tokens(req, prompt, i, len(ids))
-            base = secrets.randbits(32) if req.seed is None else req.seed
-            for k in range(per_prompt):
-                rows.append({**shared, "prompt_ids": prompt, "max_new_tokens": max_tokens,
-                             "seed": choice_seed(base, k) if req.seed is not None else secrets.randbits(32)})
+            for k in range(per_prompt):  # without a seed, each row a random one
+                seed = secrets.randbits(32) if req.seed is None else choice_seed(req.seed, k)
+                rows.append({**shared, "prompt_ids": prompt, "max_new_tokens": max_tokens, "seed": seed})
         return Plan(ids, texts, rows, stops)
 
     def _settings(self, req: CompletionRequest, per_prompt: int) -> dict[str, Any]:
