@@ -193,5 +193,8 @@ def reuse_preparation(src_run: Path, dst_run: Path) -> None:
 
     dst_run.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src_run / "tokenizer.json", dst_run / "tokenizer.json")
+    # what they were made from: prepare refuses a tokenizer or router it cannot check
+    if (src_run / "fingerprints.json").is_file():
+        shutil.copy2(src_run / "fingerprints.json", dst_run / "fingerprints.json")
     if (src_run / "router").is_dir():
         shutil.copytree(src_run / "router", dst_run / "router", dirs_exist_ok=True)
