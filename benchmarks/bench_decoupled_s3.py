@@ -10,9 +10,11 @@ one synchroniser) in a process of its own, against a fresh bucket of a moto serv
 this process (one request at a time, as tests/_s3.py explains: a slow store, which is the
 point). The first run prepares the tokenizer and router; the later ones reuse them.
 
-Reported per run: wall time, goodput (``decoupled_metrics.json``), the synchroniser's and
-the workers' lease losses and takeovers (``lease``/``abort`` events in the bucket's event
-logs), dropped updates by reason, the ledger check, and requests to the server by method.
+Reported per run: wall time, goodput and outer steps (``decoupled_metrics.json``), the
+checkpoint's routed perplexity (``summary.json``), the synchronisers' longest interval
+between two renewals of a lease, their and the workers' lease losses and takeovers
+(``lease``/``abort`` events in the bucket's event logs), dropped updates by reason, the
+ledger check, and requests to the server by method.
 ``--code DIR`` runs the training process with ``PYTHONPATH=DIR`` (DIR holding a
 ``dipaco/`` package: ``git archive <commit> dipaco | tar -x -C DIR``), to measure a
 change before and after on the same host. The numbers in docs/decoupled.md ("Leases on a
@@ -54,7 +56,11 @@ def _lease_counts(url: str) -> dict[str, int]:
     store = open_store(url)
     sync = [e for e in load_events(store, "sync-") if e.get("e") == "lease"]
     workers = worker_events(store)
-    return {"sync_lost": sum(e["what"] == "lost" for e in sync),
+    # the longest interval between two renewals of a lease, as the synchronisers published
+    # it (renewal_s in syncs/<name>.json; absent before the renewal rule)
+    worst = [(store.get_json(f"syncs/{n}") or {}).get("renewal_s") for n in store.list("syncs") if n.endswith(".json")]
+    return {"sync_renewal_s": max(filter(None, worst), default=None),
+            "sync_lost": sum(e["what"] == "lost" for e in sync),
             "sync_fenced": sum(e["what"] == "fenced" for e in sync),
             "sync_takeover": sum(e["what"] == "takeover" for e in sync),
             "worker_abort": sum(e.get("e") == "abort" for e in workers),
@@ -88,9 +94,11 @@ def _run(srv: Any, args: Any, run_dir: Path, prepared: Optional[Path]) -> dict[s
     if proc.returncode != 0:
         raise SystemExit(f"the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     metrics = json.loads((run_dir / "decoupled_metrics.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     requests = Counter(method for method, path, _ in list(srv.app.requests)[before:]
                        if path == f"/{bucket}" or path.startswith(f"/{bucket}/"))
     return {"wall_s": round(wall, 1), "goodput": round(float(metrics["goodput"]), 3),
+            "routed_ppl": round(float(summary["routed_ppl"]), 1),
             "ledger_ok": bool(metrics["ledger_ok"]), "step_goodput": round(float(metrics["step_goodput"]), 3),
             "outer_steps": sum(metrics["module_versions"].values()), "dropped": metrics.get("dropped", {}),
             **_lease_counts(url), "requests": dict(requests), "requests_total": sum(requests.values())}
@@ -116,8 +124,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         prepared = prepared or run_dir
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print_table(rows, ["run", "wall_s", "goodput", "sync_lost", "sync_fenced", "worker_abort", "worker_takeover",
-                       "requests_total", "ledger_ok"], title=f"decoupled on local S3 ({args.code or 'this checkout'})")
+    print_table(rows, ["run", "wall_s", "goodput", "routed_ppl", "outer_steps", "sync_renewal_s", "sync_lost", "sync_fenced",
+                       "worker_abort", "worker_takeover", "requests_total", "ledger_ok"], title=f"decoupled on local S3 ({args.code or 'this checkout'})")
     write_result(NAME, {"code": args.code or "this checkout", "lease_s": args.lease_s,
                         "heartbeat_s": args.heartbeat_s, "rounds": args.rounds, "inner_steps": args.inner_steps,
                         "runs": rows}, mode=args.mode, load_before=load_before, out=args.out, argv=argv)

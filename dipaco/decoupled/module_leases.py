@@ -110,10 +110,11 @@ class ModuleLeases:
 
     def keep_alive(self) -> set[str]:
         """Renew each lease that is due (:data:`~dipaco.decoupled.lease.RENEW_SHARE` of
-        ``lease_s`` since its last renewal), dropping lost ones; the modules lost. Called between the modules of a pass, between the
-        files of a long intake or archive, and between the loads of a balance: a pass over
-        many modules on a slow store must not outlast the lease (docs/decoupled.md, "Leases
-        on a slow store"). Costs nothing when none is due."""
+        ``lease_s`` since its last renewal), dropping lost ones; the modules lost. Called
+        between the modules of a pass, between the files of a long intake or archive, and
+        between the loads of a balance: a pass over many modules on a slow store must not
+        outlast the lease (docs/decoupled.md, "Leases on a slow store"). Costs nothing
+        when none is due."""
         lost = set()
         for m in list(self.leases):
             if not self.leases[m].due():
