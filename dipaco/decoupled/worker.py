@@ -298,6 +298,10 @@ class DecoupledWorker(WorkerScheduling):
         """Push: each module's α·Δ against the version it pulled, encoded with the path's
         error-feedback residual, into the module's inbox (written once, never replaced)."""
         p, phase = ph.path, ph.index
+        # the steps this phase trained, logged at once (an urgent line on an object store):
+        # a worker killed between its push and its "end" line trained useful steps, and its
+        # buffered "progress" lines may have died with it
+        self.event({"e": "push", "path": p, "phase": phase, "steps": stats.steps})
         for m in self.grid.module_ids_of_path(p):
             lease.beat(self.dcfg.heartbeat_s)  # a slow store must not let the lease lapse mid-push
             base = ph.pulled[m][1]
