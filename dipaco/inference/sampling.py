@@ -25,7 +25,9 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
                  generator: Optional[torch.Generator]) -> torch.Tensor:
     """The next token id (a 0-d long tensor on ``logits``' device) from one row's ``logits [V]``.
 
-    ``temperature == 0`` is greedy (the first of equal maxima). Otherwise: scale by
+    ``temperature == 0`` is greedy (the first of equal maxima), and so is a temperature so
+    small that ``logits / temperature`` overflows float64 (5e-324): greedy is its limit,
+    where sampling would draw from NaN. Otherwise: scale by
     ``1/temperature`` in float64, keep the ``top_k`` likeliest tokens, then the smallest
     set of the likeliest whose probability reaches ``top_p`` (the likeliest always stays),
     and draw one with ``generator``.
@@ -33,6 +35,8 @@ def sample_token(logits: torch.Tensor, temperature: float, top_k: Optional[int],
     if temperature == 0:
         return logits.argmax()
     scaled = logits.double() / temperature
+    if bool((torch.isinf(scaled) & torch.isfinite(logits)).any()):
+        return logits.argmax()
     if top_k is not None:
         kth = torch.topk(scaled, min(int(top_k), scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
