@@ -77,6 +77,7 @@ ROWS = [
      "drop --out"),
     (("infer_generate.py", "_out_file"), ["generate", "RUN", "--file", "DOCS", "--max-new-tokens", "2", "--resume"],
      "add --out F"),
+    (("infer_args.py", "out_file"), ["score", "RUN", "--file", "DOCS", "--force"], "drop --force"),
 ]
 
 

@@ -14,15 +14,16 @@ from typing import Any, Optional
 import numpy as np
 
 from dipaco.cli.errors import fail
-from dipaco.cli.generate_job import (check_record_name, check_resume, claim, describe_job, read_prompts,
+from dipaco.cli.generate_job import (check_record_name, check_resume, claim, describe_job, job_path, read_prompts,
                                      record_job)
 from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, add_run_args, emit, int_in, mode_flags,
                                    non_negative_float, open_run, positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
-from dipaco.run.path_guard import check_target
+from dipaco.run.owned import check_out_file
 from dipaco.run.run_dir import RunDirError
 from dipaco.runtime.device import choose_device
 from dipaco.runtime.progress import progress_bar
+from dipaco.storage.strict_json import dumps_strict
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> None:
             "reroute_every": args.reroute_every, "prompt_tokens": len(prompt),
             "new_tokens": len(gen.tokens), "stopped_at_eos": gen.stopped_at_eos}
     if args.json:
-        emit(json.dumps({"text": text, "tokens": gen.tokens, "prompt_ids": prompt, **info}))
+        emit(dumps_strict({"text": text, "tokens": gen.tokens, "prompt_ids": prompt, **info}))
     elif args.reroute_every is None:
         p = inf.path_info(used[0] if used else gen.window_paths[0])
         print(f"dipaco: path {p['path_id']} {tuple(p['path'])} modules {p['modules']}", file=sys.stderr)
@@ -164,9 +165,10 @@ def prompt_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def _resume_point(out: Path, truncate: bool = True) -> int:
-    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off when
-    ``truncate``); they must be this command's lines, in order, or nothing is touched."""
+def _resume_point(out: Path, fd: Optional[int] = None) -> int:
+    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off through
+    ``fd``, the job's claimed descriptor, when given); they must be this command's lines,
+    in order, or nothing is touched."""
     data = out.read_bytes()
     whole = data[: data.rfind(b"\n") + 1]
     for i, line in enumerate(whole.splitlines()):
@@ -177,28 +179,28 @@ def _resume_point(out: Path, truncate: bool = True) -> int:
         if not (isinstance(rec, dict) and rec.get("index") == i):
             raise RunDirError(f"generate --out {out} line {i + 1} is not line {i} of an earlier dipaco-infer generate "
                               "--file run: it is never overwritten; choose a new --out")
-    if truncate and len(whole) < len(data):
-        with open(out, "r+b") as f:
-            f.truncate(len(whole))  # a line torn by a kill: generated again
+    if fd is not None and len(whole) < len(data):
+        os.ftruncate(fd, len(whole))  # a line torn by a kill: generated again
     return whole.count(b"\n")
 
 
 def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], bool]:
-    """``--out`` checked before any work, and whether it continues an earlier run's lines
-    (checked to be whole ``generate --file`` lines in order; nothing is touched yet)."""
+    """``--out`` checked before any work by the one rule of a command's output file
+    (dipaco/run/owned.py: ``check_out_file``; an existing one needs ``--resume``), and
+    whether it continues an earlier run's lines (checked to be whole ``generate --file``
+    lines in order; nothing is touched yet)."""
     if args.out is None:
         if args.resume:
             fail("--resume needs --out F (the file an earlier run wrote): add --out F")
         return None, False
-    out = check_target(args.out, "generate --out", fix="choose a --out outside every run directory")
-    if out.is_dir():
-        raise RunDirError(f"generate --out {args.out} is a directory; name a file (e.g. {Path(args.out) / 'out.jsonl'})")
+    given = Path(args.out).expanduser()
+    # an empty file holds no line to lose (a job killed before its first one, or `touch`): a new --out
+    empty = given.is_file() and not given.is_symlink() and given.stat().st_size == 0
+    out = check_out_file(args.out, "generate --out", again=args.resume or empty, own=lambda p: job_path(p).is_file())
     check_record_name(out)  # the user's file beside --out: refused before any work
     if not out.exists() or out.stat().st_size == 0:
         return out, False
-    if not args.resume:
-        raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, or choose a new --out")
-    _resume_point(out, truncate=False)  # a torn line is cut once the job record vouches for the file
+    _resume_point(out)  # a torn line is cut once the job record vouches for the file
     return out, True
 
 
@@ -219,7 +221,7 @@ class _InOrder:
         self.ready: dict[int, bytes] = {}
 
     def __call__(self, index: int, rec: dict) -> None:
-        self.ready[index] = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        self.ready[index] = (dumps_strict(rec, ensure_ascii=False) + "\n").encode("utf-8")
         self.flush()
 
     def flush(self) -> None:
@@ -255,11 +257,11 @@ def run_file(args: argparse.Namespace) -> None:
         try:
             if resuming:  # the same job only
                 check_resume(out, job)
-                done = _resume_point(out)
+                done = _resume_point(out, fd)
             else:
                 if out.stat().st_size:  # another job wrote lines since --out was checked
-                    raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, "
-                                      "or choose a new --out")
+                    raise RunDirError(f"generate --out {args.out} exists (an earlier output of this command): pass "
+                                      "--resume to continue it, or choose a new path")
                 record_job(out, job)
         except BaseException:
             os.close(fd)
@@ -280,7 +282,7 @@ def run_file(args: argparse.Namespace) -> None:
         todo = [(i, r, line, seed) for i, r, line, seed in reqs if r.prompt_ids]
         for i, r, line, seed in reqs:
             if not r.prompt_ids:  # nothing to continue: said on its own line, in its place
-                writer.ready[i] = (json.dumps({"index": i, **({"id": line["id"]} if "id" in line else {}),
+                writer.ready[i] = (dumps_strict({"index": i, **({"id": line["id"]} if "id" in line else {}),
                                                "error": "the prompt encodes to no tokens", "seed": seed})
                                    + "\n").encode("utf-8")
         writer.flush()

@@ -14,7 +14,6 @@ mounts the store; exactly one synchroniser per module must run at a time.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -45,6 +44,7 @@ from dipaco.rounds.round_line import round_record
 from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
+from dipaco.storage.atomic import write_json
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main"]
 
@@ -164,7 +164,7 @@ def _account(run: RunDir, store: Store, plan: dict, n_workers: int, supervised: 
     _account_leftovers(store, plan["module_ids"])
     metrics = compute_metrics(store, plan["module_ids"], n_workers)
     metrics.update(supervised)
-    (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    write_json(run.root / "decoupled_metrics.json", metrics)  # atomic, strict JSON
     return metrics
 
 

@@ -71,8 +71,8 @@ def save_record(fps: Fingerprints, cache_dir: str, record: dict[str, Any], val_l
         known = np.array([lab is not None for lab in val_labels], dtype=bool)
         names = np.array(["" if lab is None else str(lab) for lab in val_labels], dtype=str)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:  # a file object: np.savez would add .npz to a name
-            np.savez(f, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
+        with open(tmp, "wb") as tmp_file:  # a file object: np.savez would add .npz to a name
+            np.savez(tmp_file, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
         os.replace(tmp, path)
         record["labels"] = {"file": path.name, "sha256": sha256_file(path)}
     if fps.saved.get(RECORD) != record:

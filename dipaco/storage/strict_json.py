@@ -5,7 +5,8 @@ strict reader (``jq``, JavaScript, Go, most databases) refuses the whole file. A
 that is not finite (a diverged loss, a perplexity of ``exp(inf)``, an lm-eval standard
 error of one sample) is written as ``null`` with the reason beside it: in an object, the
 key ``<key>_nonfinite`` holds ``"nan"``, ``"inf"`` or ``"-inf"``; for items of a list, that
-key maps each item's index to its reason. ``allow_nan=False`` then guarantees that
+key maps each item's index to its reason. :func:`restore` turns that back into the float
+(``metrics.jsonl``'s readers see the NaN loss they saw before; a strict reader sees null). ``allow_nan=False`` then guarantees that
 nothing else slipped through. ``tests/test_writers.py`` scans the source: every
 ``json.dump``/``json.dumps`` that writes goes through :func:`dumps_strict`.
 """
@@ -15,7 +16,7 @@ import json
 import math
 from typing import Any, Optional
 
-__all__ = ["NONFINITE_SUFFIX", "dumps_strict", "strict"]
+__all__ = ["NONFINITE_SUFFIX", "dumps_strict", "loads_restored", "restore", "strict"]
 
 NONFINITE_SUFFIX = "_nonfinite"
 
@@ -73,3 +74,34 @@ def dumps_strict(obj: Any, **kw: Any) -> str:
     the other keywords (``indent``, ``sort_keys``, ``default``, ...) as ``json.dumps`` takes them."""
     kw.pop("allow_nan", None)
     return json.dumps(strict(obj), allow_nan=False, **kw)
+
+
+_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def restore(obj: Any) -> Any:
+    """The inverse of :func:`strict`: every ``null`` with its ``_nonfinite`` reason beside it
+    is the float it was, and the reasons are dropped."""
+    if isinstance(obj, list):
+        return [restore(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {k: restore(v) for k, v in obj.items() if not (isinstance(k, str) and k.endswith(NONFINITE_SUFFIX))}
+    for k, why in obj.items():
+        if not (isinstance(k, str) and k.endswith(NONFINITE_SUFFIX)):
+            continue
+        key = k[: -len(NONFINITE_SUFFIX)]
+        if isinstance(why, str) and out.get(key, 0) is None:
+            out[key] = _VALUES.get(why)
+        elif isinstance(why, dict) and isinstance(out.get(key), list):
+            for i, w in why.items():
+                if str(i).isdigit() and int(i) < len(out[key]) and out[key][int(i)] is None:
+                    out[key][int(i)] = _VALUES.get(w)
+    if set(out) == {"value"} and f"value{NONFINITE_SUFFIX}" in obj:
+        return out["value"]
+    return out
+
+
+def loads_restored(text: str) -> Any:
+    """``json.loads`` of a file :func:`dumps_strict` wrote, its non-finite numbers restored."""
+    return restore(json.loads(text))

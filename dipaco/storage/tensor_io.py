@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_bytes
 
 from dipaco.storage.atomic import write_atomically
+from dipaco.storage.strict_json import dumps_strict
 
 
 class CheckpointError(RuntimeError):
@@ -29,7 +30,7 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: Optional[di
     """Atomically save a flat dict of tensors as safetensors (plus JSON metadata)."""
     # safetensors refuses shared or non-contiguous storage; clone makes each tensor its own.
     flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    metadata = {"json": json.dumps(meta, sort_keys=True)} if meta is not None else None
+    metadata = {"json": dumps_strict(meta, sort_keys=True)} if meta is not None else None
     write_atomically(path, lambda tmp: save_file(flat, str(tmp), metadata=metadata))
 
 
