@@ -219,6 +219,7 @@ class _InOrder:
     def __init__(self, inf: InferenceRun, fd: int, first: int, bar: Any) -> None:
         self.inf, self.fd, self.next, self.bar = inf, fd, first, bar
         self.ready: dict[int, bytes] = {}
+        self.failed: list[str] = []  # why each prompt whose path could not be read failed
 
     def __call__(self, index: int, rec: dict) -> None:
         self.ready[index] = (dumps_strict(rec, ensure_ascii=False) + "\n").encode("utf-8")
@@ -236,6 +237,10 @@ class _InOrder:
 
     def record(self, index: int, line: dict, gen: Generation, seed: int) -> dict:
         used = [p for _, p in gen.switches]
+        if str(gen.finish_reason).startswith("error: "):  # its path's checkpoint file is damaged: this line only
+            self.failed.append(str(gen.finish_reason)[len("error: "):])
+            return {"index": index, **({"id": line["id"]} if "id" in line else {}), "error": self.failed[-1],
+                    "finish_reason": "error", "seed": seed}
         return {"index": index, **({"id": line["id"]} if "id" in line else {}),
                 "text": self.inf.tokenizer.decode(gen.tokens), "tokens": gen.tokens,
                 "prompt_tokens": len(gen.prompt), "new_tokens": len(gen.tokens), "finish_reason": gen.finish_reason,
@@ -298,3 +303,6 @@ def run_file(args: argparse.Namespace) -> None:
             os.close(fd)
     print(f"dipaco: generated {len(reqs)} prompt(s)" + (f" ({done} already in {args.out})" if done else "")
           + (f"; wrote {args.out}" if out is not None else ""), file=sys.stderr)
+    if writer.failed:  # every other prompt was generated: only those of the damaged paths failed
+        fail(f"{len(writer.failed)} prompt(s) failed, their lines say so ({writer.failed[0]}); the other lines are "
+             "whole; fix or restore the checkpoint, then generate those prompts again", code=1)

@@ -27,6 +27,13 @@ from dipaco.serve.text import TextAssembler
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
 
 
+def _raise_if_failed(reason: Any) -> None:
+    """A row the engine ended with ``error: ...`` (a damaged checkpoint file of its path:
+    that path fails, the engine goes on) is a 500 naming the file."""
+    if str(reason).startswith("error: "):
+        raise APIError(500, str(reason)[len("error: "):], code="checkpoint_error")
+
+
 def engine_request(**fields: Any) -> Any:
     """An engine :class:`~dipaco.inference.engine.Request` (imported late: the engine is heavy)."""
     from dipaco.inference.engine import Request
@@ -212,6 +219,7 @@ class Completion:
                     yield c, text, True
                     continue
             if event.finished:
+                _raise_if_failed(event.finish_reason)
                 text += c.text.finish()
                 c.finish_reason = FINISH_REASONS.get(str(event.finish_reason), str(event.finish_reason))
             if text or event.finished:
@@ -228,8 +236,9 @@ class Completion:
                 c.tokens += 1
                 c.record_path(ev.path)
                 tokens.append(ev.token)
-        text = c.text.add_all(tokens) + c.text.finish()
         last = events[-1]
+        _raise_if_failed(last.finish_reason)
+        text = c.text.add_all(tokens) + c.text.finish()
         c.finish_reason = FINISH_REASONS.get(str(last.finish_reason), str(last.finish_reason))
         return c, text, True
 
