@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -17,7 +17,7 @@ from dipaco.plan.build import build_grid
 from dipaco.config import ConfigError, eval_window
 from dipaco.runtime.device import cuda_count
 from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, round_dir_name
-from dipaco.storage.tensor_io import load_state_checked, read_held
+from dipaco.storage.held import HeldFiles
 from dipaco.data import Tokenizer
 from dipaco.rounds.dense import load_dense_grid
 from dipaco.rounds.early_stopping import load_best_path
@@ -63,7 +63,7 @@ class InferenceRun:
     manifest: dict
     verify: str = "all"
     best_paths: bool = False
-    held: dict = field(default_factory=dict)
+    held: Optional[HeldFiles] = None
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike, *, checkpoint: Optional[str] = None,
@@ -108,7 +108,8 @@ class InferenceRun:
         best = need_weights and checkpoint is None and bool(cfg.trainer.path_early_stopping) \
             and run.best_paths.is_dir()
         return cls(run=run, cfg=cfg, tokenizer=tokenizer, router=router, checkpoint=ckpt,
-                   manifest=manifest, verify=verify, best_paths=best, held=_hold(ckpt, manifest))
+                   manifest=manifest, verify=verify, best_paths=best,
+                   held=HeldFiles(ckpt, manifest.get("files", {}), "modules/") if need_weights else None)
 
     # ---------------------------------------------------------------- routing
 
@@ -149,20 +150,12 @@ class InferenceRun:
         return self.checkpoint / rel
 
     def load_module_into(self, grid: ModuleGrid, module_id: str) -> None:
-        """Read one module's weights into ``grid`` (builds only that module): from the file's
-        held descriptor, checked against the manifest as it is read (one read: the bytes
-        hashed are the bytes loaded)."""
+        """Read one module's weights into ``grid`` (builds only that module) from the held
+        file, checked against the manifest as it is read (dipaco/storage/held.py)."""
         path = self.module_file(module_id)
-        rel = f"modules/{module_id}.safetensors"
-        info = self.manifest["files"][rel]
-        fd = self.held.get(rel)
-        try:
-            data = read_held(fd) if fd is not None else path.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {path} is listed in the manifest but missing") from None
-        except OSError as e:
-            raise CheckpointError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
-        state = load_state_checked(data, path, info["sha256"], info["bytes"])
+        if self.held is None:
+            self.held = HeldFiles(self.checkpoint, self.manifest.get("files", {}), "modules/")
+        state = self.held.load_state(f"modules/{module_id}.safetensors")
         try:
             grid.load_module_state_dict(module_id, state)
         except ValueError as e:
@@ -170,9 +163,8 @@ class InferenceRun:
 
     def close(self) -> None:
         """Let go of the held checkpoint files (a process's exit does it too)."""
-        for fd in self.held.values():
-            os.close(fd)
-        self.held.clear()
+        if self.held is not None:
+            self.held.close()
 
     def loader(self, cache_size: int = 1) -> "PathLoader":
         """A path-at-a-time model loader over this run's checkpoint."""
@@ -265,21 +257,6 @@ def _find_checkpoint(run: RunDir, which: Optional[str]) -> Path:
         names = ", ".join(round_dir_name(r) for r in mgr.list_rounds()) or "none"
         raise RunDirError(f"checkpoint {path} does not exist (available: {names})")
     return path
-
-
-def _hold(ckpt: Path, manifest: dict) -> dict[str, int]:
-    """Open every module file ``manifest`` lists, read-only and never through a link: held
-    this way, a file the run's later training prunes or replaces is still read as it was
-    (its space is freed when this process lets go). A file that cannot be opened is not
-    held; reading it fails that module's paths, naming it."""
-    held = {}
-    for rel in manifest.get("files", {}):
-        if rel.startswith("modules/"):
-            try:
-                held[rel] = os.open(ckpt / rel, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError:
-                continue
-    return held
 
 
 def _read_manifest(ckpt: Path) -> dict:

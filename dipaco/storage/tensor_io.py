@@ -8,9 +8,7 @@ the ``safetensors`` library.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -61,26 +59,8 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
     return tensors, (json.loads(raw) if raw else None)
 
 
-def read_held(fd: int) -> bytes:
-    """The whole file behind the open descriptor ``fd``, from its start (``pread``: the
-    descriptor's own offset is left alone, so threads may share it)."""
-    size = os.fstat(fd).st_size
-    chunks, offset = [], 0
-    while offset < size:
-        chunk = os.pread(fd, min(size - offset, 64 << 20), offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    return b"".join(chunks)
-
-
-def load_state_checked(data: bytes, path: Path, sha256: str, nbytes: int) -> Any:
-    """:func:`load_state` of ``data``, the bytes read from ``path``, once they match the
-    recorded size and sha256: the bytes checked are the bytes loaded (verified where read:
-    a file replaced between a check and a read cannot slip in)."""
-    if len(data) != nbytes or hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"checkpoint file {path} does not match its manifest hash")
+def state_from_bytes(data: bytes, path: Path) -> Any:
+    """:func:`load_state` of a file's bytes already in memory (``path`` names it in errors)."""
     try:
         tensors = load_bytes(data)
         n = int.from_bytes(data[:8], "little")
@@ -144,5 +124,5 @@ def load_state(path: Path) -> Any:
     return unflatten_state(tensors, meta["skeleton"])
 
 
-__all__ = ["CheckpointError", "flatten_state", "load_state", "load_state_checked", "load_tensors", "read_held",
-           "save_state", "save_tensors", "tensors_from_bytes", "tensors_to_bytes", "unflatten_state"]
+__all__ = ["CheckpointError", "flatten_state", "load_state", "load_tensors", "save_state", "save_tensors",
+           "state_from_bytes", "tensors_from_bytes", "tensors_to_bytes", "unflatten_state"]
