@@ -72,8 +72,9 @@ def test_a_metric_no_run_has_is_refused_naming_those_they_have(two_sweeps: tuple
     from dipaco.job.report import plot_metric
 
     records = build_table(find_runs(*two_sweeps)[0], ignore=frozenset({"sweep"}))[2]
-    with pytest.raises(ConfigError, match=r"--metric.*'nope'.*routed_ppl"):
+    with pytest.raises(ConfigError, match=r"--metric.*'nope'.*routed_ppl") as e:
         plot_metric(records, "nope")  # was: routed_ppl plotted instead, silently
+    assert "seeds" not in str(e.value)  # a count of runs, not a metric to plot
     assert plot_metric(records, None) == "ratio_vs_dense" and plot_metric(records, "dense_ppl") == "dense_ppl"
     assert plot_metric([{k: v for k, v in r.items() if k != "ratio_vs_dense"} for r in records], None) == "routed_ppl"
     paths, _ = two_sweeps

@@ -135,6 +135,8 @@ def _options(argv: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
                     fail(f"{name} needs a file: {name} FILE")
                 i, val = i + 1, argv[i + 1]
+            if not val.strip():  # `--json=` (an empty shell variable): would write nothing, silently
+                fail(f"{name} names no file: {name} FILE")
             opts[name] = val
         elif a.startswith("--"):
             fail(f"unknown option {a}: dipaco-plan takes --simulate, --json FILE, --plot FILE, --force and overrides")

@@ -288,9 +288,10 @@ def plot_metric(records: list[dict[str, Any]], asked: Optional[str]) -> str:
     if asked is None:
         return DEFAULT_METRIC if held(DEFAULT_METRIC) else "routed_ppl"
     if not held(asked):
-        names = sorted({k for r in records for k, v in r.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        raise ConfigError("--metric", f"no run has a value of {asked!r}", f"choose one of {', '.join(names)}")
+        names = [k for k, _ in METRICS if held(k)]
+        raise ConfigError("--metric", f"no run has a value of {asked!r}",
+                          f"choose one of {', '.join(names)}" if names else
+                          "none of the runs has a finite value of any metric (see the report's left-out values)")
     return asked
 
 
