@@ -156,6 +156,9 @@ def _check_outputs(opts: dict[str, Optional[str]]) -> None:
     a file of a run directory (contract 8), a folder, a link, a file dipaco did not write,
     an earlier one without ``--force`` (dipaco/run/owned.py: ``check_out_file``), a plot
     format matplotlib lacks."""
+    if opts["--json"] and opts["--plot"] and os.path.abspath(os.path.expanduser(opts["--json"])) == \
+            os.path.abspath(os.path.expanduser(opts["--plot"])):
+        fail(f"--json and --plot name the same file ({opts['--json']}): choose another --plot, e.g. --plot sim.png")
     for flag in ("--json", "--plot"):
         if opts[flag] and os.path.isdir(opts[flag]):
             fail(f"{flag} {opts[flag]} is a folder: name a file in it ({flag} {os.path.join(opts[flag], 'sim')}."
