@@ -18,7 +18,7 @@ a small model; the cost scales with bytes, which the output gives.
 from __future__ import annotations
 
 import argparse
-import os
+import io
 import shutil
 import tempfile
 import time
@@ -53,7 +53,7 @@ def token_cache(folder: Path, gb: float) -> dict:
             _fill(w, n, block, doc)
             w._file.close()
             hashed.append(time.perf_counter() - t0)
-            w._file = open(os.devnull, "wb")  # closed by close(), which publishes the directory
+            w._file = io.BytesIO()  # closed by close(), which publishes the directory
             w.close()
     t_write, t_write_hashless = min(hashed), min(hashless)
     rt._CHECKED.clear()  # as a new process: nothing hashed yet
