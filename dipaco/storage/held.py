@@ -22,7 +22,7 @@ from typing import Any
 
 from dipaco.storage.tensor_io import CheckpointError, load_state, state_from_bytes
 
-__all__ = ["HeldFiles", "read_held"]
+__all__ = ["HeldFiles", "check_unchanged", "identity", "read_held"]
 
 
 def read_held(fd: int) -> bytes:
@@ -42,6 +42,31 @@ def read_held(fd: int) -> bytes:
 def _identity(fd: int) -> tuple[int, int, int, int]:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def identity(path: Path) -> tuple[int, int, int, int]:
+    """A file's device, inode, size and modification time: changed, it is hashed again."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def check_unchanged(path: Path, info: dict, checked: dict) -> None:
+    """Refuse (:class:`CheckpointError` naming it) a file read by another library (a
+    Hugging Face folder) unless it matches ``info`` (``{"sha256", "bytes"}``): hashed again
+    only when its identity changed since ``checked`` (``{path: identity}``) recorded it."""
+    try:
+        now = identity(path)
+    except OSError:
+        raise CheckpointError(f"checkpoint file {path} is listed in the manifest but missing") from None
+    if checked.get(path) == now:
+        return
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(16 << 20), b""):
+            h.update(chunk)
+    if now[2] != info.get("bytes") or h.hexdigest() != info.get("sha256"):
+        raise CheckpointError(f"checkpoint file {path} does not match its manifest hash")
+    checked[path] = now
 
 
 class HeldFiles:
