@@ -91,6 +91,9 @@ BENCHMARKS: dict[str, tuple[Callable[[str], list[str]], Callable[[dict], Any], s
              "share of sync DiLoCo's exposed comm streaming hides, 4 gloo ranks, shaped loopback", ">= 0.8"),
     "launch": (_module("launch"), _get(["verdicts", "second_launch_speedup"]),
                "4-rank launch time, fresh interpreters / forked from the preloaded server", ">= 3"),
+    "store_digest": (_module("store_digest"),
+                     lambda d: ", ".join(f"{r['blob']}: {fmt(r['digest_share_of_put_get'])}" for r in d["rows"]),
+                     "sha256 at write + read / FileStore put + get, a paper-grid module's blobs", "small (on by default)"),
     "serving": (_module("serving"),
                 lambda d: f"{fmt(d['verdicts']['engine_vs_per_process_prompts'])}x prompts/s, "
                           f"{fmt(d['verdicts']['engine_vs_hf_tokens_whole_process'])}x HF tokens/s",

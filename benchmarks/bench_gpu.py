@@ -9,9 +9,10 @@ Per model size, two sides, each in a fresh process (peak memory is a high-water 
 * **bare**: a plain loop on ``modules.PathModel`` with batches already on the device:
   autocast forward, cross entropy, backward, (fused on CUDA) AdamW. Nothing else.
 * **dipaco**: the trainer's loop body in the local backend for a ``[2, 2]`` grid on the
-  one device: for each of the 4 paths, ``begin_path`` → ``PathLearner.train_steps(H)``
-  (its own AdamW, schedule, clipping, ``TokenStream`` batches copied to the device) →
-  ``end_path``; then ``end_round`` (per-module DiLoCo outer step) every H steps. The
+  one device, through the round driver over the synchronous schedule: for each of the 4
+  paths, ``activate`` → ``PathLearner.train_steps(H)`` (its own AdamW, schedule, clipping,
+  ``TokenStream`` batches copied to the device) → ``contribute``; then ``sync_point(H)``
+  (per-module DiLoCo outer step) and ``end_round`` every H steps. The
   outer state is where ``diloco.outer_device`` (default ``auto``) puts it;
   ``--compare-outer`` adds the side ``dipaco_cpu_outer`` with ``diloco.outer_device=cpu``.
 
@@ -114,7 +115,9 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
     from dipaco.runtime.hardware import flops_per_token
     from dipaco.rounds.learner import PathLearner, make_inner_optimizer
     from dipaco.plan.memory import rank_memory
+    from dipaco.plan.schedule import RoundSchedule
     from dipaco.sync.diloco import DiLoCoSync
+    from dipaco.sync.round_driver import RoundDriver
     from dipaco.plan.topology import Topology
     from modules import ModuleGrid, PathModel
 
@@ -154,20 +157,23 @@ def child(model_name: str, side: str, mode: str, precision: str, compile_: bool)
             return n * B * T
     else:
         topo = Topology.from_grid(grid, len(paths), 1)
-        sync = DiLoCoSync(topo, {mid: grid.module(mid) for mid in grid.module_ids}, outer_device=outer_device)
+        driver = RoundDriver(DiLoCoSync(topo, {mid: grid.module(mid) for mid in grid.module_ids},
+                                        outer_device=outer_device), RoundSchedule.synchronous(grid.module_ids, H))
         learners = {p: PathLearner(p, PathModel(grid, p), TokenStream(docs, seq_len=T, batch_size=B, seed=0,
                                                                       path_id=p, eos_id=0), t, 10**9)
                     for p in paths}
 
         def run(n: int) -> int:
             tokens = 0
-            for _ in range(max(1, n // H)):
+            for r in range(max(1, n // H)):
+                driver.begin_round(r)
                 for p in paths:
-                    sync.begin_path(p)
+                    driver.activate(p)
                     stats = learners[p].train_steps(H)
-                    sync.end_path(p, stats.tokens)
+                    driver.contribute(p, H, stats.tokens, lambda p, tokens: float(tokens))
                     tokens += stats.steps * B * T
-                sync.end_round()
+                driver.sync_point(H)
+                driver.end_round()
             return tokens
 
     run(2 if side == "bare" else H)  # warm-up: allocator, kernels, compilation

@@ -7,10 +7,11 @@
 Each side starts 2 fresh rank processes (gloo on the CPU; nccl with one GPU per rank, so
 CUDA needs 2 GPUs: FSDP2 over gloo on a GPU is refused by ``dipaco/sync/fsdp.py``). Both
 ranks form one worker group training the one path of a ``[1, 1]`` grid, exactly as
-``dipaco/rounds/loop.py`` drives it: ``begin_path`` → ``PathLearner.train_steps(H)`` (gradients
-all-reduced by hand under ``replicate``, reduce-scattered by FSDP2 under ``fsdp``) →
-``end_path`` → ``end_round`` (the outer step; sharded under ``fsdp``). One round warms
-up, then R rounds are timed.
+``dipaco/rounds/loop.py`` drives it, through the round driver over the synchronous schedule:
+``activate`` → ``PathLearner.train_steps(H)`` (gradients all-reduced by hand under
+``replicate``, reduce-scattered by FSDP2 under ``fsdp``) → ``contribute`` → ``sync_point(H)``
+(the outer step; sharded under ``fsdp``) → ``end_round``. One round warms up, then R rounds
+are timed.
 
 Reported per side: the group's tokens/s, each rank's peak memory (the largest of the two;
 CPU: peak RSS minus the RSS before the model was built) and :mod:`dipaco.plan.memory`'s plan
@@ -62,7 +63,9 @@ def _rank(rank: int, port: int, model_name: str, side: str, mode: str, out: str)
     from dipaco.rounds.learner import PathLearner
     from dipaco.plan.memory import rank_memory
     from dipaco.sync.data_parallel import allreduce_gradients
+    from dipaco.plan.schedule import RoundSchedule
     from dipaco.sync.diloco import DiLoCoSync
+    from dipaco.sync.round_driver import RoundDriver
     from dipaco.sync.fsdp import apply_fsdp, worker_mesh
     from dipaco.sync.groups import ProcessGroups
     from dipaco.plan.topology import Topology
@@ -95,16 +98,19 @@ def _rank(rank: int, port: int, model_name: str, side: str, mode: str, out: str)
     fsdp = side == "fsdp"
     if fsdp:
         apply_fsdp(modules, worker_mesh(wpg, device))
-    sync = DiLoCoSync(topo, modules, rank=rank, process_groups=pg, sharded=fsdp)
+    driver = RoundDriver(DiLoCoSync(topo, modules, rank=rank, process_groups=pg, sharded=fsdp),
+                         RoundSchedule.synchronous(grid.module_ids, H))
     grad_sync = None if fsdp else (lambda ps: allreduce_gradients(ps, wpg, G))
     stream = TokenStream(docs, seq_len=T, batch_size=B, seed=0, path_id=0, eos_id=0, rank=rank, world=G)
     learner = PathLearner(0, PathModel(grid, 0), stream, cfg.trainer, 10**9, grad_sync=grad_sync)
 
     def one_round() -> None:
-        sync.begin_path(0)
+        driver.begin_round(0)
+        driver.activate(0)
         stats = learner.train_steps(H)
-        sync.end_path(0, stats.tokens)
-        sync.end_round()
+        driver.contribute(0, H, stats.tokens, lambda p, tokens: float(tokens))
+        driver.sync_point(H)
+        driver.end_round()
 
     one_round()  # warm-up: allocator, gloo/nccl buffers, FSDP2's lazy init
     dist.barrier()

@@ -5,8 +5,8 @@
 
 The benchmark re-runs itself under ``unshare --net`` (root only): a network namespace of
 its own whose loopback is brought up with ``ip link set lo mtu 9000`` and shaped with
-``tc qdisc replace dev lo root tbf rate R burst 128kb latency 100ms`` (the burst must
-exceed the MTU or every packet is dropped; the ``netem`` qdisc is not in this kernel, so
+``tc qdisc replace dev lo root tbf rate R burst 128kb latency 100ms`` (``--burst``; the
+burst must exceed the MTU or every packet is dropped; the ``netem`` qdisc is not in this kernel, so
 no latency is added). All four ranks share that one loopback: R is the rate of a shared
 bus, not of each rank's link. Without root, ``unshare``, ``ip`` or ``tc`` it says so and
 skips.
@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, work_dir, write_result
-from benchmarks.link_wire import WireMeter, control_bytes, round_record_proxy
+from benchmarks.link_wire import WireMeter, control_bytes, round_record_proxy, transfer_times
 from dipaco.storage.atomic import write_json
 
 INSIDE = "DIPACO_BENCH_LINK_NETNS"  # set in the re-run inside the namespace
@@ -76,12 +76,13 @@ def _sh(*cmd: str) -> None:
     subprocess.run(list(cmd), check=True, capture_output=True, text=True)
 
 
-def shape(rate_mbit: Optional[float]) -> None:
-    """The namespace's loopback at ``rate_mbit`` Mbit/s (None: unshaped)."""
+def shape(rate_mbit: Optional[float], burst: str = "128kb") -> None:
+    """The namespace's loopback at ``rate_mbit`` Mbit/s with a token bucket of ``burst``
+    (tc's units: ``128kb`` is 128 KiB; None: unshaped)."""
     if rate_mbit is None:
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
         return
-    _sh("tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", "128kb",
+    _sh("tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", burst,
         "latency", "100ms")
 
 
@@ -172,10 +173,30 @@ def exposed(setting: str, s: dict[str, float], free: dict[str, float]) -> float:
     return max(0.0, s[key] - free[key])
 
 
+def probe(args: Any) -> dict[str, Any]:
+    """``--probe-bytes N``: the shaper alone (:func:`benchmarks.link_wire.transfer_times`):
+    N bytes after the link idled and right behind another N, per rate; ``burst_passed``
+    is what the idle transfer got through beyond the rate (N − rate × its seconds)."""
+    rows = []
+    try:
+        for rate in args.rates:
+            shape(rate, args.burst)
+            t = transfer_times(args.probe_bytes)
+            at_rate = args.probe_bytes / (rate * 1e6 / 8)
+            rows.append({"rate_mbit": rate, "burst": args.burst, "bytes": args.probe_bytes, "at_rate_s": at_rate,
+                         **t, "burst_passed": args.probe_bytes - t["idle_s"] * rate * 1e6 / 8})
+            print(rows[-1], flush=True)
+    finally:
+        shape(None)
+    return {"probe": rows}
+
+
 def inside(args: Any) -> dict[str, Any]:
     """The measurements, in the namespace."""
     _sh("ip", "link", "set", "lo", "up")
     _sh("ip", "link", "set", "lo", "mtu", "9000")
+    if args.probe_bytes:
+        return probe(args)
     root = work_dir("link", args.work_dir)
     templates = {p: build_run(root / f"template{p}", p).root for p in (1, 4)}
     runs = root / "runs"
@@ -184,8 +205,8 @@ def inside(args: Any) -> dict[str, Any]:
     ddp_bytes = ddp_bytes_per_round(args, root)
     try:
         for rate in [None, *args.rates]:
-            shape(rate)
-            for setting in SETTINGS:
+            shape(rate, args.burst)
+            for setting in args.settings:
                 lines, run = run_setting(setting, args, runs, templates)
                 s = summarise(lines)
                 if setting == "sync" and record is None:
@@ -207,8 +228,8 @@ def inside(args: Any) -> dict[str, Any]:
         if not args.keep_runs:
             shutil.rmtree(root, ignore_errors=True)
     for r in rows:  # streaming's exposed time against synchronous DiLoCo's at the same rate
-        sync = next(x for x in rows if x["rate_mbit"] == r["rate_mbit"] and x["setting"] == "sync")
-        r["hidden"] = (1 - r["exposed_s"] / sync["exposed_s"]) if r["setting"].startswith("streaming") \
+        sync = next((x for x in rows if x["rate_mbit"] == r["rate_mbit"] and x["setting"] == "sync"), None)
+        r["hidden"] = (1 - r["exposed_s"] / sync["exposed_s"]) if sync and r["setting"].startswith("streaming") \
             and sync["exposed_s"] > 0 else None
     return {"rows": rows, "control_bytes_per_round": control,
             "round_record_json_bytes": record["json_bytes"] if record else None}
@@ -225,11 +246,22 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     ap.add_argument("--batch-size", type=int, default=16, help="sequences per rank and step")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--keep-runs", action="store_true", help="keep the run directories")
+    ap.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                    help="the settings to train (default: all; sync is needed for the hidden share)")
+    ap.add_argument("--burst", default="128kb", help="the shaper's token bucket (tc units; above the 9000-byte MTU)")
+    ap.add_argument("--probe-bytes", type=int, default=0,
+                    help="time N bytes on the shaped link alone, idle and back to back, instead of training")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     load0 = load_average()
     if os.environ.get(INSIDE) == "1":
         payload = inside(args)
+        if args.probe_bytes:
+            print_table(payload["probe"], ["rate_mbit", "burst", "bytes", "at_rate_s", "idle_s", "behind_s",
+                                           "burst_passed"], title="one message on the shaped loopback")
+            write_result("link", {**payload, "args": vars(args)}, mode=args.mode, load_before=load0, out=args.out,
+                         argv=argv)
+            return payload
         print_table(payload["rows"], ["rate_mbit", "setting", "wall_s", "compute_s", "stood_s", "wait_s", "blocked_s",
                                       "exposed_s",
                                       "sync_share",

@@ -13,9 +13,9 @@ tokens, same torch thread count, in one process):
   token counting, the per-step health metrics every ``logging.every_steps`` steps
   (``--every-steps``, default the config's), ``TokenStream`` batches) → ``contribute`` →
   ``sync_point(H)`` (the outer step of every module) → ``end_round``.
-* direct: the same body calling the per-module syncs directly, as the trainer did before
-  every round went through the driver: ``DiLoCoSync.begin_path`` → ``train_steps(H)`` →
-  ``end_path`` → ``end_round``. ``dipaco ÷ direct`` is what the driver costs.
+* direct: the same body calling the per-module syncs themselves, no driver: each
+  ``CollectiveModuleSync.restore`` → ``train_steps(H)`` → ``contribute`` → ``launch`` →
+  ``land`` → ``restore``. ``dipaco ÷ direct`` is what the driver costs.
 * bare: a plain loop over the same batches held in memory: forward, cross entropy,
   backward, ``torch.optim.AdamW.step``. Nothing else.
 
@@ -92,10 +92,14 @@ def make_sides(model_name: str, steps: int, seed: int = 0,
 
     def direct_round() -> float:
         t0 = time.perf_counter()
-        sync_d.begin_path(0)
+        for s in sync_d.syncs.values():
+            s.restore()
         stats = learner_d.train_steps(steps)
-        sync_d.end_path(0, stats.tokens)
-        sync_d.end_round()
+        for s in sync_d.syncs.values():
+            s.contribute(0, stats.tokens, 0)
+            s.launch()
+            s.land()
+            s.restore()
         learner_d.take_intervals()
         return stats.tokens / (time.perf_counter() - t0)
 

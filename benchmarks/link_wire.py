@@ -13,10 +13,15 @@ round-end barrier and the all-gather of the round record). Two measurements, bot
   times each, so their share of a round is measured apart from the exchange; beside them
   a ``gather_object`` to rank 0 of the same record, the cheaper collective the round
   record could use (only rank 0 writes it).
+
+And the shaper alone (:func:`transfer_times`): how long one message takes on the shaped
+loopback after the link idled (the token bucket full) and right behind another one (the
+bucket empty), with no rank, no gloo and next to no CPU: what a fragment costs the link.
 """
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import threading
 import time
@@ -156,3 +161,41 @@ def round_record_proxy(run: Any) -> Optional[dict]:
     mine = last[: max(1, len(last) // 4)]
     record = {**{k: v for k, v in line.items() if k != "step"}, "steps": mine}
     return {"record": record, "json_bytes": len(dumps_strict(record))}
+
+
+def _receive(conn: socket.socket, nbytes: int) -> None:
+    left = nbytes
+    while left:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the probe's sender closed early")
+        left -= len(chunk)
+
+
+def transfer_times(nbytes: int, repeats: int = 5, idle_s: float = 0.5) -> dict[str, float]:
+    """Median seconds to deliver ``nbytes`` over one TCP connection on 127.0.0.1: after
+    ``idle_s`` of silence (``idle_s``: a shaper's bucket refilled) and right behind
+    another ``nbytes`` (``behind_s``: the bucket drained)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(server.getsockname())
+    receiver, _ = server.accept()
+    payload = bytes(nbytes)
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        send = threading.Thread(target=sender.sendall, args=(payload,))
+        send.start()
+        _receive(receiver, nbytes)
+        send.join()
+        return time.perf_counter() - t0
+
+    idle, behind = [], []
+    try:
+        for _ in range(repeats):
+            time.sleep(idle_s)
+            idle.append(one())
+            behind.append(one())
+    finally:
+        for s in (sender, receiver, server):
+            s.close()
+    return {"idle_s": statistics.median(idle), "behind_s": statistics.median(behind)}

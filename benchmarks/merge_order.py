@@ -4,9 +4,10 @@
 the way (Δ = −0.9 from θ = 0). Two phases of one path from the same base land in one step
 ("together") or one step apart ("apart"), after ``--history`` earlier fresh phases (so the
 optimiser's state is not zero), per outer optimiser. Then two paths share a module, the
-fresh one's Δ = −1 and the other's Δ = +1 from ``s`` versions ago: the undiscounted mean
-is 0, and the discount d(s) = (1 + s)^(−staleness_power) pulls the result toward the fresh
-path. Pure arithmetic on one-element tensors: seconds on any CPU.
+fresh one's Δ = −1 and the other's Δ = +1 from ``s`` full-quorum versions ago: the
+undiscounted mean is 0, and the discount d(r) = (1 + r)^(−staleness_power), r = s − ½ the
+rounds it is late beyond its round-mate (dipaco/decoupled/quorum.py ``rounds_late``), pulls
+the result toward the fresh path. Pure arithmetic on one-element tensors: seconds on any CPU.
 """
 from __future__ import annotations
 

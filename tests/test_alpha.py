@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from _sync_rounds import sync_round, synchronous
 from dipaco.config import compose_config
 from dipaco.inference import InferenceRun
 from dipaco.job.prepare import validation_ids
@@ -29,14 +30,15 @@ def _round(alpha: PathAlpha, values: list[float], tokens: int = 100) -> dict[str
     mods = {m: nn.Linear(2, 1, bias=False) for m in IDS}
     for m in mods.values():
         nn.init.zeros_(m.weight)
-    sync = DiLoCoSync(Topology(IDS, PATHS, world_size=1), mods, outer=AVG)
-    for p in sync.paths_to_train():
-        sync.begin_path(p)
+    driver = synchronous(DiLoCoSync(Topology(IDS, PATHS, world_size=1), mods, outer=AVG))
+
+    def turn(p: int) -> float:
         with torch.no_grad():
             for m in PATHS[p]:
                 mods[m].weight.fill_(values[p])
-        sync.end_path(p, alpha(p, tokens))
-    sync.end_round()
+        return alpha(p, tokens)
+
+    sync_round(driver, 0, turn)
     return {m: float(mods[m].weight.detach().mean()) for m in IDS}
 
 

@@ -107,3 +107,33 @@ def test_round_trace_notes_the_projects_calls_only_while_on() -> None:
         sys.setprofile(None)
     assert list(trace.files) == ["dipaco/config/schedule.py"]
     assert "lr_at" in trace.files["dipaco/config/schedule.py"]
+
+
+def test_round_trace_reads_the_rounds_own_lines_and_counts_bounces() -> None:
+    """The reading set holds the lines of the functions called in the round's own files
+    (a black box's are not read), and a call path that returns to a file is a bounce."""
+    import inspect
+
+    from benchmarks.round_trace import RoundTrace, black_box, depth
+    from dipaco.config import TrainerConfig
+    from dipaco.config.schedule import lr_at
+    from dipaco.plan.schedule import RoundSchedule
+
+    trace = RoundTrace()
+    trace.on = trace.in_round = True
+    sys.setprofile(trace.profile)
+    try:
+        RoundSchedule.synchronous(["a"], 4).boundaries()
+        lr_at(1, 10, TrainerConfig())  # a black box: entered, not read
+    finally:
+        sys.setprofile(None)
+    assert black_box("dipaco/config/schedule.py") and black_box("modules/grid.py")
+    assert list(trace.reading) == ["dipaco/plan/schedule.py"]
+    called = (RoundSchedule.synchronous, RoundSchedule.__init__, RoundSchedule.boundaries)
+    want = set()
+    for f in called:
+        src, first = inspect.getsourcelines(inspect.unwrap(f))
+        want |= set(range(first, first + len(src)))  # its decorators, definition and body
+    assert trace.reading["dipaco/plan/schedule.py"] == want
+    assert depth(["loop", "driver", "syncs", "driver", "core"]) == (4, 1)
+    assert depth(["loop", "driver", "sync", "core"]) == (4, 0)

@@ -50,7 +50,6 @@ def test_a_checkpoint_in_the_old_state_json_layout_resumes(tmp_path: Path) -> No
                 p.add_(1.0)  # other weights than the checkpoint's
     sync2 = DiLoCoSync(topo2, {m: grid2.module(m) for m in ids})
     assert load_checkpoint(path, grid2, sync2, {}, ids, topo2) == 2
-    assert sync2.round == 2
     for m in ids:
         for a, b in zip(grid2.module(m).parameters(), saved[m]):
             assert torch.equal(a.detach(), b), m

@@ -74,6 +74,10 @@ def hostile_cases(tmp: Path) -> list[tuple[str, list[str]]]:
         ("dipaco-serve", [str(a_file)]),
         ("dipaco-serve", [BAD_UTF8]),
         ("dipaco-serve", [str(tmp), "--port", "99999"]),
+        ("dipaco-decoupled", ["worker", str(tmp / "no_store")]),
+        ("dipaco-decoupled", ["status", str(a_file)]),
+        ("dipaco-decoupled", ["sync", BAD_UTF8]),
+        ("dipaco-decoupled", ["finish", str(tmp), str(tmp / "run")]),
     ]
 
 

@@ -22,8 +22,8 @@ from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
 from dipaco.decoupled.scheduling import PathPicker
 from dipaco.decoupled.merge import MergingModuleSync, Update
-from dipaco.decoupled.service import (SyncService, archive, inbox, module_key, path_finished, path_steps_done,
-                                      progress_key, write_module)
+from dipaco.decoupled.module_leases import read_module, write_module
+from dipaco.decoupled.service import SyncService, archive, inbox, path_finished, path_steps_done, progress_key
 from dipaco.decoupled.store import FileStore, decode_state, encode_state
 from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.plan.codecs import make_codec
@@ -308,7 +308,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
     _push(st, "m", "u1", 1, 0, 0, [3.0, 3.0, 3.0, 3.0])
     _push(st, "p", "v1", 1, 0, 0, [2.0, 0.0, 0.0, 0.0])
     assert svc.poll_once() == 2
-    state, meta = st.get_state(module_key("m"))
+    _, state, meta = read_module(st, "m")
     assert meta["version"] == 1 and state["applied"] == {"u0": 1, "u1": 1}
     torch.testing.assert_close(state["global"], torch.full((4,), -2.0))
     assert st.list(inbox("m")) == [] and len(st.list(archive("m"))) == 2
@@ -317,7 +317,7 @@ def test_service_applies_each_update_once_across_a_crash(tmp_path: Path) -> None
     _push(st, "m", "u0-rerun", 0, 0, 0, [9.0, 9.0, 9.0, 9.0])  # the phase redone by another learner
     svc2 = SyncService(st, ["m", "p"], {"m": [0, 1], "p": [1]}, rounds=1, cfg=cfg, outer=AVG, inner_steps=1)
     svc2.poll_once()
-    state, meta = st.get_state(module_key("m"))
+    _, state, meta = read_module(st, "m")
     assert meta["version"] == 1 and state["dropped"] == {"u0-rerun": "duplicate_phase"}
     torch.testing.assert_close(state["global"], torch.full((4,), -2.0))
     # a corrupt file is dropped with a reason, not lost and not fatal

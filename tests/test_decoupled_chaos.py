@@ -27,7 +27,8 @@ from dipaco.decoupled.metrics import ledger_report, pushed_ids
 from dipaco.decoupled.run import run_decoupled
 from dipaco.decoupled.store import FileStore
 from dipaco.decoupled.merge import DROP_REASONS
-from dipaco.decoupled.service import module_key, progress_key
+from dipaco.decoupled.module_leases import read_module
+from dipaco.decoupled.service import progress_key
 from dipaco.job.prepare import prepare
 from dipaco.run.run_dir import RunDir
 from dipaco.job.train import _evaluate, train
@@ -92,7 +93,7 @@ def test_chaos_killed_and_delayed_learners(sync_run: tuple[Path, float, dict],
     report = ledger_report(store, modules)
     assert report["ok"], report
     for mid in modules:
-        state, meta = store.get_state(module_key(mid))
+        _, state, meta = read_module(store, mid)
         pushed = pushed_ids(store, mid)
         applied, dropped = set(state["applied"]), set(state["dropped"])
         assert pushed == applied | dropped and not applied & dropped, mid

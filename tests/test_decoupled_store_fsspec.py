@@ -1,7 +1,9 @@
-"""FsspecStore (decoupled mode on an fsspec URL), on fsspec's in-process ``memory://``.
+"""FsspecStore (decoupled mode on an fsspec URL): its contract on fsspec's in-process
+``memory://`` and on ``s3://`` (s3fs against the local S3 server of tests/_s3.py; what
+only S3 has, conditional writes on the wire and races, is in test_decoupled_store_s3.py).
 
-The memory filesystem is global within a process: every test uses its own root.
-No network here, so S3/GCS themselves are not exercised.
+The memory filesystem is global within a process: every test uses its own root; every
+S3 test its own bucket. Real AWS S3 and GCS are not exercised (no network here).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import uuid
 
 import pytest
 import torch
+from _s3 import s3  # noqa: F401 (fixture)
 
 from dipaco.decoupled.fsspec_store import FsspecStore, open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
@@ -21,8 +24,12 @@ def _url() -> str:
     return f"memory://t-{uuid.uuid4().hex}/run"
 
 
-@pytest.fixture
-def st() -> FsspecStore:
+@pytest.fixture(params=["memory", "s3"])
+def st(request: pytest.FixtureRequest) -> FsspecStore:
+    if request.param == "s3":
+        store = open_store(request.getfixturevalue("s3").url())  # through the probe, as a run opens it
+        assert isinstance(store, FsspecStore)
+        return store
     return FsspecStore(_url())
 
 
@@ -55,7 +62,7 @@ def test_contract_put_get_put_new_list_delete(st: FsspecStore) -> None:
     for bad in ("../escape", "/abs", "a/../../b"):
         with pytest.raises(ValueError):
             st.put(bad, b"")
-    assert repr(st).startswith("FsspecStore('memory://")
+    assert repr(st) == f"FsspecStore({st.url!r})"
 
 
 def test_move_and_missing_source(st: FsspecStore) -> None:

@@ -8,6 +8,7 @@ follow every reference.
 """
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -99,9 +100,12 @@ def test_the_path_scanner_finds_what_it_should() -> None:
 
 
 def test_the_readme_is_written_for_users() -> None:
-    """Two set-up commands a newcomer pastes (CI runs the second), and no project history:
+    """At most 180 lines, two set-up commands a newcomer pastes (CI runs the second), and no project history:
     issue numbers in no doc (README, docs/, benchmarks/README.md), commit hashes not in the README."""
     text = (REPO / "README.md").read_text(encoding="utf-8")
+    # read in five minutes: what it is, set-up, the default run, use, where to read more;
+    # the chronicle of re-runs and suite timings lives in docs/results.md
+    assert len(text.splitlines()) <= 180, len(text.splitlines())
     setups = [line for line in text.splitlines() if line.startswith("python3 -m venv .venv && ")]
     assert len(setups) == 2, setups
     # the suite: in-process tests on both cores, then the multiprocess ones alone (the two
@@ -114,3 +118,119 @@ def test_the_readme_is_written_for_users() -> None:
         assert not cited, f"issue numbers in {doc.relative_to(REPO)}: {cited}"
     hashes = [h for h in re.findall(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w/.-])", text) if not h.isdigit()]
     assert not hashes, f"commit hashes in the README: {hashes}"
+
+
+# --------------------------------------------------------------------------- design.md's tables
+DESIGN = REPO / "docs" / "design.md"
+CODE = ("dipaco", "router", "modules", "hydra_plugins")
+
+
+def _code_files() -> list[Path]:
+    return sorted(p for top in CODE for p in (REPO / top).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(p: Path) -> str:
+    return str(p.relative_to(REPO))
+
+
+def _table(after: str) -> list[list[str]]:
+    """The rows of the first markdown table after the line starting with ``after``: cells."""
+    lines = DESIGN.read_text(encoding="utf-8").split("\n")
+    start = next(i for i, x in enumerate(lines) if x.strip().startswith(after))
+    rows, seen = [], False
+    for x in lines[start + 1:]:
+        x = x.strip()
+        if x.startswith("|"):
+            seen = True
+            cells = [c.strip() for c in x.strip("|").split("|")]
+            if not set(cells[0]) <= set("-: "):
+                rows.append(cells)
+        elif seen:
+            break
+    return rows[1:]  # without the header
+
+
+def _ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def _covered(rel: str, places: list[str]) -> bool:
+    """``rel`` is one of ``places`` (a place ending in ``/`` is a folder)."""
+    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in places)
+
+
+def _imports(tree: ast.AST) -> list[tuple[str, bool]]:
+    """``(top-level module, inside a function)`` of every import of a module's tree;
+    relative imports name the project (``.`` prefix)."""
+    out = []
+
+    def walk(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name.split(".")[0], in_function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                out.append(("." if child.level else (child.module or "").split(".")[0], in_function))
+            walk(child, inside)
+
+    walk(tree, False)
+    return out
+
+
+def test_third_party_libraries_are_imported_only_where_design_md_says() -> None:
+    allowed = {}
+    for lib_cell, places in _table("* Third-party libraries are imported only"):
+        for lib in _ticked(lib_cell):
+            allowed[lib] = [p for p in _ticked(places) if p.startswith(tuple(c + "/" for c in CODE))]
+    assert {"faiss", "datasets", "matplotlib", "safetensors", "uvicorn"} <= set(allowed), allowed
+    bad, used = [], {lib: set() for lib in allowed}
+    for f in _code_files():
+        for mod, _ in _imports(ast.parse(f.read_text(encoding="utf-8"))):
+            if mod in allowed:
+                used[mod].add(_rel(f))
+                if not _covered(_rel(f), allowed[mod]):
+                    bad.append(f"{_rel(f)} imports {mod}")
+    assert not bad, "\n".join(bad)
+    # every place the table names still imports it (a stale row fails too)
+    stale = [f"{lib}: {p}" for lib, places in allowed.items() for p in places
+             if not any(_covered(u, [p]) for u in used[lib])]
+    assert not stale, "design.md names places that no longer import the library:\n" + "\n".join(stale)
+
+
+def test_function_level_imports_of_the_project_are_the_ones_design_md_lists() -> None:
+    listed = {p for cells in _table("* Project modules are imported at module level") for p in _ticked(cells[0])
+              if p.endswith(".py")}
+    found = set()
+    for f in _code_files():
+        if any(inside and mod in ("dipaco", "router", "modules", ".")
+               for mod, inside in _imports(ast.parse(f.read_text(encoding="utf-8")))):
+            found.add(_rel(f))
+    assert found - listed == set(), f"function-level project imports not in docs/design.md: {sorted(found - listed)}"
+    assert listed - found <= {"dipaco/data/__init__.py"}, f"listed but gone: {sorted(listed - found)}"
+
+
+def test_renames_and_hashes_happen_where_design_md_says() -> None:
+    rows = _table("* One writer for files")
+    places = {"os.replace": ["dipaco/storage/atomic.py"], "hashlib": ["dipaco/storage/hashing.py"]}
+    for what, where, _ in rows:
+        for w in _ticked(what):
+            places[w] += _ticked(where)
+    bad = []
+    for f in _code_files():
+        text = f.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        if "hashlib" in {m for m, _ in _imports(tree)} and _rel(f) not in places["hashlib"]:
+            bad.append(f"{_rel(f)} imports hashlib")
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr in ("replace", "rename") and isinstance(n.func.value, ast.Name)
+                 and n.func.value.id == "os"]
+        if calls and _rel(f) not in places["os.replace"]:
+            bad.append(f"{_rel(f)} calls os.{calls[0].func.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_layers_line_is_the_layout_tests() -> None:
+    from test_layout import LAYERS
+
+    line = next(x for x in DESIGN.read_text(encoding="utf-8").splitlines() if x.startswith("layers, lowest first:"))
+    assert _ticked(line) == LAYERS

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from _sync_rounds import load_sync_state, sync_round, sync_state, synchronous
 from dipaco.plan.comm_plan import plan_round, ring_allreduce_bytes
 from dipaco.config import ConfigError, TrainerConfig, compose_config
 from dipaco.rounds.learner import PathLearner
@@ -82,11 +83,9 @@ def train(rank: int | None, topo: Topology, pg: Any = None, mode: str = "replica
     grad_sync = (lambda ps: allreduce_gradients(ps, wpg, G)) if G > 1 and not fsdp else None
     learners = {p: PathLearner(p, PathModel(grid, p), Stream(p, local, G), tcfg, ROUNDS * H, grad_sync=grad_sync)
                 for p in paths}
-    for _ in range(rounds):
-        for p in paths:
-            sync.begin_path(p)
-            sync.end_path(p, learners[p].train_steps(H).tokens)
-        sync.last_stats = sync.end_round()
+    sync.driver = synchronous(sync, H)
+    for r in range(rounds):
+        sync.last_stats = sync_round(sync.driver, r, lambda p: learners[p].train_steps(H).tokens)
     sync.learners = learners
     if fsdp:
         # trainer.compile left to "auto" is on for CUDA; sharded paths must stay eager anyway
@@ -114,7 +113,7 @@ def _worker(rank: int, world: int, out: str) -> None:
 
             dist.all_reduce = counting
             try:
-                stats = sync.end_round()
+                stats = sync_round(sync.driver, ROUNDS, lambda p: None, paths=[])
             finally:
                 dist.all_reduce = real
             results["sizes"] = sizes
@@ -127,14 +126,14 @@ def _worker(rank: int, world: int, out: str) -> None:
             results["masters"] = sorted({str(p.dtype) for s in sync.syncs.values() for p in s.params})
             results["dtensor"] = all(is_sharded(p) for s in sync.syncs.values() for p in s.params)
             results["eager"] = sync.eager
-        state = sync.state_dict()  # a collective over the worker group when sharded
+        state = sync_state(sync)  # a collective over the worker group when sharded
         results[mode] = state
         if mode == "fsdp_bf16":
             results["bf16_masters"] = sorted({str(p.dtype) for s in sync.syncs.values() for p in s.params})
             results["bf16_loss"] = [learner.train_steps(1).loss for learner in sync.learners.values()]
         if mode == "fsdp":
             # load a full state by re-sharding: the replicated run's final state
-            sync.load_state_dict(results["replicate"])
+            load_sync_state(sync, results["replicate"])
             results["reloaded"] = {m: s.global_weights.detach().clone() for m, s in sync.syncs.items()}
             results["shapes"] = {m: s.shapes for m, s in sync.syncs.items()}
             # learner state: AdamW moments gathered whole, then re-sharded
@@ -151,8 +150,8 @@ def _worker(rank: int, world: int, out: str) -> None:
     states: list[Any] = [None] * world
     dist.all_gather_object(states, results["fsdp"])
     merged = {k: v for st in states for k, v in st.items()}  # every module's full state
-    sync4.load_state_dict(merged)
-    results["merged"], results["regathered"] = merged, sync4.state_dict()
+    load_sync_state(sync4, merged)
+    results["merged"], results["regathered"] = merged, sync_state(sync4)
     torch.save(results, Path(out) / f"rank{rank}.pt")
 
 
@@ -168,7 +167,7 @@ def test_fsdp_group_matches_replicated_group_and_local_backend(ranks: list[dict[
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a loaded 2-core host, 2 OpenMP threads take ~50x longer
     try:
-        local = train(None, topology(2, 1)).state_dict()
+        local = sync_state(train(None, topology(2, 1)))
     finally:
         torch.set_num_threads(threads)
     for r in (0, 2):  # local rank 0 of each worker group: its modules' full states

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_MODULES = 15
 
 # lowest first: a package may import the packages before it (docs/design.md shows this list)
-LAYERS = ["config", "storage", "run", "runtime", "data", "plan", "sync", "rounds", "decoupled", "sim", "job", "inference", "serve", "cli"]
+LAYERS = ["config", "storage", "run", "runtime", "data", "plan", "sync", "rounds", "decoupled", "sim", "job", "inference", "serve", "cli", "fleet"]
 
 
 def _dipaco_imports(path: Path) -> set[str]:

@@ -41,3 +41,10 @@ def test_the_benchmarks_run_directory_is_one_the_rounds_accept(tmp_path: Path) -
     without it every reader refuses them (the benchmark failed on its first setting)."""
     run = bench_link.build_run(tmp_path / "run", 4)
     assert read_fingerprints(run) == {}
+
+
+def test_the_probe_times_a_whole_message_idle_and_back_to_back() -> None:
+    """The shaper probe delivers every byte both ways and times each (unshaped here: well
+    under a second for 1 MB on the loopback)."""
+    t = link_wire.transfer_times(1 << 20, repeats=1, idle_s=0.0)
+    assert set(t) == {"idle_s", "behind_s"} and all(0 < v < 5 for v in t.values())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from dataclasses import replace
@@ -129,6 +130,18 @@ def test_build_is_deterministic_and_cached(fake_install, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+def test_the_build_logs_its_progress_and_prints_nothing(fake_install, capsys, caplog) -> None:
+    """A first build says so through dipaco's logger (its ``[dipaco]`` lines, the run's
+    train.log), not with print calls of its own; a cached load says nothing."""
+    with caplog.at_level(logging.INFO, logger="dipaco"):
+        load_multidomain(EXCLUDES, 600, 4000, progress=True)
+        load_multidomain(EXCLUDES, 600, 4000, progress=True)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("multidomain:")]
+    assert len(said) == 2 and "first build" in said[0] and "documents" in said[1]
+    printed = [x for x in capsys.readouterr().out.splitlines() if "multidomain:" in x]
+    assert all(x.startswith("[dipaco] multidomain:") for x in printed)
+
+
 def test_parallel_build_equals_sequential_build(fake_install) -> None:
     """Worker processes read and cut the files; the corpus, the cap and the skip counts are
     those of a build in one process (the parent keeps the files' order)."""

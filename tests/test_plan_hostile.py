@@ -12,8 +12,7 @@ from dipaco.cli import plan as plan_cli
 from dipaco.config import ConfigError, compose_config
 from dipaco.sim.cost import check_cost
 from dipaco.sim.job import SimJob, sim_job
-from dipaco.sim.report import MODES, horizons
-from dipaco.sim.rounds import simulate_rounds
+from dipaco.sim.modes import MODES, simulate_mode
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +27,18 @@ def job() -> SimJob:
 def test_a_simulation_that_would_not_finish_is_refused_naming_the_key(job: SimJob, cluster, key) -> None:
     j = on(job, **cluster)
     with pytest.raises(ConfigError) as e:
-        check_cost(j, *horizons(j), MODES)
+        check_cost(j, MODES)
     assert e.value.key == key
 
 
 def test_the_refusals_fix_and_the_papers_cluster_pass(job: SimJob) -> None:
     j = on(job, horizon_hours=1e6)
     with pytest.raises(ConfigError) as e:
-        check_cost(j, *horizons(j), MODES)
+        check_cost(j, MODES)
     fit = float(str(e.value).split("cluster.horizon_hours=")[-1].split()[0])
-    check_cost(on(job, horizon_hours=fit), *horizons(on(job, horizon_hours=fit)), MODES)
+    check_cost(on(job, horizon_hours=fit), MODES)
     paper = sim_job(compose_config(["experiment=paper", "cluster=paper_1m"]))
-    check_cost(paper, *horizons(paper), MODES)
+    check_cost(paper, MODES)
 
 
 def test_the_cli_refuses_in_one_line_before_simulating(capsys) -> None:
@@ -51,7 +50,7 @@ def test_the_cli_refuses_in_one_line_before_simulating(capsys) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "ddp"])
 def test_goodput_is_a_share_under_a_heavy_tail(job: SimJob, mode: str) -> None:
-    r = simulate_rounds(on(job, straggler="lognormal", straggler_sigma=5.0), mode)
+    r = simulate_mode(on(job, straggler="lognormal", straggler_sigma=5.0), mode)
     assert 0.0 <= r.goodput <= 1.0
 
 

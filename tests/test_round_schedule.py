@@ -26,11 +26,12 @@ def _sync(value: float = 0.0) -> tuple[DiLoCoSync, dict[str, nn.Module]]:
 
 
 def _train(sync: DiLoCoSync, mods: dict[str, nn.Module], p: int, to: float, tokens: float = 1.0) -> None:
-    sync.begin_path(p)
-    with torch.no_grad():
-        for m in PATHS[p]:
+    """Path ``p``'s turn on the module syncs themselves: θ_global live, trained to ``to``, α·Δ."""
+    for m in PATHS[p]:
+        sync.syncs[m].restore()
+        with torch.no_grad():
             mods[m].weight.fill_(to)
-    sync.end_path(p, tokens)
+        sync.syncs[m].contribute(p, tokens, sync.topology.group_of_path(p))
 
 
 def test_the_synchronous_schedule_is_one_sync_point_at_step_h() -> None:
@@ -43,7 +44,7 @@ def test_the_synchronous_schedule_is_one_sync_point_at_step_h() -> None:
 
 
 def test_a_staggered_schedule_cuts_the_turns_at_its_steps_and_ends_synchronous() -> None:
-    s = RoundSchedule.staggered({"embed": (1, 2), "L0.0": (2, 4), "head": (4, 4)}, 4)
+    s = RoundSchedule(4, {"embed": SyncPoint(1, 2), "L0.0": SyncPoint(2, 4), "head": SyncPoint(4, 4)})
     assert not s.is_synchronous and not s.replaces_only
     assert s.boundaries() == [1, 2, 4]
     assert s.launching(2) == ["L0.0"] and s.launching(4, ["embed", "head"]) == ["head"]
@@ -66,17 +67,16 @@ def _round_by_driver(driver: RoundDriver, mods: dict[str, nn.Module], targets: d
     driver.end_round()
 
 
-def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_the_syncs_driven_by_hand(monkeypatch) -> None:
+def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_diloco_on_the_module_syncs(monkeypatch) -> None:
     """Every landing replaces: no path's copy is set aside (no flatten, no memory), and the
-    global and live weights are those of begin_path / end_path / end_round bit for bit."""
+    global and live weights are DiLoCo's round on the module syncs themselves, bit for bit."""
     ref, ref_mods = _sync(0.5)
     for p, to in ((0, 2.0), (1, -1.0)):
-        ref.begin_path(p)
-        with torch.no_grad():
-            for m in PATHS[p]:
-                ref_mods[m].weight.add_(to)
-        ref.end_path(p, 1.0)
-    ref.end_round()
+        _train(ref, ref_mods, p, 0.5 + to)
+    for s in ref.syncs.values():
+        s.launch()
+        s.land()
+        s.restore()
 
     def no_copy(*a, **k):
         raise AssertionError("a synchronous round set a path's copy aside")
@@ -86,15 +86,14 @@ def test_a_synchronous_round_by_the_driver_keeps_no_copy_and_equals_the_syncs_dr
     _round_by_driver(driver, mods, {0: 2.0, 1: -1.0})
     assert driver.copies == {} and set(driver.resident.values()) == {None}
     for m in IDS:
-        assert torch.equal(sync.syncs[m].core.weights, ref.syncs[m].core.weights), m
+        assert torch.equal(sync.syncs[m].global_weights, ref.syncs[m].global_weights), m
         assert torch.equal(mods[m].weight, ref_mods[m].weight), m
-    assert sync.round == ref.round == 1
 
 
 def test_a_mixing_schedule_keeps_each_paths_copy() -> None:
     """The control: a landing that mixes (τ > 0) sets the other path's copy aside."""
     sync, mods = _sync(0.5)
-    driver = RoundDriver(sync, RoundSchedule.staggered({m: (1, 2) for m in IDS}, 2), rounds=2)
+    driver = RoundDriver(sync, RoundSchedule(2, {m: SyncPoint(1, 2) for m in IDS}), rounds=2)
     _round_by_driver(driver, mods, {0: 2.0, 1: -1.0})
     assert driver.copies and driver.holds_path_state
 
@@ -115,12 +114,12 @@ def test_launch_hands_later_contributions_to_the_next_round_and_land_leaves_the_
     assert ms.contribute(0, 1.0, 0)
     stats = ms.land()
     assert stats.stepped and stats.contributions == 1
-    assert float(ms.core.weights[0]) == pytest.approx(1.0)  # the first contribution only
+    assert float(ms.global_weights.detach()[0]) == pytest.approx(1.0)  # the first contribution only
     assert float(mods["L0.0"].weight.detach()[0, 0]) == 5.0  # land leaves the live weights alone
     ms.launch()
     assert ms.land().contributions == 1
     # its Δ = 0 − 5 was taken against the θ_global of its own time (0): the step adds 5
-    assert float(ms.core.weights[0]) == pytest.approx(1.0 + 5.0)
+    assert float(ms.global_weights.detach()[0]) == pytest.approx(1.0 + 5.0)
 
 
 @pytest.mark.parametrize("mix", [1.0, 0.25])
@@ -130,10 +129,11 @@ def test_land_replaces_or_mixes_the_new_global_weights_into_the_live_ones(mix: f
         _train(sync, mods, p, to)
     with torch.no_grad():
         mods["embed"].weight.fill_(10.0)  # what the path learnt since (streaming keeps part of it)
-    sync.launch(["head", "embed"])  # launched in the global module order whatever the order asked
-    stats = sync.land(["embed", "head"], mix=mix)
-    assert list(stats) == ["embed", "head"]
-    theta = float(sync.syncs["embed"].core.weights[0])
+    for m in ("embed", "head"):
+        sync.syncs[m].launch()
+        sync.syncs[m].land()
+        sync.syncs[m].mix(mix)
+    theta = float(sync.syncs["embed"].global_weights.detach()[0])
     assert theta == pytest.approx(3.0)  # the mean of the two paths
     assert float(mods["embed"].weight.detach()[0, 0]) == pytest.approx(10.0 + mix * (theta - 10.0))
     assert float(mods["head"].weight.detach()[0, 0]) == pytest.approx(4.0 + mix * (theta - 4.0))

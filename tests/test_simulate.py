@@ -22,8 +22,8 @@ from dipaco.decoupled.store import FileStore
 from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.sim.decoupled import Synchronizers, _DecoupledSim, simulate_decoupled
 from dipaco.sim.job import SimJob, sim_job
-from dipaco.sim.report import MODES, simulate_job
-from dipaco.sim.rounds import simulate_rounds
+from dipaco.sim.modes import MODES, make_mode, simulate_mode
+from dipaco.sim.report import simulate_job
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_no_failures_and_an_infinitely_fast_link_take_the_plans_compute_time(job
             assert r.goodput == pytest.approx(1.0, rel=1e-6), r.mode
     # a link of finite rate: sync exposes the whole exchange, as the plan's bytes say
     slow = on(job, link_gbps=0.01)
-    r = simulate_rounds(slow, "sync")
+    r = simulate_mode(slow, "sync")
     assert r.exposed_per_round_s == pytest.approx(slow.rank_bytes() * 8 / 0.01e9)
     assert r.bytes_per_round == slow.rank_bytes() * slow.groups
 
@@ -50,15 +50,15 @@ def test_no_failures_and_an_infinitely_fast_link_take_the_plans_compute_time(job
 def test_a_failure_costs_exactly_the_work_since_the_checkpoint_plus_the_restart(job: SimJob) -> None:
     j = dataclasses.replace(on(job, link_gbps=1e12, detect_s=7.0, restart_s=100.0), rounds=6, checkpoint_every=2)
     rnd = j.inner_steps * j.step_s
-    clean = simulate_rounds(j, "sync")
+    clean = simulate_mode(j, "sync")
     at = 2 * rnd + 1.5 * rnd  # in round 4: round 3 ran since the checkpoint after round 2
-    hit = simulate_rounds(j, "sync", failures_at=[at])
+    hit = simulate_mode(j, "sync", failures_at=[at])
     lost = 1.5 * rnd  # round 3 and half of round 4
     assert hit.wall_s == pytest.approx(clean.wall_s + lost + 7.0 + 100.0)
     assert hit.steps_lost == pytest.approx(1.5 * j.inner_steps * j.paths)
     assert hit.failures == 1 and hit.goodput < clean.goodput
     # elastic: the survivors lose only the round in flight and go on without the group
-    el = simulate_rounds(dataclasses.replace(j, checkpoint_every=1), "elastic", failures_at=[at])
+    el = simulate_mode(dataclasses.replace(j, checkpoint_every=1), "elastic", failures_at=[at])
     assert el.steps_lost == pytest.approx(0.5 * j.inner_steps * j.paths)
 
 
@@ -194,7 +194,7 @@ def test_the_cli_simulates_a_tiny_config_and_writes_json(tmp_path, capsys) -> No
 def test_a_horizon_keeps_the_rounds_that_ended_before_it(job: SimJob) -> None:
     slow = on(job, link_gbps=0.01)
     rnd = slow.inner_steps * slow.step_s + slow.rank_bytes() * 8 / 0.01e9
-    r = simulate_rounds(slow, "sync", horizon_s=10.5 * rnd)  # inside the first block of rounds
+    r = simulate_mode(slow, "sync", horizon_s=10.5 * rnd)  # inside the first block of rounds
     assert r.rounds == 10 and r.exposed_share > 0
     assert r.tokens_applied == 10 * slow.paths * slow.inner_steps * slow.tokens_per_step
 
@@ -211,3 +211,26 @@ def test_only_the_simulator_reads_the_cluster() -> None:
         preflight(cfg)
     assert "cluster.chips" in str(e.value) and "dipaco-plan --simulate" in str(e.value)
     preflight(compose(TINY), simulating=True)
+
+
+@pytest.mark.parametrize("fragments", [None, 1, 2, 3])
+def test_a_paths_streaming_fragments_carry_what_its_round_sends(fragments: int | None) -> None:
+    """Each path's simulated fragments add up to the bytes its synchronous round sends (the
+    smoke config: 303,928 per rank), whatever the fragments group: a sync point holding
+    several stages carries the path's module of each, not one module."""
+    extra = [] if fragments is None else [f"diloco.streaming_fragments={fragments}"]
+    job = sim_job(compose_config(TINY + ["diloco.streaming=true"] + extra))
+    shares = make_mode("streaming", job).shares
+    assert [sum(n for _, _, n in share) for share in shares] == [job.rank_bytes()] * len(shares)
+    assert job.rank_bytes() == 303_928 and len(shares[0]) == (fragments or 3)
+
+
+def test_streaming_with_one_fragment_and_no_delay_costs_the_synchronous_round(job: SimJob) -> None:
+    """One fragment at step H, landing at once: the synchronous round, exactly (a slow
+    link, stragglers and failures drawn alike in both)."""
+    one = sim_job(compose_config(TINY + ["diloco.streaming=true", "diloco.streaming_fragments=1",
+                                         "diloco.streaming_delay=0"]))
+    rough = on(one, link_gbps=0.01, straggler="lognormal", straggler_sigma=0.3, mtbf_hours=0.05)
+    sync, stream = (simulate_mode(rough, m).to_dict() for m in ("sync", "streaming"))
+    assert stream.pop("mode") == "streaming" and sync.pop("mode") == "sync"
+    assert stream == sync and sync["exposed_per_round_s"] > 0 and sync["failures"] > 0

@@ -17,7 +17,8 @@ import golden_run
 from test_golden import assert_matches
 from dipaco.config import ConfigError, compose_config
 from dipaco.config.validate import validate_config
-from dipaco.plan.stagger import inflight_peak, peak_bound, stages, streaming_points, synchronous_points
+from dipaco.plan.schedule import RoundSchedule
+from dipaco.plan.stagger import inflight_peak, peak_bound, stages, streaming_schedule
 
 MODULES = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
 STREAM = ["diloco.streaming=true"]  # τ = 1, a fragment per stage (embed, L0, L1, head), even spread
@@ -34,12 +35,18 @@ def run(tmp: Path, name: str, extra: list[str]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------- the schedule
+def streaming_points(*args: Any, **kw: Any) -> dict[str, tuple[int, int]]:
+    """Each module's ``(launch, land)`` in :func:`streaming_schedule`'s round."""
+    return {m: (pt.launch, pt.land) for m, pt in streaming_schedule(*args, **kw).points.items()}
+
+
 def test_stages_follow_the_path() -> None:
     assert stages(MODULES) == [["embed"], ["L0.0", "L0.1"], ["L1.0", "L1.1"], ["head"]]
 
 
 def test_one_fragment_and_no_delay_is_the_synchronous_round() -> None:
-    assert streaming_points(MODULES, 8, 0, fragments=1) == synchronous_points(MODULES, 8)
+    one = streaming_schedule(MODULES, 8, 0, fragments=1)
+    assert one.is_synchronous and one.points == RoundSchedule.synchronous(MODULES, 8).points
 
 
 @pytest.mark.parametrize("H,tau", [(8, 1), (8, 2), (12, 3), (4, 1), (4, 3), (50, 5)])
@@ -64,8 +71,8 @@ def test_size_spread_gives_big_fragments_long_gaps() -> None:
 def test_peak_in_flight_is_a_fragment_not_the_path() -> None:
     nbytes = {"embed": 400, "L0.0": 100, "L0.1": 100, "L1.0": 100, "L1.1": 100, "head": 400}
     path = ["embed", "L0.0", "L1.0", "head"]
-    sync = inflight_peak(synchronous_points(MODULES, 8), path, nbytes)
-    stream = inflight_peak(streaming_points(MODULES, 8, 1), path, nbytes)
+    sync = inflight_peak(RoundSchedule.synchronous(MODULES, 8), path, nbytes)
+    stream = inflight_peak(streaming_schedule(MODULES, 8, 1), path, nbytes)
     assert sync == 1000 and stream == 400 <= peak_bound(path, nbytes) == 800
 
 

@@ -22,11 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dipaco.plan.stagger import streaming_points, synchronous_points
+from dipaco.plan.stagger import streaming_schedule
 from dipaco.plan.topology import Topology
 from dipaco.sync.alpha import PathAlpha
 from dipaco.sync.diloco import DiLoCoSync
-from dipaco.plan.schedule import RoundSchedule
 from dipaco.sync.round_driver import RoundDriver
 
 IDS = ["embed", "L0.0", "L0.1", "L1.0", "L1.1", "head"]
@@ -123,8 +122,7 @@ def run_code() -> list[Snapshot]:
     topo = Topology(IDS, PATHS, world_size=2)
     sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=LR, momentum=MOMENTUM, nesterov=True),
                       track_cosine=False)
-    points = streaming_points(IDS, H, TAU, fragments=FRAGMENTS)
-    stream = RoundDriver(sync, RoundSchedule.staggered(points, H), ROUNDS, keep=KEEP)
+    stream = RoundDriver(sync, streaming_schedule(IDS, H, TAU, fragments=FRAGMENTS), ROUNDS, keep=KEEP)
     alpha = PathAlpha.from_shard_tokens(SHARD_TOKENS)
     out: list[Snapshot] = []
     for r in range(ROUNDS):
@@ -138,7 +136,7 @@ def run_code() -> list[Snapshot]:
                 stream.contribute(p, step, RATE[p] * UNITS[r].get(step, 1), alpha)
             stream.sync_point(step)
         stats = stream.end_round()  # every copy set aside: path_state reads them
-        theta = {m: sync.syncs[m].core.weights.double().tolist() for m in IDS}
+        theta = {m: sync.syncs[m].global_weights.detach().double().tolist() for m in IDS}
         copies = {(p, m): stream.path_state(p)[m].double().tolist() for p in stream.paths for m in PATHS[p]}
         out.append((theta, copies, {m: s.alpha_sum for m, s in stats.modules.items()}))
     return out
@@ -149,9 +147,9 @@ def _close(a: list[float], b: list[float]) -> bool:
 
 
 def test_the_schedule_is_the_equations() -> None:
-    assert streaming_points(IDS, H, TAU, fragments=FRAGMENTS) == reference_points() == {
+    got = {m: (pt.launch, pt.land) for m, pt in streaming_schedule(IDS, H, TAU, fragments=FRAGMENTS).points.items()}
+    assert got == reference_points() == {
         "embed": (1, 2), "L0.0": (2, 3), "L0.1": (2, 3), "L1.0": (2, 3), "L1.1": (2, 3), "head": (3, 4)}
-    assert synchronous_points(IDS, H) == {m: (H, H) for m in IDS}
 
 
 def test_alpha_differs_within_every_module() -> None:

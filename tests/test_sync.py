@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from _sync_rounds import load_sync_state, sync_round, sync_state, synchronous
 from dipaco.plan.codecs import make_codec
 from dipaco.sync.comm import LocalComm
 from dipaco.sync.diloco import DiLoCoSync
@@ -38,6 +39,13 @@ def set_path(mods: dict[str, nn.Module], path: list[str], value: float) -> None:
             mods[m].weight.fill_(value)
 
 
+def move(mods: dict[str, nn.Module], by: dict[str, Any]) -> None:
+    """Pretend the path trained: each module of ``by`` moves by its value (a number or a tensor)."""
+    with torch.no_grad():
+        for m, d in by.items():
+            mods[m].weight.add_(d)
+
+
 def w(mods: dict[str, nn.Module], m: str) -> float:
     return float(mods[m].weight.detach().mean())
 
@@ -48,11 +56,8 @@ def test_pseudo_gradient_sign() -> None:
     # with that sign an outer SGD step (lr 0.5) moves θ_global half-way TOWARDS the path
     topo = Topology(IDS, PATHS, world_size=1)
     mods = const_modules(1.0)
-    sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=0.5, momentum=0.0, nesterov=False))
-    sync.begin_path(0)
-    set_path(mods, PATHS[0], 3.0)  # moved by +2
-    sync.end_path(0, tokens=10)
-    stats = sync.end_round()
+    driver = synchronous(DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=0.5, momentum=0.0, nesterov=False)))
+    stats = sync_round(driver, 0, lambda p: set_path(mods, PATHS[0], 3.0) or 10, paths=[0])  # moved by +2
     assert w(mods, "L0.0") == pytest.approx(2.0)
     assert stats.modules["L0.0"].pseudo_grad_norm == pytest.approx(2.0 * math.sqrt(3))
 
@@ -60,14 +65,14 @@ def test_pseudo_gradient_sign() -> None:
 def test_alpha_weighting_and_plain_average() -> None:
     topo = Topology(IDS, PATHS, world_size=4)
     mods = const_modules(0.0)
-    sync = DiLoCoSync(topo, mods, outer=AVG)
     vals, toks = [1.0, -1.0, 2.0, 5.0], [3, 1, 2, 2]
-    for p in sync.paths_to_train():
-        sync.begin_path(p)
+
+    def turn(p: int) -> float:
         assert w(mods, "embed") == 0.0  # every path starts the round from θ_global
         set_path(mods, PATHS[p], vals[p])
-        sync.end_path(p, toks[p])
-    stats = sync.end_round()
+        return toks[p]
+
+    stats = sync_round(synchronous(DiLoCoSync(topo, mods, outer=AVG)), 0, turn)
     # embed: shared by all 4 paths → token-weighted mean of their weights (exact)
     want = sum(v * t for v, t in zip(vals, toks)) / sum(toks)
     assert w(mods, "embed") == pytest.approx(want, abs=1e-7)
@@ -82,13 +87,14 @@ def test_alpha_weighting_and_plain_average() -> None:
 def test_module_not_in_path_untouched() -> None:
     topo = Topology(IDS, PATHS, world_size=4)
     mods = const_modules(1.0)
-    sync = DiLoCoSync(topo, mods, outer=AVG)
-    sync.begin_path(0)
-    with torch.no_grad():  # even if a stray write hits a module outside path 0 ...
-        for m in IDS:
-            mods[m].weight.fill_(7.0)
-    sync.end_path(0, 5)
-    stats = sync.end_round()
+
+    def turn(p: int) -> float:
+        with torch.no_grad():  # even if a stray write hits a module outside path 0 ...
+            for m in IDS:
+                mods[m].weight.fill_(7.0)
+        return 5
+
+    stats = sync_round(synchronous(DiLoCoSync(topo, mods, outer=AVG)), 0, turn, paths=[0])
     for m in ["L0.1", "L1.1"]:  # ... it is neither contributed nor kept
         assert w(mods, m) == 1.0 and not stats.modules[m].stepped
         assert stats.modules[m].contributions == 0
@@ -100,14 +106,10 @@ def test_nesterov_matches_hand_computed_reference() -> None:
     topo = Topology(IDS, PATHS, world_size=1)
     mods = const_modules(0.0, n=1)
     lr, mu = 0.7, 0.9
-    sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=lr, momentum=mu, nesterov=True))
+    driver = synchronous(DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=lr, momentum=mu, nesterov=True)))
     theta, buf = 0.0, None
-    for target in [1.0, 2.0, -0.5]:
-        for p in range(4):
-            sync.begin_path(p)
-            set_path(mods, PATHS[p], target)
-            sync.end_path(p, 1)
-        sync.end_round()
+    for r, target in enumerate([1.0, 2.0, -0.5]):
+        sync_round(driver, r, lambda p: set_path(mods, PATHS[p], target) or 1)
         g = theta - target  # Δ = θ_global − θ_path
         buf = g if buf is None else mu * buf + g
         theta = theta - lr * (g + mu * buf)
@@ -117,12 +119,8 @@ def test_nesterov_matches_hand_computed_reference() -> None:
 def test_sharing_rescale() -> None:
     topo = Topology(IDS, PATHS, world_size=4)
     mods = const_modules(0.0)
-    sync = DiLoCoSync(topo, mods, outer=AVG, sharing_rescale=True)
-    for p in range(4):
-        sync.begin_path(p)
-        set_path(mods, PATHS[p], 1.0)
-        sync.end_path(p, 1)
-    sync.end_round()
+    driver = synchronous(DiLoCoSync(topo, mods, outer=AVG, sharing_rescale=True))
+    sync_round(driver, 0, lambda p: set_path(mods, PATHS[p], 1.0) or 1)
     assert w(mods, "embed") == pytest.approx(2.0)  # avg Δ = -1, × √4
     assert w(mods, "L0.0") == pytest.approx(math.sqrt(2))
 
@@ -130,18 +128,20 @@ def test_sharing_rescale() -> None:
 def test_non_finite_dropped_counted_others_step(caplog: pytest.LogCaptureFixture) -> None:
     topo = Topology(IDS, PATHS, world_size=4)
     mods = const_modules(0.0)
-    sync = DiLoCoSync(topo, mods, outer=AVG)
+    driver = synchronous(DiLoCoSync(topo, mods, outer=AVG))
+    driver.begin_round(0)
     for p in range(4):
-        sync.begin_path(p)
+        driver.activate(p)
         set_path(mods, PATHS[p], 1.0)
         if p == 1:
             with torch.no_grad():
                 mods["L0.0"].weight[0, 0] = float("nan")
-        accepted = sync.end_path(p, 1)
+        accepted = driver.contribute(p, 1, 1, lambda p, tokens: float(tokens))
         if p == 1:
             assert accepted["L0.0"] is False and accepted["embed"] is True
     assert "path 1" in caplog.text and "L0.0" in caplog.text
-    stats = sync.end_round()
+    driver.sync_point(1)
+    stats = driver.end_round()
     assert stats.modules["L0.0"].dropped == 1 and stats.dropped == 1
     assert stats.modules["L0.0"].contributions == 1
     assert torch.isfinite(mods["L0.0"].weight).all() and w(mods, "L0.0") == pytest.approx(1.0)
@@ -151,21 +151,13 @@ def test_non_finite_dropped_counted_others_step(caplog: pytest.LogCaptureFixture
 def test_nobody_contributed_leaves_theta() -> None:
     topo = Topology(IDS, PATHS, world_size=1)
     mods = const_modules(0.5)
-    sync = DiLoCoSync(topo, mods)
-    stats = sync.end_round()
+    stats = sync_round(synchronous(DiLoCoSync(topo, mods)), 0, lambda p: None, paths=[])
     assert all(not s.stepped for s in stats.modules.values())
     assert w(mods, "head") == 0.5
 
 
-def test_driver_misuse_is_reported() -> None:
+def test_missing_modules_are_reported() -> None:
     topo = Topology(IDS, PATHS, world_size=1)
-    sync = DiLoCoSync(topo, const_modules())
-    with pytest.raises(ValueError, match="without begin_path"):
-        sync.end_path(0, 1)
-    sync.begin_path(0)
-    sync.end_path(0, 1)
-    with pytest.raises(ValueError, match="already contributed"):
-        sync.begin_path(0)
     with pytest.raises(ValueError, match="must hold modules"):
         DiLoCoSync(topo, {"embed": nn.Linear(1, 1)})
 
@@ -222,16 +214,11 @@ def test_error_feedback_drives_accumulated_error_to_zero(lossy_exchange: str) ->
         lin = nn.Linear(50, 1, bias=False)
         with torch.no_grad():
             lin.weight.zero_()
-        sync = DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=ef, outer=AVG,
-                          lossy_exchange=lossy_exchange)
+        driver = synchronous(DiLoCoSync(topo, {"a": lin}, codec="topk", codec_kw={"fraction": 0.1}, error_feedback=ef,
+                                        outer=AVG, lossy_exchange=lossy_exchange))
         rounds = 200
-        for _ in range(rounds):
-            for p in range(2):
-                sync.begin_path(p)
-                with torch.no_grad():
-                    lin.weight.add_(target[p])
-                sync.end_path(p, 1)
-            sync.end_round()
+        for r in range(rounds):
+            sync_round(driver, r, lambda p: move({"a": lin}, {"a": target[p]}) or 1)
         exact = rounds * target.mean(0)
         return float((lin.weight.detach()[0] - exact).norm() / exact.norm())
 
@@ -340,13 +327,7 @@ def test_two_phase_sync_close_to_all_gather_and_exact() -> None:
         mods = {m: nn.Linear(7, 5, bias=False) for m in IDS}
         sync = DiLoCoSync(topo, mods, codec=codec, codec_kw={"block_size": 16} if codec == "int8" else {},
                           outer=AVG, lossy_exchange=lossy_exchange)
-        for p in range(4):
-            sync.begin_path(p)
-            with torch.no_grad():
-                for m in PATHS[p]:
-                    mods[m].weight.add_(moves[p][m])
-            sync.end_path(p, p + 1)
-        sync.end_round()
+        sync_round(synchronous(sync), 0, lambda p: move(mods, moves[p]) or p + 1)
         return {m: mods[m].weight.detach().clone() for m in IDS}
 
     exact, ag, rs = run("none", "reduce_scatter"), run("int8", "all_gather"), run("int8", "reduce_scatter")
@@ -367,14 +348,8 @@ def test_plan_matches_measured_bytes(group_size: int, codec: str, kw: dict) -> N
     torch.manual_seed(0)
     mods = {m: nn.Linear(7, 5) for m in IDS}  # 40 params: not a multiple of G or blocks
     sync = DiLoCoSync(topo, mods, codec=codec, codec_kw=kw)
-    for p in range(4):
-        sync.begin_path(p)
-        with torch.no_grad():
-            for m in PATHS[p]:
-                mods[m].weight.add_(0.1)
-        sync.end_path(p, 1)
-    stats = sync.end_round()
-    plan = sync.plan(inner_steps=5)
+    stats = sync_round(synchronous(sync), 0, lambda p: move(mods, {m: 0.1 for m in PATHS[p]}) or 1)
+    plan = plan_round(topo, {m: s.numel for m, s in sync.syncs.items()}, sync.codec, 5, sync.lossy_exchange)
     for row in plan.modules:
         assert stats.modules[row.module_id].bytes_sent == row.bytes_total, row.module_id
     assert stats.bytes_sent == plan.bytes_per_round
@@ -384,13 +359,7 @@ def test_state_dict_resume_equals_uninterrupted() -> None:
     topo = Topology(IDS, PATHS, world_size=2)
 
     def round_(sync: DiLoCoSync, mods: dict, r: int) -> None:
-        for p in sync.paths_to_train():
-            sync.begin_path(p)
-            with torch.no_grad():
-                for m in PATHS[p]:
-                    mods[m].weight.add_(0.01 * (p + 1) * (r + 1))
-            sync.end_path(p, p + 1)
-        sync.end_round()
+        sync_round(synchronous(sync), r, lambda p: move(mods, {m: 0.01 * (p + 1) * (r + 1) for m in PATHS[p]}) or p + 1)
 
     def fresh() -> tuple[DiLoCoSync, dict]:
         torch.manual_seed(1)
@@ -405,13 +374,13 @@ def test_state_dict_resume_equals_uninterrupted() -> None:
     b, mb = fresh()
     for r in range(2):
         round_(b, mb, r)
-    state = {k: v.clone() for k, v in b.state_dict().items()}
+    state = {k: v.clone() for k, v in sync_state(b).items()}
     assert all(isinstance(v, torch.Tensor) for v in state.values())
     assert "embed/outer.momentum_buffer" in state and "embed/residual.1" in state
     assert "embed/residual.1.owner" in state  # second-encoding feedback of the two-phase exchange
     c, mc = fresh()
-    c.load_state_dict(state)
-    assert c.round == 2 and c.weights_hash() == b.weights_hash()
+    load_sync_state(c, state)
+    assert c.weights_hash() == b.weights_hash()
     for r in range(2, 4):
         round_(c, mc, r)
     for m in IDS:
@@ -446,10 +415,7 @@ def test_with_the_real_module_grid() -> None:
     mods = {m: grid.module(m) for m in topo.module_ids}
     sync = DiLoCoSync(topo, mods, outer=AVG)
     sync.check_identical_start()
-    for p in sync.paths_to_train():
-        sync.begin_path(p)
-        sync.end_path(p, 10)
-    stats = sync.end_round()
+    stats = sync_round(synchronous(sync), 0, lambda p: 10)
     assert stats.modules["embed"].contributions == 4
     plan = plan_round(topo, {m: grid.param_count(m) for m in topo.module_ids}, make_codec("none"), inner_steps=50)
     assert plan.bytes_per_round == stats.bytes_sent
@@ -472,12 +438,9 @@ def _rounds_on(device: str, outer_device: str, codec: str = "none") -> tuple[DiL
     mods = {m: lin.to(device) for m, lin in const_modules(0.0, n=5).items()}
     sync = DiLoCoSync(topo, mods, outer=dict(name="sgd", lr=0.7, momentum=0.9, nesterov=True),
                       outer_device=outer_device, codec=codec)
+    driver = synchronous(sync)
     for r, target in enumerate([1.0, 2.0, -0.5]):
-        for p in range(4):
-            sync.begin_path(p)
-            set_path(mods, PATHS[p], target + 0.25 * p)
-            sync.end_path(p, tokens=1 + p + r)
-        sync.end_round()
+        sync_round(driver, r, lambda p: set_path(mods, PATHS[p], target + 0.25 * p) or 1 + p + r)
     return sync, mods
 
 

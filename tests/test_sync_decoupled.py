@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from _sync_rounds import sync_round, synchronous
 from dipaco.runtime import faults
 from dipaco.storage.tensor_io import load_state, save_state
 from dipaco.config import ConfigError, DiLoCoConfig, to_config
@@ -65,15 +66,17 @@ def _run_sync(rounds: int, codec: str, codec_kw: dict, outer: dict, rescale: boo
     topo = Topology(IDS, PATHS, world_size=3)  # each path its own worker group
     sync = DiLoCoSync(topo, mods, codec=codec, codec_kw=codec_kw, error_feedback=True, outer=outer,
                       sharing_rescale=rescale, lossy_exchange=lossy_exchange)
+    driver = synchronous(sync)
     for r in range(rounds):
-        for p in range(3):
-            sync.begin_path(p)
+
+        def turn(p: int) -> float:
             for m in PATHS[p]:
                 moved = _moved(sync.syncs[m].global_weights.detach(), r, p, m)
                 with torch.no_grad():
                     mods[m].weight.copy_(moved.view_as(mods[m].weight))
-            sync.end_path(p, _alpha(r, p))
-        sync.end_round()
+            return _alpha(r, p)
+
+        sync_round(driver, r, turn)
     return {m: s.global_weights.detach().clone() for m, s in sync.syncs.items()}
 
 
@@ -262,17 +265,18 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
     topo = Topology(IDS, PATHS, world_size=3)
     mods = _modules()
     sync = DiLoCoSync(topo, mods, codec="int8", error_feedback=True, outer=NESTEROV, lossy_exchange="all_gather")
+    driver = synchronous(sync)
 
-    def paths_move(by: list[float], tokens: list[float]) -> None:
-        for p in range(3):
-            sync.begin_path(p)
+    def paths_move(r: int, by: list[float], tokens: list[float]) -> None:
+        def turn(p: int) -> float:
             with torch.no_grad():
                 for m in PATHS[p]:
                     mods[m].weight.add_(by[p])
-            sync.end_path(p, tokens[p])
+            return tokens[p]
 
-    paths_move([0.01, 0.02, 0.03], [100.0, 200.0, 300.0])
-    sync.end_round()
+        sync_round(driver, r, turn)
+
+    paths_move(0, [0.01, 0.02, 0.03], [100.0, 200.0, 300.0])
     save_state(tmp_path / "s.safetensors", sync.syncs["s"].state_dict())
     saved = load_state(tmp_path / "s.safetensors")
     assert {"global", "outer.momentum_buffer", "residual.0"} <= set(saved)
@@ -285,10 +289,9 @@ def test_sync_state_loads_into_decoupled_and_back(tmp_path: Path) -> None:
     for p in range(3):
         dec.offer(Update(f"u{p}", "s", p, 1, 0, 1.0, g), 0.0)
     dec.step(0.0)
-    paths_move([-0.02] * 3, [1.0] * 3)
     sync.syncs["s"].error_feedback = False  # compare the optimiser, not the codec
     sync.syncs["s"]._wire_codec = make_codec("none")
-    sync.end_round()
+    paths_move(1, [-0.02] * 3, [1.0] * 3)
     torch.testing.assert_close(dec.theta, sync.syncs["s"].global_weights.detach(), rtol=0, atol=1e-7)
 
     save_state(tmp_path / "back.safetensors", {k: v for k, v in dec.state_dict().items() if isinstance(v, torch.Tensor)})
@@ -308,15 +311,17 @@ def test_residuals_survive_a_round_without_contributions(nan_paths: tuple[int, .
                       outer=NESTEROV, lossy_exchange=exchange)
     torch.manual_seed(0)
 
+    driver = synchronous(sync)
+
     def round_(nan: tuple[int, ...]) -> None:
-        for p in range(2):
-            sync.begin_path(p)
+        def turn(p: int) -> float:
             with torch.no_grad():
                 lin.weight.add_(torch.randn(1, 50) * 0.01)
                 if p in nan:
                     lin.weight[0, 0] = float("nan")
-            sync.end_path(p, 10.0)
-        sync.end_round()
+            return 10.0
+
+        sync_round(driver, 0, turn)
 
     round_(())
     ms = sync.syncs["a"]

@@ -16,6 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import run_ranks
+from _sync_rounds import sync_round, synchronous
+from dipaco.plan.codecs import make_codec
+from dipaco.plan.comm_plan import plan_round
 from dipaco.sync.data_parallel import allreduce_gradients
 from dipaco.sync.diloco import DiLoCoSync
 from dipaco.plan.topology import Topology
@@ -72,7 +75,8 @@ def train(
     lossy_exchange: str = "reduce_scatter",
     overlap: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], list[Any], DiLoCoSync]:
-    """Drive DiLoCoSync exactly as the trainer will; returns per-round global weights."""
+    """Train as the rounds loop does (one synchronous segment of H steps); returns per-round
+    global weights, per-round stats and the syncs."""
     mods = toy_modules()
     sync = DiLoCoSync(
         topo, mods, rank=rank, codec=codec, codec_kw=codec_kw, error_feedback=ef, outer=outer or OUTER,
@@ -86,23 +90,33 @@ def train(
         lo, hi = r * BATCH // G, (r + 1) * BATCH // G
     inner = {p: torch.optim.AdamW([q for m in PATHS[p] for q in mods[m].parameters()], lr=0.05)
              for p in sync.paths_to_train()}  # each path keeps its inner state across turns
+    wpg = None if pg is None else pg.worker_group(topo.group_of_rank(rank))
+    driver = synchronous(sync, H)
     snaps, stats = [], []
     for rnd in range(rounds):
-        for p in sync.paths_to_train():
-            sync.begin_path(p)
+
+        def turn(p: int) -> float:
             params = [q for m in PATHS[p] for q in mods[m].parameters()]
             for step in range(H):
                 x, y = batch(p, rnd, step)
                 loss = ((forward(mods, p, x[lo:hi]) - y[lo:hi]) ** 2).mean()
                 inner[p].zero_grad()
                 loss.backward()
-                allreduce_gradients(params, sync.worker_group, G)  # no-op locally / G=1
+                allreduce_gradients(params, wpg, G)  # no-op locally / G=1
                 inner[p].step()
-            sync.end_path(p, tokens=BATCH * H * (p + 1))  # unequal α on purpose
-        stats.append(sync.end_round())
+            return BATCH * H * (p + 1)  # unequal α on purpose
+
+        stats.append(sync_round(driver, rnd, turn))
         snaps.append({m: s.global_weights.detach().clone() for m, s in sync.syncs.items()})
     sync.close()
     return snaps, stats, sync
+
+
+def _world_bytes(sent: int) -> int:
+    """Bytes every rank sent (a world all-reduce: every rank calls it)."""
+    t = torch.tensor([sent], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t)
 
 
 def _worker(rank: int, world: int, group_size: int, out_dir: str) -> None:
@@ -116,7 +130,7 @@ def _worker(rank: int, world: int, group_size: int, out_dir: str) -> None:
         result[name] = {
             "snaps": snaps,
             "bytes": [{m: s.bytes_sent for m, s in st.modules.items()} for st in stats],
-            "total": [sync.total_bytes(st) for st in stats],
+            "total": [_world_bytes(st.bytes_sent) for st in stats],
             "trace": list(sync.comm.trace),
         }
     # the exchanges on the communication thread (overlap): the same numbers, and the
@@ -173,9 +187,9 @@ def test_torch_backend_equals_local(group_size: int, tmp_path: Any, local_runs: 
     topo = Topology(IDS, PATHS, world_size=world, group_size=group_size)
     # every rank created the same process groups in the same order
     assert all(r["creation_order"] == res[0]["creation_order"] for r in res)
-    for codec, _, _, _, exchange in RUNS:
+    for codec, codec_id, kw, _, exchange in RUNS:
         l_snaps, l_stats, l_sync = local_runs[(group_size, codec)]
-        plan = l_sync.plan(H)
+        plan = plan_round(topo, {m: s.numel for m, s in l_sync.syncs.items()}, make_codec(codec_id, **kw), H, exchange)
         per_rank = {row.module_id: row.bytes_per_rank for row in plan.modules}
         kinds = {row.module_id: row.exchange for row in plan.modules}
         assert kinds["embed"] == ("all_reduce" if codec == "none" else exchange)  # k = 4 worker groups

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from dipaco.cli import sweep_dir as _sweep_dir  # noqa: F401  (registers the job-folder resolver)
 from dipaco.cli.errors import fail, user_errors
+from dipaco.cli.help import usage, wants_help
 from dipaco.config import Config, compose_config, to_config
 from dipaco.config.paths import pin_argument, pin_paths
 from dipaco.run.path_guard import check_run_root
@@ -142,8 +144,15 @@ def remove_if_refused() -> None:
         d.rmdir()
 
 
-def run_protected(app: Any) -> None:
-    """Run a Hydra app; a refused run (exit code 2) leaves no folder Hydra made for it."""
+def run_command(tool: str, app: Any) -> None:
+    """The ``main`` of a Hydra console script (``dipaco-train``, ``dipaco-route``): one screen
+    of help for ``--help`` (not Hydra's 190 lines of config), else ``app`` run with the run
+    directory protected; a refused run (exit code 2) leaves no folder Hydra made for it."""
+    if wants_help(sys.argv[1:]):
+        print(usage(tool))
+        return
+    sys.argv[1:] = protect_run_dir(sys.argv[1:])
+    register_launcher()
     try:
         app()
     except SystemExit as e:

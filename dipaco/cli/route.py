@@ -9,15 +9,12 @@ nothing is rebuilt). It writes only a new directory: one that already holds a ru
 """
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
 from dipaco.run.checkpoint import atomic_write_text
 from dipaco.cli.errors import entry_point, report_user_errors
-from dipaco.cli.help import usage, wants_help
-from dipaco.cli.hydra_app import config_from_hydra, hydra_record, protect_run_dir, register_launcher, run_protected
+from dipaco.cli.hydra_app import config_from_hydra, hydra_record, run_command
 from dipaco.config import register_configs
 from dipaco.run.path_guard import check_run_root, check_target
 from dipaco.run.record import write_run_config
@@ -57,12 +54,7 @@ def _app(cfg: DictConfig) -> None:
 @entry_point
 def main() -> None:
     """Console-script entry point."""
-    if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config
-        print(usage("dipaco-route"))
-        return
-    sys.argv[1:] = protect_run_dir(sys.argv[1:])
-    register_launcher()
-    run_protected(_app)
+    run_command("dipaco-route", _app)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ describes the runs it holds. The same sweep again (a rerun after a stop) is allo
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from dipaco.cli.errors import fail, user_errors
 from dipaco.run.owned import OwnershipError, check_owned, record_written, sweep_stale_staging
 from dipaco.run.path_guard import check_target
+from dipaco.storage.hashing import short_key
 
 SWEEP_RECORD = "multirun.yaml"
 # a job folder's name stays one path component, and under the file systems' 255 bytes
@@ -35,7 +35,7 @@ def job_dirname(overrides: str) -> str:
     raw = name.encode("utf-8")
     if len(raw) <= _NAME_BYTES:
         return name
-    digest = hashlib.sha256(raw).hexdigest()[:12]
+    digest = short_key(raw, 12)
     return raw[: _NAME_BYTES - 13].decode("utf-8", "ignore") + "-" + digest
 
 

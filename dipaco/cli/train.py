@@ -6,15 +6,12 @@ is used (:mod:`dipaco.run.resume`).
 """
 from __future__ import annotations
 
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from dipaco.cli.errors import entry_point, report_user_errors
-from dipaco.cli.help import usage, wants_help
-from dipaco.cli.hydra_app import (command_line_overrides, config_from_hydra, hydra_record, protect_run_dir,
-                                  register_launcher, run_protected)
+from dipaco.cli.hydra_app import command_line_overrides, config_from_hydra, hydra_record, run_command
 from dipaco.config import register_configs
 
 register_configs()
@@ -37,12 +34,7 @@ def _app(cfg: DictConfig) -> float:
 @entry_point
 def main() -> None:
     """Console-script entry point."""
-    if wants_help(sys.argv[1:]):  # one screen, not Hydra's 190 lines of config
-        print(usage("dipaco-train"))
-        return
-    sys.argv[1:] = protect_run_dir(sys.argv[1:])
-    register_launcher()
-    run_protected(_app)
+    run_command("dipaco-train", _app)
 
 
 if __name__ == "__main__":

@@ -33,22 +33,29 @@ class DecoupledConfig:
     # outer step once this share of the module's sharing paths has reported (ceil, >= 1) ...
     quorum: float = 0.5
     # ... or once the grace window since the first pending update expires. The window is
-    # adaptive: grace_factor × EMA of how long quorum took to fill, clipped to [min, max].
+    # adaptive: grace_factor × EMA of how long quorum took to fill (grace_init_s before one
+    # filled), within [min, max]. null: derived from T, the EMA of the phases' seconds (each
+    # update carries its phase's, as its worker measured them): min = quorum share × T (when
+    # quorum paths' updates arrive with phases spread over one), max = grace_factor × T
+    # (dipaco/decoupled/quorum.py grace_bounds; the simulator calls the same rule)
     grace_factor: float = 2.0
     grace_init_s: float = 2.0
-    grace_min_s: float = 0.1
-    grace_max_s: float = 30.0
-    # staleness s = module version now − version the update started from
-    max_staleness: int = 8  # s > this: dropped (reason "stale")
-    staleness_power: float = 0.5  # kept updates weigh tokens · (1 + s)^(−power)
+    grace_min_s: Optional[float] = None
+    grace_max_s: Optional[float] = None
+    # staleness = module version now − version the update started from
+    max_staleness: int = 8  # versions; more: dropped (reason "stale")
+    # kept updates weigh tokens · (1 + r)^(−power), r how late the update is in rounds beyond
+    # the rest of its own round (dipaco/decoupled/quorum.py rounds_late): a round-mate
+    # applied in an earlier partial step does not make it late
+    staleness_power: float = 0.5
     # delayed Nesterov (Liu et al. 2024; dipaco.sync.outer.DelayedNesterov): momentum is
-    # updated and applied every N outer steps with the mean of the buffered pseudo-gradients;
-    # between activations the step is −lr·(g + momentum_scale·β·m). Applies to
-    # diloco.outer.name=sgd with momentum in decoupled mode, and to
-    # diloco.outer.name=delayed_nesterov in both modes; other optimisers step as torch does.
-    # N=1 is plain Nesterov (= torch SGD nesterov), which
-    # diverged with stale updates in benchmarks/bench_decoupled.py (routed loss 5.9 and 7.4
-    # against 3.8–4.0 with N=4; docs/decoupled.md), as Liu et al. report for async Nesterov.
+    # updated and applied every N rounds of contributions (a partial step brings Σα/D of one)
+    # with the buffered pseudo-gradients' mean per round; between activations the step is
+    # −lr·(g + momentum_scale·β·m). Applies to diloco.outer.name=sgd with momentum in
+    # decoupled mode, and to diloco.outer.name=delayed_nesterov in both modes; other
+    # optimisers step as torch does. N=1 is sync mode's Nesterov, which on stale updates did
+    # worse in benchmarks/bench_decoupled.py (docs/decoupled.md), as Liu et al. report for
+    # async Nesterov.
     momentum_every: int = 4
     momentum_scale: float = 0.0
 
@@ -120,8 +127,11 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
          "is the deprecated name of slow_workers; both are set", "drop diloco.decoupled.slow_learners")
     need(d.sync_procs >= 1, "sync_procs", "must be >= 1", "e.g. sync_procs=1")
     need(0 < d.quorum <= 1, "quorum", f"must lie in (0, 1], got {d.quorum}", "e.g. quorum=0.5")
-    need(0 < d.grace_min_s <= d.grace_max_s, "grace_min_s", "need 0 < grace_min_s <= grace_max_s",
-         "e.g. grace_min_s=0.1 grace_max_s=30")
+    need(all(v is None or v > 0 for v in (d.grace_min_s, d.grace_max_s)), "grace_min_s",
+         "grace_min_s and grace_max_s must be > 0 or null (derived from the phase)",
+         "e.g. grace_min_s=null grace_max_s=null")
+    need(d.grace_min_s is None or d.grace_max_s is None or d.grace_min_s <= d.grace_max_s, "grace_min_s",
+         f"exceeds grace_max_s ({d.grace_min_s} > {d.grace_max_s})", "e.g. grace_min_s=0.5 grace_max_s=30")
     need(d.grace_factor > 0 and d.grace_init_s > 0, "grace_factor", "must be > 0", "e.g. grace_factor=2")
     need(d.max_staleness >= 0, "max_staleness", "must be >= 0", "e.g. max_staleness=4")
     need(d.staleness_power >= 0 and math.isfinite(d.staleness_power), "staleness_power", "must be >= 0",

@@ -51,7 +51,6 @@ import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Tuple
 
-import datasets
 import numpy as np
 
 from dipaco.data.cleaning import Cleaner, Document, check_fields
@@ -163,11 +162,6 @@ class Corpus:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def to_dataset(columns: Dict[str, List[Any]], features: Any = None) -> datasets.Dataset:
-    """An in-memory ``datasets.Dataset`` of ``columns`` (small data and tests only)."""
-    return datasets.Dataset.from_dict(columns, features=features)
 
 
 # --------------------------------------------------------------------------- sources

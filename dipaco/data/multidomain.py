@@ -348,8 +348,8 @@ def load_multidomain(exclude_packages: Sequence[str] = (), target_doc_chars: int
         except (ValueError, TypeError, UnicodeDecodeError):  # a damaged cache file: build it again
             pass
     if progress:
-        print(f"multidomain: first build from {len(candidates)} files of this install "
-              f"(cached afterwards at {path})", flush=True)
+        log.info("multidomain: first build from %d files of this install (cached afterwards at %s)",
+                 len(candidates), path)
     # files left out here are not added to Corpus.skipped: a cache hit must give the same corpus record
     left_out: Dict[str, int] = {}
     docs = build(candidates, target_doc_chars, max_doc_chars, domain_max_chars, left_out, progress)
@@ -359,5 +359,5 @@ def load_multidomain(exclude_packages: Sequence[str] = (), target_doc_chars: int
         raise DataError(f"cannot write the multidomain cache {path}: {e.strerror or e}. "
                         f"Fix: set DIPACO_CACHE to a writable directory") from None
     if progress:
-        print(f"multidomain: {len(docs)} documents; files left out: {left_out}", flush=True)
+        log.info("multidomain: %d documents; files left out: %s", len(docs), left_out)
     return docs, path

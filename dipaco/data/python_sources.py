@@ -245,8 +245,3 @@ def iter_python_sources(
         label = label_of(rel)
         for i, doc in enumerate(split_source(text, target_doc_chars, max_doc_chars)):
             yield SourceDocument(id=f"{rel}#{i}", text=doc, label=label)
-
-
-def corpus_stats(docs: Sequence[SourceDocument]) -> Tuple[int, int, int]:
-    """(documents, distinct labels, characters) of a list of documents."""
-    return len(docs), len({d.label for d in docs}), sum(len(d.text) for d in docs)

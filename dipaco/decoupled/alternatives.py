@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["Alternatives", "Applied"]
+__all__ = ["Alternatives", "Applied", "MergeGroups"]
 
 
 @dataclass
@@ -105,3 +105,66 @@ class Alternatives:
         else:
             mean = sum(c * d for c, d in zip(contributions, discounts)) / k
         self._latest[path] = Applied(anchor, k, mean, sum(discounts) / k)
+
+
+@dataclass
+class MergeGroups:
+    """How one outer step of :class:`dipaco.decoupled.merge.MergingModuleSync` weighs its
+    updates: staleness and discount per update, each path's alternatives (updates with the
+    same anchor) as one group, with the applied group it is late to, if any."""
+
+    updates: list[Any]  # dipaco.decoupled.merge.Update, in (path, phase) order
+    staleness: list[int]  # versions behind
+    discounts: list[float]  # d(r), r: rounds late
+    keys: list[tuple[int, int]]  # (path, anchor) of each update
+    groups: dict[tuple[int, int], list[int]]  # (path, anchor) → indices of its updates
+    prior: dict[tuple[int, int], Optional[Applied]]  # the group applied before, for late ones
+
+    @classmethod
+    def weigh(cls, updates: list[Any], version: int, alternatives: Alternatives) -> "MergeGroups":
+        """The groups of ``updates`` at module version ``version`` (discounts: all 1, until
+        the synchroniser sets them)."""
+        keys = [(u.path_id, alternatives.anchor(u.path_id, u.base_version)) for u in updates]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
+        return cls(updates, [version - u.base_version for u in updates], [1.0] * len(updates), keys, groups,
+                   {key: alternatives.prior(*key) for key in groups})
+
+    def size(self, i: int) -> int:
+        """n_u: how many pending alternatives share update ``i``'s contributor weight."""
+        return len(self.groups[self.keys[i]])
+
+    def all_late(self) -> bool:
+        """Every group is late to one applied before (the step is a correction)."""
+        return all(self.prior[k] is not None for k in self.groups)
+
+    def weights(self) -> list[float]:
+        """α·d(s)/n per update, as the step record logs it (a late one: its group's)."""
+        out = []
+        for i, u in enumerate(self.updates):
+            prior, k = self.prior[self.keys[i]], self.size(i)
+            out.append(float(u.tokens) * self.discounts[i] / k if prior is None
+                       else float(u.tokens) * prior.discount / (prior.n + k))
+        return out
+
+    def alpha_sum(self) -> float:
+        """Σ α_u / n_u: one contributor's tokens per path's group of alternatives."""
+        total = 0.0
+        for i, u in enumerate(self.updates):
+            k = self.size(i)
+            total += float(u.tokens) if k == 1 else float(u.tokens) / k
+        return total
+
+    def numerator(self, contribs: list[torch.Tensor], numel: int) -> torch.Tensor:
+        """Σ d(s_u)·α_u·Δ_u / n_u in update order; a late group adds its correction."""
+        g = torch.zeros(numel, dtype=torch.float32)
+        for i, key in enumerate(self.keys):
+            prior = self.prior[key]
+            if prior is None:
+                d = self.discounts[i] / self.size(i)
+                # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
+                g += contribs[i] if d == 1.0 else contribs[i] * d
+            elif i == self.groups[key][0]:
+                g += prior.correction([contribs[j] for j in self.groups[key]])
+        return g

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
 import posixpath
@@ -20,6 +21,9 @@ __all__ = ["FsspecStore", "open_store"]
 
 PROBE_FOLDER = ".probe"  # open_store's exclusive-create check on fsspec URLs
 LOG_SUFFIX = ".d"  # the event log ``<key>`` is the chunk folder ``<key>.d/``
+# fsspec protocols of object stores: keys in buckets, no folders to create (and a bucket
+# is never created here: a missing one is the user's typo or permission to fix)
+OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
 
 
 class FsspecStore(Store):
@@ -36,7 +40,13 @@ class FsspecStore(Store):
 
     * **No directories.** Object stores only have keys with ``/`` in them: a folder exists
       while a key is under it, so nothing creates or removes folders (a backend with real
-      directories gets the parent created when a write fails for lack of it).
+      directories gets the parent created when a write fails for lack of it; on an object
+      store that failure means the bucket is missing, and it is raised, never created).
+    * **Exclusive create** is ``open(key, "xb")``, which s3fs sends as ``PutObject`` with
+      ``If-None-Match: *`` (the condition checked by the server, atomically) and turns
+      the 412 answer into ``FileExistsError``. s3fs writes an *empty* object through an
+      unconditional call instead, so :meth:`put_new` refuses empty blobs (none of
+      decoupled mode's is empty).
     * **Listing caches.** Some backends (s3fs, gcsfs) cache listings; every :meth:`list`
       drops the cache of its folder first, or a synchroniser would never see new pushes.
     * **Event logs** are folders of chunk objects ``<key>.d/<writer-tag>-<seq:08d>``
@@ -60,8 +70,14 @@ class FsspecStore(Store):
         from fsspec.core import url_to_fs  # lazy: only fsspec URLs need fsspec
 
         self.url = url
-        self.fs, root = url_to_fs(url, **storage_options)
+        # No listings cache: a long-lived process (a supervisor, a synchroniser) would
+        # otherwise answer "not found" for a key another process created after this one
+        # listed its folder (s3fs checks the cached listing before a GET): the store is
+        # shared, so every read must go to the backend.
+        self.fs, root = url_to_fs(url, **{"use_listings_cache": False, **storage_options})
         self.root = root.rstrip("/")
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        self.object_store = bool(OBJECT_STORES.intersection(protocols))
         # start time (µs) first: chunks of writers of one log sort by writer start
         self._tag = (f"{time.time_ns() // 1000:016d}-{socket.gethostname()}-{os.getpid()}-"
                      f"{uuid.uuid4().hex[:4]}")
@@ -86,6 +102,8 @@ class FsspecStore(Store):
         try:
             write()
         except FileNotFoundError:
+            if self.object_store:
+                raise  # no folders to make: the bucket is missing (s3fs would create one)
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             write()
 
@@ -96,6 +114,9 @@ class FsspecStore(Store):
 
     def put_new(self, key: str, data: bytes) -> bool:
         p = self.path(key)
+        if not data:  # s3fs commits an empty "xb" file with an unconditional write
+            raise ValueError(f"{self!r}: put_new({key!r}) needs a non-empty blob (an empty exclusive create "
+                             "is not conditional on every backend)")
 
         def create() -> None:
             # Exclusive create: backends that support it on object stores send a
@@ -158,6 +179,8 @@ class FsspecStore(Store):
         except FileNotFoundError:
             if self.get(key) is None:
                 return  # missing source: no-op, like FileStore.move
+            if self.object_store:
+                raise
             self.fs.makedirs(posixpath.dirname(dst), exist_ok=True)
             self.fs.cp_file(src, dst)
         self.delete(key)
@@ -227,10 +250,13 @@ def open_store(url: str) -> Store:
 
     For fsspec URLs, leases need an atomic create-if-absent: a probe key is created twice
     with ``put_new`` and the second call must report that it exists. A backend that
-    raises on exclusive create or silently overwrites is refused with a ValueError.
+    raises on exclusive create or silently overwrites is refused with a ValueError, and
+    so is one that cannot be written at all (no bucket, no credentials, an endpoint that
+    refuses), in one line naming ``store_url``.
     The probe checks the semantics, not atomicity under a race: a backend whose
     exclusive create is check-then-write passes it (none of fsspec's object-store
-    backends that accept mode ``"xb"`` are known to do that).
+    backends that accept mode ``"xb"`` are known to do that; s3fs's is S3's conditional
+    write, tested against a local S3 server in tests/test_decoupled_store_s3.py).
     """
     if url.startswith("file://"):
         url = url[len("file://"):]
@@ -243,23 +269,36 @@ def open_store(url: str) -> Store:
         store = FsspecStore(url)
     except (ImportError, ValueError) as e:  # unknown protocol or backend not installed
         raise ValueError(f"{where}: cannot open it with fsspec ({e}); {fix}") from e
+    _probe(store, where, fix)
+    return store
+
+
+def _probe(store: FsspecStore, where: str, fix: str) -> None:
+    """Create a probe key twice: the first create must succeed, the second must not."""
     probe = f"{PROBE_FOLDER}/{uuid.uuid4().hex}"
+    created, ok, err = False, False, None
     try:
-        first = store.put_new(probe, b"1")
+        created = store.put_new(probe, b"1")
         second = store.put_new(probe, b"2")
-        ok = first and not second and store.get(probe) == b"1"
-        err: Optional[BaseException] = None
-    except (NotImplementedError, ValueError, TypeError) as e:  # mode "xb" unsupported
-        ok, err = False, e
+        ok = created and not second and store.get(probe) == b"1"
+    except Exception as e:
+        # mode "xb" unsupported by the fsspec backend, or a server that does not implement
+        # conditional writes (S3's 501 NotImplemented, which s3fs raises as ENOSYS)
+        if isinstance(e, (NotImplementedError, ValueError, TypeError)) or getattr(e, "errno", None) == errno.ENOSYS:
+            err = e
+        else:  # the backend's own: a missing bucket, credentials, an endpoint that refuses
+            raise ValueError(f"{where}: cannot write to it ({type(e).__name__}: {' '.join(str(e).split())}); "
+                             "check the bucket, the credentials and the endpoint (an S3-compatible server: "
+                             "AWS_ENDPOINT_URL_S3, see docs/decoupled.md)") from e
     finally:
-        try:
-            store.delete(probe)
-        except Exception:  # the probe's own error says more
-            pass
+        if created:
+            try:
+                store.delete(probe)
+            except Exception:  # the probe's own error says more
+                pass
     if not ok:
         how = f"exclusive create raised {err!r}" if err is not None else "a second create overwrote the first"
         raise ValueError(
             f"{where}: this fsspec backend lacks atomic create-if-absent ({how}), which "
             f"leases need (exactly one of two decoupled workers may take a path); {fix}"
         ) from err
-    return store

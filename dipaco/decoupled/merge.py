@@ -5,24 +5,22 @@ outer step, on top of the per-module core both modes share
 :class:`MergingModuleSync` is pure logic on tensors with an injected clock (unit tests
 drive it in-process); :class:`dipaco.decoupled.service.SyncService` feeds it from the store.
 
-An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase,
-times its relative shard size with ``diloco.alpha=shard_size``;
-Δ_u = θ_base − θ_path; encoded with the codec and error feedback exactly as a sync
-worker group encodes its contribution). One outer step over the pending updates U:
+An update carries its contribution c_u = α_u·Δ_u (α_u the path's tokens this phase, times
+its relative shard size with ``diloco.alpha=shard_size``; Δ_u = θ_base − θ_path; encoded
+as a sync worker group encodes its contribution). One outer step over the pending updates U:
 
-    g = Σ_{u∈U} d(s_u)·c_u / (n_u·D)   d(s) = (1 + s)^(−staleness_power)
+    g = Σ_{u∈U} d(r_u)·c_u / (n_u·D)   d(r) = (1 + r)^(−staleness_power)
     D = Σ_{u∈U} α_u / n_u                        if every sharing path is in U
         max(Σ_{u∈U} α_u / n_u, n_sharing·EMA(α)) otherwise (a partial step)
     g ← g·√n_sharing                             with diloco.sharing_rescale
 
-where s_u is the update's staleness in versions of the module and n_u the number of
-pending *alternatives* of u (updates of u's path with the same anchor,
+where r_u is how late the update is in rounds (:func:`dipaco.decoupled.quorum.rounds_late`:
+the share of a round applied since its base version, beyond the rest of its own round;
+each step applies ``Σα/n / D`` of a round), and n_u the number of pending *alternatives* of u (updates of u's path with the same anchor,
 :mod:`dipaco.decoupled.alternatives`). A decoupled worker starts each phase from the
 pulled θ_global, which cannot contain the path's own still-pending update, so such
-phases are two displacements from about the same point, not increments. Summing them
-moved the module n times as far; when the synchroniser fell behind a path running alone
-(a loaded host, the other workers being restarted), six such phases piled up and the
-routed loss ended above its initial value. A path's alternatives therefore weigh as one
+phases are two displacements from about the same point, not increments (summing them
+moved the module n times as far). A path's alternatives therefore weigh as one
 contributor with their mean; one that lands after its siblings were applied adds only
 the difference between the mean of all of them and what was applied, so the module
 ends where applying them together would have put it, whatever the timing. Updates are
@@ -31,7 +29,7 @@ so with every sharing path present and fresh the step is synchronous mode's, bit
 bit, whatever the arrival order. A partial step (quorum < 1) moves only by its share of
 a full round: the others' updates, arriving later from the same version, add theirs
 (with lr 1 and no momentum the result equals the synchronous average when α is as
-expected). Updates with s > max_staleness are dropped ("stale").
+expected). Updates more than max_staleness versions behind are dropped ("stale").
 
 The outer optimiser is any of ``diloco.outer`` (:func:`dipaco.sync.outer.outer_options`):
 SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
@@ -39,12 +37,12 @@ SGD with momentum becomes :class:`dipaco.sync.outer.DelayedNesterov` when
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from dipaco.decoupled.alternatives import Alternatives
+from dipaco.decoupled.alternatives import Alternatives, MergeGroups
 from dipaco.decoupled import quorum as rules
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.sync.module_core import RESIDUAL, ModuleCore, contribution
@@ -79,6 +77,7 @@ class Update:
     arrived_at: float = 0.0
     inner_steps: int = 0
     weighted: bool = False
+    phase_s: Optional[float] = None  # the phase's seconds on its worker (the grace window's scale)
 
     def contribution(self) -> torch.Tensor:
         """α·Δ (computed like a sync worker group's accumulator when not ``weighted``)."""
@@ -96,13 +95,14 @@ class StepRecord:
     time: float
     update_ids: list[str]
     paths: list[int]
-    staleness: list[int]
-    weights: list[float]  # α·d(s)/n per update (n: pending updates of its path)
+    staleness: list[int]  # versions behind
+    weights: list[float]  # α·d(r)/n per update (r: rounds late, n: pending updates of its path)
     norm: float  # ‖g‖
     trigger: str  # "quorum" | "grace" | "flush"
     momentum_applied: bool
     # late alternatives only: the previous step was taken again with them (see _amend)
     amended: bool = False
+    rounds_late: list[float] = field(default_factory=list)  # r per update
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -141,12 +141,15 @@ class MergingModuleSync:
         self.pending: list[Update] = []
         self.first_pending_at: Optional[float] = None
         self.fill_ema: Optional[float] = None  # seconds from first pending update to quorum
+        self.phase_ema: Optional[float] = None  # seconds of a phase, as the workers measured them
         self.alpha_ema: Optional[float] = None  # tokens per update
         self.last_step_at = now
         self.created_at = now
+        # rounds applied up to each recent version (Σ of each step's Σα/n / D): lateness in rounds
+        self.rounds_at: dict[int, float] = {0: 0.0}
         # the last step, to take it again when late alternatives of its groups land (_amend):
         # the core's state before it, its outer gradient, its groups; None for plain SGD
-        self._last: Optional[tuple[dict[str, torch.Tensor], torch.Tensor, set[tuple[int, int]]]] = None
+        self._last: Optional[tuple[dict[str, torch.Tensor], torch.Tensor, set[tuple[int, int]], float]] = None
 
     @property
     def theta(self) -> torch.Tensor:
@@ -183,6 +186,7 @@ class MergingModuleSync:
             return self._drop(u, "stale")
         self.phases[slot] = u.update_id
         u.arrived_at = now
+        self.phase_ema = rules.next_phase_ema(self.phase_ema, u.phase_s)
         self.pending.append(u)
         if self.first_pending_at is None:
             self.first_pending_at = now
@@ -195,8 +199,9 @@ class MergingModuleSync:
         return len({u.path_id for u in self.pending})
 
     def grace_s(self) -> float:
-        """The current grace window: grace_factor × EMA(fill time), clipped."""
-        return rules.grace_window(self.cfg, self.fill_ema)
+        """The current grace window: grace_factor × EMA(fill time), within bounds derived
+        from the phases' seconds (:func:`dipaco.decoupled.quorum.grace_bounds`)."""
+        return rules.grace_window(self.cfg, self.fill_ema, self.phase_ema, self.quorum, len(self.sharing_paths))
 
     def due(self, now: float, done: Optional[set[int]] = None) -> Optional[str]:
         """Why a step is due now ("quorum" / "grace"), or None.
@@ -221,13 +226,33 @@ class MergingModuleSync:
         Staleness is re-checked here: an update that was fresh on arrival may have aged
         while it waited (other steps of this module in between) — it is then dropped.
         """
-        if not self.pending:
+        self._note_fill(now, trigger)
+        keep = self._take_fresh()
+        if not keep:  # nothing pending, or all of it aged past max_staleness
             return None
-        if trigger == "quorum" and self.first_pending_at is not None:
-            fill = now - self.first_pending_at
-            self.fill_ema = rules.next_fill_ema(self.fill_ema, fill)
-        # (a grace expiry leaves the EMA alone: widening it would make every worker that
-        # waits for this module wait longer whenever one sharing path is slow)
+        merge = MergeGroups.weigh(keep, self.version, self.alternatives)
+        denom = max(self._denominator(merge), 1e-12)
+        late = self._rounds_late(merge, denom)
+        merge.discounts = [self.discount(r) for r in late]
+        contribs = [u.contribution() for u in keep]
+        share = merge.alpha_sum() / denom  # of a round: 1 for a whole one
+        update, amended = self._outer_step(merge.numerator(contribs, self.core.numel), denom, set(merge.groups),
+                                           merge.all_late(), share)
+        self.version += 1
+        self._record(merge, contribs, now, share)
+        return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
+                          [u.path_id for u in keep], merge.staleness, merge.weights(), update.norm, trigger,
+                          update.momentum_applied, amended, late)
+
+    def _note_fill(self, now: float, trigger: str) -> None:
+        """A quorum step measures how long the quorum took to fill (the grace window's EMA;
+        a grace expiry leaves it alone: :func:`dipaco.decoupled.quorum.next_fill_ema`)."""
+        if trigger == "quorum" and self.pending and self.first_pending_at is not None:
+            self.fill_ema = rules.next_fill_ema(self.fill_ema, now - self.first_pending_at)
+
+    def _take_fresh(self) -> list[Update]:
+        """Empty the pending list: the updates still fresh enough, in (path, phase) order
+        (the synchronous exchange's), the aged ones dropped as stale."""
         keep: list[Update] = []
         for u in self.pending:
             if rules.is_stale(self.version, u.base_version, self.cfg.max_staleness):
@@ -235,50 +260,50 @@ class MergingModuleSync:
             else:
                 keep.append(u)
         self.pending, self.first_pending_at = [], None
-        if not keep:
-            return None
-        keep.sort(key=lambda u: (u.path_id, u.phase))  # the synchronous exchange's order
-        stal = [self.version - u.base_version for u in keep]
-        disc = [self.discount(s) for s in stal]
-        # one path's pending alternatives (same anchor) share one contributor's weight, n_u
-        # each; a group whose siblings were applied before lands as a correction (module doc)
-        keys = [(u.path_id, self.alternatives.anchor(u.path_id, u.base_version)) for u in keep]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
-        prior = {key: self.alternatives.prior(*key) for key in groups}
-        n = [len(groups[key]) for key in keys]
-        w = [float(u.tokens) * (d if prior[key] is None else prior[key].discount) / (k if prior[key] is None else prior[key].n + k)
-             for u, d, k, key in zip(keep, disc, n, keys)]
-        alpha_sum = 0.0
-        for u, k in zip(keep, n):
-            alpha_sum += float(u.tokens) if k == 1 else float(u.tokens) / k
-        if {u.path_id for u in keep} >= set(self.sharing_paths):
-            denom = alpha_sum  # a whole round: synchronous mode's token-weighted mean
-        else:
-            denom = max(alpha_sum, len(self.sharing_paths) * float(self.alpha_ema or 0.0))
-        contribs = [u.contribution() for u in keep]
-        g = torch.zeros(self.core.numel, dtype=torch.float32)
-        for i, key in enumerate(keys):
-            if prior[key] is None:
-                d = disc[i] / n[i]
-                # (d == 1: no multiply, so a fresh full round is synchronous mode's sum bit for bit)
-                g += contribs[i] if d == 1.0 else contribs[i] * d
-            elif i == groups[key][0]:
-                g += prior[key].correction([contribs[j] for j in groups[key]])
-        update, amended = self._outer_step(g, max(denom, 1e-12), set(groups), all(prior[k] is not None for k in groups))
-        self.version += 1
-        for key, members in groups.items():
-            self.alternatives.record(*key, [contribs[j] for j in members], [disc[j] for j in members])
-        for u in keep:
+        keep.sort(key=lambda u: (u.path_id, u.phase))
+        return keep
+
+    def _denominator(self, merge: "MergeGroups") -> float:
+        """D: the tokens of a whole round when every sharing path is present (synchronous
+        mode's token-weighted mean), else at least a round's expected tokens (a partial step
+        moves by its share only)."""
+        if {u.path_id for u in merge.updates} >= set(self.sharing_paths):
+            return merge.alpha_sum()
+        return max(merge.alpha_sum(), len(self.sharing_paths) * float(self.alpha_ema or 0.0))
+
+    def _rounds_late(self, merge: "MergeGroups", denom: float) -> list[float]:
+        """r per update (:func:`dipaco.decoupled.quorum.rounds_late`): the rounds applied since
+        its base version (one a version where that is no longer known) beyond the rest of
+        its own round, its share being α/n / D."""
+        out = []
+        for i, u in enumerate(merge.updates):
+            lag = self._rounds(self.version) - self._rounds(u.base_version)
+            out.append(rules.rounds_late(lag, float(u.tokens) / merge.size(i) / denom))
+        return out
+
+    def _rounds(self, version: int) -> float:
+        """Rounds applied up to ``version``; one a version from the nearest one known."""
+        if version in self.rounds_at:
+            return self.rounds_at[version]
+        near = min(self.rounds_at, key=lambda v: abs(v - version))
+        return self.rounds_at[near] + (version - near)
+
+    def _record(self, merge: "MergeGroups", contribs: list[torch.Tensor], now: float, share: float) -> None:
+        """After the step to ``self.version``, which applied ``share`` of a round: the rounds
+        clock, the groups applied (for late alternatives) and the ledger (each update's
+        version, each path's applied phases)."""
+        self.rounds_at[self.version] = self._rounds(self.version - 1) + share
+        for v in [v for v in self.rounds_at if v < self.version - self.cfg.max_staleness - 1]:
+            del self.rounds_at[v]  # older bases are dropped as stale anyway
+        for key, members in merge.groups.items():
+            self.alternatives.record(*key, [contribs[j] for j in members], [merge.discounts[j] for j in members])
+        for u in merge.updates:
             self.applied[u.update_id] = self.version
             self.alternatives.note_applied(u.path_id, u.phase, self.version)
         self.last_step_at = now
-        return StepRecord(self.module_id, self.version, now, [u.update_id for u in keep],
-                          [u.path_id for u in keep], stal, w, update.norm, trigger, update.momentum_applied,
-                          amended)
 
-    def _outer_step(self, g: torch.Tensor, denom: float, keys: set[tuple[int, int]], late: bool) -> tuple[Any, bool]:
+    def _outer_step(self, g: torch.Tensor, denom: float, keys: set[tuple[int, int]], late: bool,
+                    share: float = 1.0) -> tuple[Any, bool]:
         """The outer step of ``g / denom``; ``(update, amended)``.
 
         Late alternatives (``late``: every group was applied before) of the groups of the
@@ -295,13 +320,15 @@ class MergingModuleSync:
         amend = late and last is not None and keys <= last[2]
         avg = g[: self.core.numel] / denom
         if amend:
-            before, last_avg, last_keys = last  # type: ignore[misc]
+            before, last_avg, last_keys, share = last  # type: ignore[misc]
             residuals = {k: v for k, v in self.core.state_dict().items() if k.startswith(RESIDUAL)}
             self.core.load_state_dict({**before, **residuals})
             avg, keys = last_avg + avg, last_keys
         if stateful:
             state = {k: v for k, v in self.core.state_dict().items() if not k.startswith(RESIDUAL)}
-            self._last = (state, avg.clone(), set(keys))
+            self._last = (state, avg.clone(), set(keys), share)
+        # delayed Nesterov counts its momentum period in rounds (dipaco.sync.outer.DelayedNesterov)
+        self.core.outer_optimizer.param_groups[0]["share"] = share
         return self.core.step(avg, 1.0, count, rescale=self.sharing_rescale), amend
 
     # ----------------------------------------------------------------- state
@@ -320,7 +347,9 @@ class MergingModuleSync:
             "phases": {k: v for k, v in self.phases.items()
                        if v in self.applied or v in self.dropped},
             "fill_ema": self.fill_ema,
+            "phase_ema": self.phase_ema,
             "alpha_ema": self.alpha_ema,
+            "rounds_at": {str(v): r for v, r in self.rounds_at.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -332,7 +361,10 @@ class MergingModuleSync:
         self.dropped = {str(k): str(v) for k, v in state.get("dropped", {}).items()}
         self.phases = {str(k): str(v) for k, v in state.get("phases", {}).items()}
         self.fill_ema = state.get("fill_ema")
+        self.phase_ema = state.get("phase_ema")
         self.alpha_ema = state.get("alpha_ema")
+        self.rounds_at = {int(v): float(r) for v, r in (state.get("rounds_at") or {}).items()}
+        self.rounds_at.setdefault(self.version, float(self.version))  # a store written before the rounds clock
         self.pending, self.first_pending_at = [], None
         self._last = None  # the state before the last step is not saved: a late alternative then steps alone
         self.alternatives.rebuild(self.phases, self.applied)

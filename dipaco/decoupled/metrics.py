@@ -20,7 +20,8 @@ from collections import Counter, defaultdict
 from typing import Any, Iterable
 
 from dipaco.decoupled.store import Store, iter_jsonl
-from dipaco.decoupled.service import archive, inbox, module_key
+from dipaco.decoupled.module_leases import read_module
+from dipaco.decoupled.service import archive, inbox
 
 __all__ = ["ledger_report", "compute_metrics", "load_events", "worker_events"]
 
@@ -61,8 +62,8 @@ def ledger_report(store: Store, module_ids: Iterable[str]) -> dict[str, Any]:
             step_count.update(e["update_ids"])
     out: dict[str, Any] = {"modules": {}, "ok": True}
     for m in module_ids:
-        got = store.get_state(module_key(m))
-        state = got[0] if got else {"applied": {}, "dropped": {}, "version": 0}
+        got = read_module(store, m)
+        state = got[1] if got else {"applied": {}, "dropped": {}, "version": 0}
         applied, dropped = dict(state["applied"]), dict(state["dropped"])
         pushed = pushed_ids(store, m)
         lost = sorted(pushed - set(applied) - set(dropped))
@@ -88,9 +89,9 @@ def compute_metrics(store: Store, module_ids: list[str], num_workers: int) -> di
     # redo's duplicates are dropped), and its steps still counted once.
     slot_applied: set[tuple[str, str]] = set()
     for m in module_ids:
-        got = store.get_state(module_key(m))
+        got = read_module(store, m)
         if got:
-            state = got[0]
+            state = got[1]
             slot_applied.update((m, slot) for slot, uid in state.get("phases", {}).items()
                                 if uid in state["applied"])
 

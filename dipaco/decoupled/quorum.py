@@ -13,7 +13,8 @@ from typing import Collection, Iterable, Optional
 
 from dipaco.config.decoupled import DecoupledConfig
 
-__all__ = ["quorum_size", "grace_window", "step_due", "is_stale", "discount", "next_fill_ema"]
+__all__ = ["quorum_size", "grace_bounds", "grace_window", "step_due", "is_stale", "rounds_late", "discount",
+           "next_phase_ema", "next_fill_ema"]
 
 
 def quorum_size(share: float, sharing: int) -> int:
@@ -21,11 +22,35 @@ def quorum_size(share: float, sharing: int) -> int:
     return max(1, math.ceil(share * sharing - 1e-9))
 
 
-def grace_window(cfg: DecoupledConfig, fill_ema: Optional[float]) -> float:
-    """The grace window: ``grace_factor`` x EMA(fill time), clipped to [min, max]; the
-    initial window until a quorum has filled once."""
+def grace_bounds(cfg: DecoupledConfig, phase_s: Optional[float], quorum: int, sharing: int) -> tuple[float, float]:
+    """``(floor, cap)`` of a module's grace window: ``grace_min_s`` / ``grace_max_s`` when
+    set, else derived from ``phase_s``, the EMA of the phases' seconds as the workers
+    measured them (:func:`next_phase_ema`; None: none arrived yet).
+
+    Each sharing path delivers one update per phase, so with phases spread over one the
+    updates of ``quorum`` of the ``sharing`` paths arrive within ``quorum / sharing`` of
+    a phase: the floor. A window shorter than that closes before the quorum can fill in
+    the steady state, and the fill-time EMA, which only quorum steps feed, then sees only
+    the quick fills and shrinks further (at 10^6 chips a fixed 0.1 s floor turned most
+    steps into grace steps of a few updates: docs/planning.md). The cap is
+    ``grace_factor`` phases: by then every live sharing path has delivered.
+    """
+    floor = cfg.grace_min_s
+    if floor is None:
+        floor = 0.0 if phase_s is None else quorum / max(1, sharing) * phase_s
+    cap = cfg.grace_max_s
+    if cap is None:
+        cap = math.inf if phase_s is None else cfg.grace_factor * phase_s
+    return float(floor), float(cap)
+
+
+def grace_window(cfg: DecoupledConfig, fill_ema: Optional[float], phase_s: Optional[float] = None,
+                 quorum: int = 1, sharing: int = 1) -> float:
+    """The grace window: ``grace_factor`` x EMA(fill time) (``grace_init_s`` until a quorum
+    has filled once), within :func:`grace_bounds` (the floor wins over the cap)."""
     base = cfg.grace_init_s if fill_ema is None else cfg.grace_factor * fill_ema
-    return min(cfg.grace_max_s, max(cfg.grace_min_s, base))
+    floor, cap = grace_bounds(cfg, phase_s, quorum, sharing)
+    return max(floor, min(cap, base))
 
 
 def step_due(pending_paths: Collection[int], sharing_paths: Iterable[int], quorum: int,
@@ -57,9 +82,31 @@ def is_stale(version: int, base_version: int, max_staleness: int) -> bool:
     return version - base_version > max_staleness
 
 
-def discount(staleness: int, power: float) -> float:
-    """A kept update's weight factor ``(1 + s)^(-power)``."""
-    return (1.0 + max(0, staleness)) ** (-power)
+def rounds_late(lag_rounds: float, own_share: float) -> float:
+    """How late an update is, in rounds: the share of a round applied to its module since
+    the version it started from (``lag_rounds``), beyond the rest of its own round.
+
+    A round is every sharing path's contribution once (a synchronous step's worth; a
+    partial step applies ``Σα/D`` of one). While an update's path trained, the other
+    paths contributed too: with paths at one pace, the rest of a round, ``1 − own_share``
+    (``own_share`` = its α/D). Those are its round-mates, as the other worker groups'
+    pseudo-gradients are in a synchronous step from the same base: no lateness. Only the
+    lag beyond them (a slow path, a phase that waited) is.
+    """
+    return max(0.0, float(lag_rounds) - (1.0 - float(own_share)))
+
+
+def discount(staleness: float, power: float) -> float:
+    """A kept update's weight factor ``(1 + s)^(-power)`` (``s``: :func:`rounds_late`)."""
+    return (1.0 + max(0.0, staleness)) ** (-power)
+
+
+def next_phase_ema(phase_ema: Optional[float], phase_s: Optional[float]) -> Optional[float]:
+    """The EMA of a module's phase seconds after an update of a phase of ``phase_s`` seconds
+    arrives (None: the update does not say; the EMA is unchanged)."""
+    if phase_s is None:
+        return phase_ema
+    return float(phase_s) if phase_ema is None else 0.7 * phase_ema + 0.3 * float(phase_s)
 
 
 def next_fill_ema(fill_ema: Optional[float], fill_s: float) -> float:

@@ -39,6 +39,8 @@ class PathPicker:
         self.d, self.H, self.budget = dcfg, int(inner_steps), budget
         self.last_path: Optional[int] = None
         self.avoid_until: Optional[float] = None
+        # sitting out the tail: (since when, steps left then); None: not sitting out
+        self.sitting_out: Optional[tuple[float, float]] = None
 
     def is_slow(self, ratio: Optional[float]) -> bool:
         """Markedly slower than the others (beyond ``slow_threshold``)."""
@@ -84,14 +86,10 @@ class PathPicker:
         if not todo:
             return None
         slow = self.is_slow(ratio)
-        if slow and self.budget < float("inf"):
-            # The tail: when the others can finish what is left in about the time one of
-            # my phases takes, taking one would only make me the last one to finish (or,
-            # with dynamic steps, leave a remainder that someone must run after me).
-            remaining = sum(self.budget - k for k, _, _ in todo)
-            my_phase = self.H if self.d.dynamic_steps else self.H * float(ratio)  # in the others' steps
-            if remaining <= n_others * my_phase:
-                return []
+        if slow and self.budget < float("inf") and self._sit_out_tail(
+                sum(self.budget - k for k, _, _ in todo), ratio, n_others, others_s_per_step, now):
+            return []
+        self.sitting_out = None
         order = [p for _, _, p in sorted(todo, key=lambda x: (-x[0], x[1]) if slow else (x[0], x[1]))]
         # The path a slow worker just held lags (it advanced at my pace, even with dynamic
         # steps); leave it to a fast worker for a while. Without dynamic steps my phases
@@ -103,6 +101,28 @@ class PathPicker:
             if now < self.avoid_until:
                 order = [p for p in order if p != self.last_path]
         return order
+
+    def _sit_out_tail(self, remaining: float, ratio: Optional[float], n_others: int,
+                      others_s_per_step: Optional[float], now: float) -> bool:
+        """Whether a slow worker leaves the ``remaining`` steps to the others.
+
+        The tail: when the others can finish what is left in about the time one of my
+        phases takes, taking one would only make me the last one to finish (or, with
+        dynamic steps, leave a remainder that someone must run after me). But only while
+        they do: every worker may judge itself slow (each against the others' median, on
+        speeds measured at different times; under extreme stragglers, all of them), and
+        workers that all leave the tail to each other never end. So the sitting out lasts
+        while the remaining steps fall: with no progress for one of the others' phases
+        (``H × others_s_per_step``; their phases end within it if they run), I take one.
+        """
+        my_phase = self.H if self.d.dynamic_steps else self.H * float(ratio or 1.0)  # in the others' steps
+        if remaining > n_others * my_phase:
+            return False
+        if self.sitting_out is None or remaining < self.sitting_out[1]:
+            self.sitting_out = (now, remaining)  # (re)starts at each progress the others make
+            return True
+        patience = self.H * float(others_s_per_step) if others_s_per_step is not None else 0.0
+        return now - self.sitting_out[0] < patience
 
     def took(self) -> None:
         """A lease was taken: a slow worker's wait away from its last path ends."""

@@ -1,29 +1,33 @@
-"""The synchroniser process of decoupled mode: store inbox → :class:`MergingModuleSync`
-→ a new module version written atomically *together with* its ledger.
+"""The synchroniser process of decoupled mode: module leases → store inbox →
+:class:`MergingModuleSync` → a new module revision, written once, *together with* its ledger.
 
-Store keys: ``modules/<m>.st`` (the module's version: the core's state in the
-``outer/<module>`` layout + version + ledger), ``updates/<m>/`` (the inbox),
-``archive/<m>/``, ``paths/path_<p>.json`` (progress), ``events/sync-*.jsonl``.
+Store keys: ``modules/<m>/<revision>.st`` (the module's state: the core's state in the
+``outer/<module>`` layout + version + ledger, in write-once revisions:
+:mod:`dipaco.decoupled.versions`), ``updates/<m>/`` (the inbox), ``archive/<m>/``,
+``paths/path_<p>.json`` (progress), ``leases/module_<m>/`` (who steps the module),
+``syncs/<name>.json`` (each synchroniser's heartbeat and modules), ``events/sync-*.jsonl``.
+
+Any number of synchronisers, on any hosts, split the modules between them by leases
+(:mod:`dipaco.decoupled.module_leases`: fair shares, takeover after ``lease_s``, and why
+one that lost its lease cannot write).
 """
 from __future__ import annotations
 
-import json
+import math
 import time
 from typing import Any, Optional, Sequence
 
 from dipaco.config.decoupled import DecoupledConfig
+from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.merge import MergingModuleSync, Update
+from dipaco.decoupled.module_leases import ModuleLeases
 from dipaco.decoupled.store import Store, decode_state
+from dipaco.decoupled.versions import read_latest
 from dipaco.plan.codecs import make_codec
+from dipaco.runtime.progress import say
 
-__all__ = ["SyncService", "module_key", "inbox", "archive", "progress_key", "path_steps_done", "path_finished",
-           "write_module", "read_update"]
-
-
-
-def module_key(module_id: str) -> str:
-    """Store key of a module's current version (weights + optimiser + ledger, one blob)."""
-    return f"modules/{module_id}.st"
+__all__ = ["SyncService", "inbox", "archive", "progress_key", "path_steps_done", "path_finished", "path_folder",
+           "read_path_state", "read_update", "wait_out_outage"]
 
 
 def inbox(module_id: str) -> str:
@@ -53,15 +57,24 @@ def path_finished(prog: Optional[dict], rounds: int, inner_steps: int) -> bool:
     return path_steps_done(prog, inner_steps) >= rounds * inner_steps
 
 
-def write_module(store: Store, sync: MergingModuleSync) -> int:
-    """Write the module's version, weights, optimiser state and ledger in ONE atomic put.
+def path_folder(path_id: int) -> str:
+    """Store folder of a path's state revisions (revision k: after k phases)."""
+    return f"paths/path_{path_id}"
 
-    This is the idempotence hinge: an update id is in the ledger iff the weights that
-    include it are the ones on disk. Return the blob size.
-    """
-    state = sync.state_dict()
-    return store.put_state(module_key(sync.module_id), state,
-                           meta={"module_id": sync.module_id, "version": sync.version})
+
+def read_path_state(store: Store, path_id: int) -> Optional[tuple[int, Any, dict]]:
+    """``(revision, state, meta)`` of a path's newest state, or None before its first phase."""
+    return read_latest(store, path_folder(path_id))
+
+
+def wait_out_outage(who: str, e: OSError, backoff: float, cfg: DecoupledConfig) -> float:
+    """A role's store failed: say so (once per outage), sleep the next backoff (doubling
+    from 0.25 s up to half a lease) and return it; the caller retries and resets it."""
+    if not backoff:
+        say(f"{who}: the store failed ({type(e).__name__}: {' '.join(str(e).split())[:120]}); retrying with backoff")
+    backoff = min(max(2 * backoff, 0.25), max(cfg.heartbeat_s, cfg.lease_s / 2))
+    time.sleep(backoff)
+    return backoff
 
 
 def read_update(blob: bytes) -> Update:
@@ -75,20 +88,22 @@ def read_update(blob: bytes) -> Update:
     return Update(update_id=meta["update_id"], module_id=meta["module_id"], path_id=int(meta["path_id"]),
                   phase=int(meta["phase"]), base_version=int(meta["base_version"]),
                   tokens=float(meta["tokens"]), delta=delta, inner_steps=int(meta.get("inner_steps", 0)),
-                  weighted=bool(meta.get("weighted", False)))
+                  weighted=bool(meta.get("weighted", False)), phase_s=meta.get("phase_s"))
 
 
-class SyncService:
-    """The loop of one synchroniser process: inbox → :class:`MergingModuleSync` → store.
+class SyncService(ModuleLeases):
+    """The loop of one synchroniser process: module leases → inbox → :class:`MergingModuleSync` → store.
 
     Args:
         store: the shared store.
-        module_ids: the modules this process synchronises (each module has exactly one
-            synchroniser: two would race on its version file).
+        module_ids: every module of the run; this process steps those it holds a lease on
+            (its fair share, see the module doc).
         sharing: module id → paths that contain it.
         rounds, inner_steps: a path is done at ``rounds × inner_steps`` inner steps.
-        cfg, outer, sharing_rescale: see :class:`MergingModuleSync`.
-        name: this process's name in event logs.
+        cfg, outer, sharing_rescale: see :class:`MergingModuleSync` (``cfg.lease_s`` and
+            ``cfg.heartbeat_s`` time the module leases).
+        name: this process's name: its lease owner, heartbeat and event log. Unique among
+            live synchronisers; a restart under the same name takes its leases back at once.
     """
 
     def __init__(self, store: Store, module_ids: Sequence[str], sharing: dict[str, list[int]], rounds: int,
@@ -100,27 +115,23 @@ class SyncService:
         self.inner_steps = int(inner_steps)
         self.name = name
         self.clock = clock or time.time
+        self.outer, self.sharing_rescale = outer, sharing_rescale
+        self.modules = list(module_ids)
         self.sharing = {m: list(sharing[m]) for m in module_ids}
-        self.syncs: dict[str, MergingModuleSync] = {}
-        now = self.clock()
-        for m in module_ids:
-            got = store.get_state(module_key(m))
-            if got is None:
-                raise RuntimeError(f"module {m}: no initial version in {store} (the supervisor writes version 0)")
-            state, _ = got
-            s = MergingModuleSync(m, state["global"], self.sharing[m], cfg, outer, now=now,
-                                   sharing_rescale=sharing_rescale)
-            s.load_state_dict(state)
-            self.syncs[m] = s
-        self._decoded: set[str] = set()  # inbox files already offered (pending or accounted)
+        self.paths = sorted({p for ps in self.sharing.values() for p in ps})
+        self.leases: dict[str, Lease] = {}  # the modules this process holds
+        self.syncs: dict[str, MergingModuleSync] = {}  # ... and has loaded from the store
+        self.revision: dict[str, int] = {}  # the revision each loaded module was read or written at
+        self.last_step: dict[str, Optional[dict]] = {}
+        self._decoded: dict[str, set[str]] = {}  # per module: inbox files already offered
+        self.next_balance = -math.inf
+        self._next_drain_check = -math.inf
+        self.started = time.time()
 
-    def _event(self, obj: dict) -> None:
-        obj.setdefault("t", self.clock())
-        self.store.append_line(f"events/{self.name}.jsonl", json.dumps(obj))
-
+    # ----------------------------------------------------------------- merge
     def paths_done(self) -> set[int]:
         done = set()
-        for p in {p for ps in self.sharing.values() for p in ps}:
+        for p in self.paths:
             prog = self.store.get_json(progress_key(p))
             if path_finished(prog, self.rounds, self.inner_steps):
                 done.add(p)
@@ -128,12 +139,12 @@ class SyncService:
 
     def _intake(self, m: str, events: list[dict]) -> bool:
         """Offer every new inbox file of module ``m``; True if the ledger changed."""
-        s, changed = self.syncs[m], False
+        s, seen, changed = self.syncs[m], self._decoded[m], False
         for name in self.store.list(inbox(m)):
-            if not name.endswith(".st") or name in self._decoded:
+            if not name.endswith(".st") or name in seen:
                 continue
             blob = self.store.get(f"{inbox(m)}/{name}")
-            if blob is None:  # archived by a previous incarnation between list and get
+            if blob is None:  # archived by a previous holder between list and get
                 continue
             try:
                 u = read_update(blob)
@@ -143,17 +154,17 @@ class SyncService:
                                "error": str(e)[:200]})
                 s.dropped[name[:-3]] = "corrupt"
                 changed = True
-            self._decoded.add(name)
+            seen.add(name)
             if u is None:
                 continue
             why = s.offer(u, self.clock())
             if why is None:
                 events.append({"e": "arrive", "module": m, "id": u.update_id, "path": u.path_id,
-                             "phase": u.phase, "base": u.base_version, "version": s.version})
+                               "phase": u.phase, "base": u.base_version, "version": s.version})
             elif why != "seen":
                 changed = True
                 events.append({"e": "drop", "module": m, "id": u.update_id, "reason": why,
-                             "path": u.path_id, "phase": u.phase})
+                               "path": u.path_id, "phase": u.phase})
         return changed
 
     def _archive(self, m: str) -> None:
@@ -166,12 +177,16 @@ class SyncService:
                     self.store.move(f"{inbox(m)}/{name}", f"{archive(m)}/{name}")
                 else:
                     self.store.delete(f"{inbox(m)}/{name}")
-                self._decoded.discard(name)
+                self._decoded[m].discard(name)
 
     def poll_once(self, done: Optional[set[int]] = None) -> int:
-        """One pass over this process's modules; return the number of outer steps taken."""
+        """One pass over the modules I hold (leases renewed and balanced every
+        ``heartbeat_s``); return the number of outer steps taken."""
+        if time.time() >= self.next_balance:
+            self.balance()
         steps = 0
-        for m, s in self.syncs.items():
+        for m in list(self.syncs):
+            s = self.syncs[m]
             events: list[dict] = []
             changed = self._intake(m, events)
             now = self.clock()
@@ -179,6 +194,7 @@ class SyncService:
             # every sharing path finished: nothing more can arrive, step at once
             if trigger is None and s.pending and done is not None and set(s.sharing_paths) <= done:
                 trigger = "flush"
+            rec = None
             if trigger is not None:
                 before = set(s.dropped)
                 rec = s.step(now, trigger)
@@ -186,36 +202,63 @@ class SyncService:
                     events.append({"e": "drop", "module": m, "id": uid, "reason": s.dropped[uid]})
                 changed = True
                 if rec is not None:
-                    steps += 1
+                    self.last_step[m] = {"trigger": rec.trigger, "t": rec.time, "version": rec.version}
                     events.append({"e": "step", **rec.to_dict()})
-            if changed:
-                # Order matters: (1) the version + ledger, in one atomic put; (2) the event
-                # log (a crash here loses log lines, never weights: the ledger is the
-                # truth); (3) archiving the inbox files the ledger now accounts for (a
-                # crash before it leaves files that a restart finds in the ledger, "seen").
-                write_module(self.store, s)
+            # Order matters: (1) the version + ledger, in one write-once put (nothing else
+            # happened if it is refused); (2) the event log (a crash here loses log lines,
+            # never weights: the ledger is the truth); (3) archiving the inbox files the
+            # ledger now accounts for (a crash before it leaves files a successor finds in
+            # the ledger, "seen").
+            if changed and not self._publish(m):
+                continue
+            steps += rec is not None
             for ev in events:
                 self._event(ev)
             if changed:
                 self._archive(m)
         return steps
 
+    def _inboxes_empty(self) -> bool:
+        """Every module's inbox drained (read at most every ``heartbeat_s``: one listing per module)."""
+        if time.time() < self._next_drain_check:
+            return False
+        self._next_drain_check = time.time() + self.cfg.heartbeat_s
+        return not any(n.endswith(".st") for m in self.modules for n in self.store.list(inbox(m)))
+
     def run(self) -> None:
-        """Serve until every path has finished its budget and every inbox is drained."""
+        """Serve until every path has finished its budget and every module's inbox is
+        drained (whoever holds it: a synchroniser that stayed takes over a dead one's);
+        a store that fails is retried with backoff, reloading what I hold."""
+        backoff = 0.0
         while True:
-            done = self.paths_done()
-            all_done = len(done) == len({p for ps in self.sharing.values() for p in ps})
-            # A path is marked done only AFTER its last update files were written, so an
-            # intake after seeing "all done" is guaranteed to see every last update.
-            self.poll_once(done)
-            if all_done:
-                self.poll_once(done)  # flush whatever the last intake left pending
-                if all(not s.pending for s in self.syncs.values()):
-                    break
-            # event logs on object stores are buffered chunks: publish this poll's lines
-            # (step/drop events) before sleeping, so a crash loses at most one poll's worth
-            self.store.flush()
-            time.sleep(self.cfg.poll_s)
+            try:
+                done = self.paths_done()
+                all_done = len(done) == len(self.paths)
+                # A path is marked done only AFTER its last update files were written, so an
+                # intake after seeing "all done" is guaranteed to see every last update.
+                self.poll_once(done)
+                if all_done:
+                    self.poll_once(done)  # flush whatever the last intake left pending
+                    if all(not s.pending for s in self.syncs.values()) and self._inboxes_empty():
+                        break
+                # event logs on object stores are buffered chunks: publish this poll's lines
+                # (step/drop events) before sleeping, so a crash loses at most one poll's worth
+                self.store.flush()
+                if backoff:
+                    say(f"{self.name}: the store answers again; reloading my modules")
+                backoff = 0.0
+                time.sleep(self.cfg.poll_s)
+            except OSError as e:
+                backoff = self._outage(e, backoff)
+        versions = {m: s.version for m, s in self.syncs.items()}
+        self.release_all()
         self.store.flush()
-        self.store.put_json(f"done/{self.name}.json", {"t": self.clock(),
-                                                       "versions": {m: s.version for m, s in self.syncs.items()}})
+        self.store.put_json(f"done/{self.name}.json", {"t": self.clock(), "versions": versions})
+
+    def _outage(self, e: OSError, backoff: float) -> float:
+        """The store failed: forget every loaded module (a write may or may not have
+        landed), keep the leases (renewed, or found lost, at the next balance), wait."""
+        for m in list(self.syncs):
+            self._forget(m, keep_lease=True)
+        self.next_balance = -math.inf
+        return wait_out_outage(self.name, e, backoff, self.cfg)

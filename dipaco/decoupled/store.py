@@ -6,9 +6,9 @@ Everything decoupled workers and synchronisers exchange goes through a :class:`S
 versions, pushed updates, path states (inner optimiser + data position), leases and
 event logs. There are two implementations: :class:`FileStore`, a directory on a shared
 filesystem (local disk for one host, NFS for several; the default and the tested one
-across processes), and :class:`FsspecStore`, an fsspec URL (``s3://``, ``gs://``,
-``memory://`` in tests), usable only where the backend offers exclusive create
-(:func:`open_store` checks it with a probe). See ``docs/decoupled.md`` for why a
+across processes), and :class:`FsspecStore`, an fsspec URL (``s3://``, tested against a
+local S3 server; ``gs://``; ``memory://`` in tests), usable only where the backend offers
+exclusive create (:func:`open_store` checks it with a probe). See ``docs/decoupled.md`` for why a
 directory and not a key-value server.
 
 Hazards and how they are handled here:
@@ -26,6 +26,14 @@ Hazards and how they are handled here:
   whole-object write (readers see the old or the new object), create-if-absent is the
   backend's exclusive create (S3 ``If-None-Match``, GCS ``if_generation_match``), a move
   is copy + delete, and an event log is a folder of numbered chunk objects.
+* **Corruption.** Every blob carries the sha256 of what was written (a module version,
+  an update, a path state: in its safetensors header, over the tensors' names, dtypes,
+  shapes and bytes and the JSON beside them; a JSON record: as its ``_sha256`` field),
+  checked at every read (:func:`decode_state`, :meth:`Store.get_json`): a blob that does
+  not match, or carries none, is refused with :class:`CorruptBlob` naming its key. A
+  synchroniser drops a corrupt update as ``corrupt``; any other read fails its caller
+  only. The cost is one sha256 pass over the bytes at each write and read
+  (``benchmarks/bench_store_digest.py``).
 * **Clocks.** Lease expiry times are wall-clock timestamps written by the holder and
   read by others: hosts must keep their clocks within a small fraction of
   ``lease_s`` (NTP does). One host: no issue.
@@ -40,24 +48,56 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from dipaco.storage.tensor_io import flatten_state, tensors_from_bytes, tensors_to_bytes, unflatten_state
+import torch
 
-__all__ = ["Store", "FileStore", "encode_state", "decode_state", "decode_meta", "iter_jsonl"]
+from dipaco.storage.hashing import sha256, sha256_json
+from dipaco.storage.tensor_io import (CheckpointError, flatten_state, tensors_from_bytes, tensors_to_bytes,
+                                      unflatten_state)
+
+__all__ = ["Store", "FileStore", "CorruptBlob", "encode_state", "decode_state", "encode_json", "decode_json",
+           "iter_jsonl"]
 
 TMP_PREFIX = ".tmp-"
+DIGEST = "sha256"  # a state blob's digest, in its safetensors header
+JSON_DIGEST = "_sha256"  # a JSON record's digest, a field of the record
+
+
+class CorruptBlob(CheckpointError):
+    """A store blob whose content is not what was written (its sha256 differs, it has
+    none, or it does not decode); the message names the key where one is known."""
 
 
 # ------------------------------------------------------------------- blob format
 
 
+def _state_digest(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> str:
+    """sha256 over a state blob's JSON (skeleton, meta) and each tensor's name, dtype,
+    shape and bytes, in name order; length-prefixed, so no two contents share a stream."""
+    h = sha256()
+
+    def part(data: Any) -> None:
+        view = memoryview(data).cast("B")
+        h.update(len(view).to_bytes(8, "little"))
+        h.update(view)
+
+    for field in ("skeleton", "meta"):
+        part(header.get(field, "").encode("utf-8"))
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        part(json.dumps([name, str(t.dtype), list(t.shape)]).encode("utf-8"))
+        part(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's own bytes, no copy
+    return h.hexdigest()
+
+
 def encode_state(state: Any, meta: Optional[dict] = None) -> bytes:
     """Nested state (tensors + JSON values) → safetensors bytes; no pickle anywhere.
 
-    ``meta`` is extra JSON kept beside the state; :func:`decode_meta` reads it without
-    touching the tensors (the synchroniser reads an update's header first).
+    ``meta`` is extra JSON kept beside the state. The header also records the sha256 of
+    the whole content, which :func:`decode_state` checks.
     """
     tensors, skeleton = flatten_state(state)
     header = {"skeleton": json.dumps(skeleton), "meta": json.dumps(meta or {}, sort_keys=True)}
+    header[DIGEST] = _state_digest(tensors, header)
     return tensors_to_bytes(tensors, metadata=header)
 
 
@@ -67,16 +107,58 @@ def _header(blob: bytes) -> dict[str, str]:
     return json.loads(blob[8 : 8 + n].decode("utf-8")).get("__metadata__", {}) or {}
 
 
-def decode_meta(blob: bytes) -> dict:
-    """The ``meta`` JSON of a blob written by :func:`encode_state`."""
-    return json.loads(_header(blob).get("meta", "{}"))
+def peek_meta(blob: bytes) -> dict:
+    """The ``meta`` of a blob written by :func:`encode_state`, NOT checked against its
+    sha256: for display (``dipaco-decoupled status``) and existence checks only, where
+    hashing every module's whole blob would cost a full read per line shown. Anything
+    that acts on a blob's content reads it with :func:`decode_state`."""
+    try:
+        return json.loads(_header(blob).get("meta", "{}"))
+    except Exception as e:  # torn or not safetensors: the library's errors vary
+        raise CorruptBlob(f"not a store blob ({type(e).__name__})") from None
 
 
 def decode_state(blob: bytes) -> tuple[Any, dict]:
-    """Inverse of :func:`encode_state`: ``(state, meta)``."""
-    header = _header(blob)
-    tensors = tensors_from_bytes(blob)
+    """Inverse of :func:`encode_state`: ``(state, meta)``, once the recorded sha256 matches
+    (else :class:`CorruptBlob`)."""
+    try:
+        header = _header(blob)
+        tensors = tensors_from_bytes(blob)
+    except Exception as e:  # torn, truncated or not safetensors: the library's errors vary
+        raise CorruptBlob(f"not a store blob ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    want = header.get(DIGEST)
+    if want is None:
+        raise CorruptBlob("it records no sha256 (not written by this dipaco's store)")
+    got = _state_digest(tensors, header)
+    if got != want:
+        raise CorruptBlob(f"its content does not match the sha256 recorded when it was written "
+                          f"({got[:12]}… read, {want[:12]}… written)")
     return unflatten_state(tensors, json.loads(header["skeleton"])), json.loads(header.get("meta", "{}"))
+
+
+def encode_json(obj: dict) -> bytes:
+    """A JSON record as bytes, with its sha256 as the field ``_sha256`` (see :func:`decode_json`)."""
+    # JSON's own form first (int keys become strings): the reader hashes what it parses
+    body = json.loads(json.dumps(obj, sort_keys=True))
+    if not isinstance(body, dict) or JSON_DIGEST in body:
+        raise TypeError(f"a store JSON record is a dict without a {JSON_DIGEST!r} field, not {type(obj).__name__}")
+    return (json.dumps({**body, JSON_DIGEST: sha256_json(body)}, sort_keys=True) + "\n").encode("utf-8")
+
+
+def decode_json(blob: bytes) -> dict:
+    """Inverse of :func:`encode_json`, once the recorded sha256 matches (else :class:`CorruptBlob`)."""
+    try:
+        obj = json.loads(blob.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is one too
+        raise CorruptBlob(f"not JSON ({' '.join(str(e).split())[:200]})") from None
+    want = obj.pop(JSON_DIGEST, None) if isinstance(obj, dict) else None
+    if want is None:
+        raise CorruptBlob(f"it records no sha256 (no {JSON_DIGEST!r} field: not written by this dipaco's store)")
+    got = sha256_json(obj)
+    if got != want:
+        raise CorruptBlob(f"its content does not match the sha256 recorded when it was written "
+                          f"({got[:12]}… read, {str(want)[:12]}… written)")
+    return obj
 
 
 # ------------------------------------------------------------------------ store
@@ -120,13 +202,13 @@ class Store(ABC):
     def flush(self) -> None:
         """Make every line given to :meth:`append_line` readable (no-op if unbuffered)."""
 
-    # conveniences on top of the primitives
-    def put_json(self, key: str, obj: Any) -> None:
-        self.put(key, (json.dumps(obj, sort_keys=True) + "\n").encode("utf-8"))
+    # conveniences on top of the primitives; every read is checked (CorruptBlob names the key)
+    def put_json(self, key: str, obj: dict) -> None:
+        self.put(key, encode_json(obj))
 
-    def get_json(self, key: str) -> Optional[Any]:
+    def get_json(self, key: str) -> Optional[dict]:
         blob = self.get(key)
-        return None if blob is None else json.loads(blob.decode("utf-8"))
+        return None if blob is None else self._checked(key, decode_json, blob)
 
     def put_state(self, key: str, state: Any, meta: Optional[dict] = None) -> int:
         """Store a nested state atomically; return its size in bytes."""
@@ -136,7 +218,13 @@ class Store(ABC):
 
     def get_state(self, key: str) -> Optional[tuple[Any, dict]]:
         blob = self.get(key)
-        return None if blob is None else decode_state(blob)
+        return None if blob is None else self._checked(key, decode_state, blob)
+
+    def _checked(self, key: str, decode: Any, blob: bytes) -> Any:
+        try:
+            return decode(blob)
+        except CorruptBlob as e:
+            raise CorruptBlob(f"{self!r}: key {key!r} is corrupt: {e}") from None
 
 
 class FileStore(Store):

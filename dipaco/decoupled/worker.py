@@ -1,17 +1,16 @@
 """The decoupled worker process loop: lease a path, pull its modules, train H steps, push, repeat.
 
-A decoupled worker is not bound to a path. Each turn it leases the unfinished path with
-the fewest completed inner steps that nobody holds, so a slow worker simply completes
-fewer phases and the fast ones pick up the rest, and a dead worker's path is picked up
-by another once its lease expires (:mod:`dipaco.decoupled.scheduling`). The path's inner
-state (its path learner's AdamW moments, step count and data position, phases and steps
-done, error-feedback residuals) travels through the store with the path, not with the
-worker. A path's budget is ``trainer.rounds × H`` inner steps; a phase has H of them, or
+A decoupled worker is not bound to a path: each turn it leases a free unfinished path
+(:mod:`dipaco.decoupled.scheduling`), and a dead worker's path is taken by another once
+its lease expires. The path's inner state (AdamW moments, step count, data position,
+phases and steps done, error-feedback residuals) travels through the store with the
+path. A path's budget is ``trainer.rounds × H`` inner steps; a phase has H of them, or
 fewer when a markedly slow worker runs it (dynamic local updates).
 
 One phase of path p:
 
-1. acquire the lease of p (``leases/path_p``), load ``paths/path_p.st`` (if any);
+1. acquire the lease of p (``leases/path_p``), load the newest revision of ``paths/path_p/``
+   (if any; write-once revisions, one per phase: :mod:`dipaco.decoupled.versions`);
 2. pull the latest version of each of p's modules (optionally waiting up to
    ``pull_wait_s`` for the versions to include p's previous update);
 3. H inner steps, or ``H × (others' time per step ÷ mine)`` for a slow worker
@@ -19,8 +18,9 @@ One phase of path p:
    its work is discarded, counted as wasted steps);
 4. push, per module, ``Δ = θ_pulled − θ_path`` encoded with ``diloco.codec``, tagged with
    the version it started from, its α (``diloco.alpha``), path and phase, under a unique id;
-5. save the path state with ``phases_done + 1`` and the new ``steps_done``, then the small
-   progress file; release.
+5. save the path state as revision ``phases_done + 1``, then the progress file; release.
+   A worker that lost its lease meanwhile (paused past it) finds the lease taken, or that
+   revision written by the path's new holder: it writes neither; its phase is wasted.
 
 Crash windows: killed in 3 → the phase is redone by whoever takes p next (from the same
 data position, so with the same batches). Killed between 4 and 5 → the phase is redone
@@ -40,16 +40,19 @@ from typing import Optional
 
 import torch
 
-from dipaco.runtime import faults, process_start
+from dipaco.runtime import faults
 from dipaco.plan.build import build_grid
-from dipaco.config import Config, codec_kwargs, to_config
+from dipaco.config import Config, codec_kwargs
 from dipaco.data import Tokenizer, TokenStream
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease, LeaseLost
+from dipaco.decoupled.module_leases import read_module
 from dipaco.decoupled.scheduling import PathPicker, WorkerScheduling
-from dipaco.decoupled.service import inbox, module_key, path_steps_done, progress_key
+from dipaco.decoupled.service import (inbox, path_folder, path_steps_done, progress_key, read_path_state,
+                                      wait_out_outage)
 from dipaco.decoupled.store import Store, encode_state
+from dipaco.decoupled.versions import prune, publish
+from dipaco.runtime.progress import say
 from dipaco.rounds.dense import load_dense_state
 from dipaco.rounds.health import interval_records
 from dipaco.rounds.learner import InnerStats, PathLearner, make_inner_optimizer
@@ -61,14 +64,10 @@ from dipaco.sync.module_core import (contribution, encode_with_feedback, flatten
                                      wire_codec)
 from modules import PathModel, init_grid_from_dense
 
-__all__ = ["worker_main", "DecoupledWorker", "encode_contribution", "path_state_key", "RESIDUALS"]
+__all__ = ["DecoupledWorker", "encode_contribution", "RESIDUALS"]
 
 # the path state's error-feedback residuals: {module: residual of this path's contribution}
 RESIDUALS = "error_feedback"
-
-
-def path_state_key(path_id: int) -> str:
-    return f"paths/path_{path_id}.st"
 
 
 def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
@@ -82,7 +81,6 @@ def encode_contribution(delta: torch.Tensor, tokens: float, codec: Codec,
 @dataclass
 class _Phase:
     """One phase of a leased path, as its steps hand it on (:meth:`DecoupledWorker.run_phase`)."""
-
     path: int
     learner: PathLearner
     index: int = 0  # phases of the path done before this one
@@ -109,15 +107,19 @@ class DecoupledWorker(WorkerScheduling):
         index: this worker's slot (0..N-1); ``slow_workers`` refer to it.
         incarnation: how many times this slot was (re)started; part of the worker id.
         dcfg: decoupled settings.
+        device: where it trains (None: ``trainer.device``'s placement of this process).
+        wait_start: wait for the run's start line (``control/start``) before the first
+            phase: the run creator's first workers, so that they begin together.
     """
 
     def __init__(self, cfg: Config, run: RunDir, store: Store, index: int, incarnation: int,
-                 dcfg: DecoupledConfig) -> None:
+                 dcfg: DecoupledConfig, device: Optional[torch.device] = None, wait_start: bool = True) -> None:
         self.cfg, self.dcfg, self.store = cfg, dcfg, store
         self.run = run
         self.index, self.incarnation = index, incarnation
+        self.wait_start = wait_start
         self.id = f"W{index}.{incarnation}-{uuid.uuid4().hex[:6]}"
-        self.grid = build_grid(cfg)
+        self.grid = build_grid(cfg, device)
         self.n_warm = warmup_steps(cfg)
         if self.n_warm > 0:
             init_grid_from_dense(self.grid, load_dense_state(self.run.warmup))
@@ -131,6 +133,7 @@ class DecoupledWorker(WorkerScheduling):
         self.codecs = {m: c for m, (c, _) in wire.items()}
         self.feedback = {m: f for m, (_, f) in wire.items()}
         self.learners: dict[int, PathLearner] = {}
+        self.current: Optional[tuple[Lease, int, int]] = None  # the phase in flight: lease, path, phase
         # meta "tokens" is the α the merge weighs by; "trained_tokens" what the phase trained
         self.alpha = PathAlpha.from_config(cfg.diloco.alpha, self.run.shards)
         self.chaos = faults.worker_chaos()  # DIPACO_FAULT worker_delay (none in real runs)
@@ -146,7 +149,6 @@ class DecoupledWorker(WorkerScheduling):
         H = cfg.diloco.inner_steps
         self.picker = PathPicker(dcfg, H, cfg.trainer.rounds * H)
 
-    # ------------------------------------------------------------------ events
     def event(self, obj: dict) -> None:
         obj.setdefault("t", time.time())
         obj.setdefault("worker", self.id)
@@ -163,8 +165,7 @@ class DecoupledWorker(WorkerScheduling):
                                            step_offset=self.n_warm, log_every=self.cfg.logging.every_steps)
         return self.learners[p]
 
-    def _progress(self, p: int) -> int:
-        """Inner steps path ``p`` has completed (its progress file)."""
+    def _progress(self, p: int) -> int:  # inner steps path ``p`` has completed (its progress file)
         return path_steps_done(self.store.get_json(progress_key(p)), self.cfg.diloco.inner_steps)
 
     # ---------------------------------------------------------------- scheduling
@@ -180,10 +181,10 @@ class DecoupledWorker(WorkerScheduling):
         while True:
             out, fresh = {}, True
             for m in self.grid.module_ids_of_path(p):
-                got = self.store.get_state(module_key(m))
+                got = read_module(self.store, m)
                 if got is None:
                     raise RuntimeError(f"module {m} has no version in the store")
-                state, meta = got
+                _, state, meta = got
                 out[m] = (int(meta["version"]), state["global"])
                 if m in wait_for and wait_for[m] not in state["applied"] and wait_for[m] not in state["dropped"]:
                     fresh = False
@@ -202,8 +203,9 @@ class DecoupledWorker(WorkerScheduling):
         stats = self._train(ph, lease)
         if stats is None:
             return False
-        self._push(ph, stats)
-        self._commit(ph, stats)
+        self._push(ph, stats, lease)
+        if not self._commit(ph, stats, lease):
+            return False
         lease.release()
         self.picker.held(ph.path)
         self._publish_speed(ph.seconds - ph.stalled, stats.steps)
@@ -216,12 +218,15 @@ class DecoupledWorker(WorkerScheduling):
         H = self.cfg.diloco.inner_steps
         budget = self.cfg.trainer.rounds * H
         pl = self._path_learner(p)
-        got = self.store.get_state(path_state_key(p))
+        got = read_path_state(self.store, p)
         ph = _Phase(p, pl)
         if got is not None:
-            state, meta = got
+            _, state, meta = got
             ph.index = int(meta["phases_done"])
             ph.steps_done = path_steps_done(meta, H)
+            if self._progress(p) < ph.steps_done:  # a zombie's late progress write: the state is the truth
+                self.store.put_json(progress_key(p), {"phases_done": ph.index, "steps_done": ph.steps_done,
+                                                      "worker": self.id})
             ph.last_ids = {str(k): str(v) for k, v in meta.get("last_ids", {}).items()}
             ph.residuals = dict(state.pop(RESIDUALS, {}))
             pl.load_state_dict(state)
@@ -229,6 +234,7 @@ class DecoupledWorker(WorkerScheduling):
             pl.optimizer = make_inner_optimizer(pl.model, self.cfg.trainer)
             pl.step = 0
             pl.stream.load_state_dict({"step": 0})
+        self.current = (lease, p, ph.index)
         if ph.steps_done >= budget:
             lease.release()
             return None
@@ -288,11 +294,12 @@ class DecoupledWorker(WorkerScheduling):
         ph.seconds = time.time() - t0
         return stats
 
-    def _push(self, ph: _Phase, stats: InnerStats) -> None:
+    def _push(self, ph: _Phase, stats: InnerStats, lease: Lease) -> None:
         """Push: each module's α·Δ against the version it pulled, encoded with the path's
         error-feedback residual, into the module's inbox (written once, never replaced)."""
         p, phase = ph.path, ph.index
         for m in self.grid.module_ids_of_path(p):
+            lease.beat(self.dcfg.heartbeat_s)  # a slow store must not let the lease lapse mid-push
             base = ph.pulled[m][1]
             delta = pseudo_gradient(base, flatten_params(list(self.grid.module(m).parameters())))
             codec = self.codecs[m]
@@ -305,22 +312,32 @@ class DecoupledWorker(WorkerScheduling):
                     "base_version": ph.pulled[m][0], "tokens": self.alpha(p, stats.tokens),
                     "trained_tokens": stats.tokens, "codec": codec.name,
                     "codec_kw": self.codec_kw if codec.lossy else {}, "numel": delta.numel(), "weighted": True,
-                    "worker": self.id, "inner_steps": stats.steps, "created_at": time.time()}
+                    "worker": self.id, "inner_steps": stats.steps, "created_at": time.time(),
+                    "phase_s": ph.seconds}  # the synchronisers' grace window scales with it
             # put_new: an id is written once; a file name is never reused for other content
             self.store.put_new(f"{inbox(m)}/{uid}.st", encode_state({"payload": list(payload)}, meta))
             ph.ids[m] = uid
             ph.nbytes += codec.payload_nbytes(payload)
 
-    def _commit(self, ph: _Phase, stats: InnerStats) -> None:
+    def _commit(self, ph: _Phase, stats: InnerStats, lease: Lease) -> bool:
         """Commit: the path's state and progress, AFTER the pushes: "phases_done = k+1"
         implies the updates of phase k exist (the synchronisers' end-of-run drain relies
-        on this order)."""
+        on this order). False (nothing written, the phase wasted) when the lease was lost
+        or the path's next revision exists (its new holder committed this phase first)."""
         p, phase, pl = ph.path, ph.index, ph.learner
         ph.steps_done += stats.steps + stats.skipped  # skipped (non-finite) steps consumed data too
-        # the residuals travel with the path (in the same atomic put as its inner state)
-        self.store.put_state(path_state_key(p), {**pl.state_dict(), RESIDUALS: ph.residuals},
-                             meta={"phases_done": phase + 1, "steps_done": ph.steps_done, "last_ids": ph.ids,
-                                   "base_versions": {m: v for m, (v, _) in ph.pulled.items()}, "worker": self.id})
+        # the residuals travel with the path (in the same write-once put as its inner state)
+        blob = encode_state({**pl.state_dict(), RESIDUALS: ph.residuals},
+                            {"phases_done": phase + 1, "steps_done": ph.steps_done, "last_ids": ph.ids,
+                             "base_versions": {m: v for m, (v, _) in ph.pulled.items()}, "worker": self.id})
+        try:
+            lease.check()
+            if not publish(self.store, path_folder(p), phase + 1, blob):
+                raise LeaseLost(f"path {p} phase {phase} was committed by another worker")
+        except LeaseLost as e:
+            self.event({"e": "abort", "path": p, "phase": phase, "steps": stats.steps, "why": str(e)})
+            return False
+        prune(self.store, path_folder(p), phase + 1)
         self.store.put_json(progress_key(p), {"phases_done": phase + 1, "steps_done": ph.steps_done,
                                               "worker": self.id})
         self.event({"e": "end", "path": p, "phase": phase, "steps": stats.steps, "seconds": ph.seconds,
@@ -328,6 +345,7 @@ class DecoupledWorker(WorkerScheduling):
                     # per-step health metrics (logging.every_steps), persisted by the job at the end
                     "step_records": interval_records(self.cfg, self.grid, pl.device, phase + 1, p,
                                                      pl.take_intervals())})
+        return True
 
     def _sleep_alive(self, lease: Lease, seconds: float) -> None:
         end = time.time() + seconds
@@ -336,34 +354,47 @@ class DecoupledWorker(WorkerScheduling):
             lease.renew()
 
     def serve(self) -> None:
-        """Phases until every path has its budget; idle-poll while all free paths are taken."""
+        """Phases until every path has its budget; idle-poll while all free paths are taken.
+        A failing store costs the phase in flight: back off (doubling, up to half a lease), go on."""
         self.event({"e": "hello", "index": self.index, "incarnation": self.incarnation, "pid": os.getpid()})
         self.store.put_json(f"control/ready_{self.index}", {"worker": self.id})
-        if self.incarnation == 0:
+        if self.incarnation == 0 and self.wait_start:
             # start line: the first workers begin together once all are built (process
             # start-up takes seconds and varies); a restarted worker never waits here
             deadline = time.time() + 120.0
             while self.store.get("control/start") is None and time.time() < deadline:
                 time.sleep(self.dcfg.poll_s)
+        backoff = 0.0
         while True:
-            lease, finished = self.pick()
-            if finished:
-                break
-            if lease is None:
-                time.sleep(self.dcfg.poll_s)
-                continue
             try:
-                self.run_phase(lease)
-            except LeaseLost as e:
-                self.event({"e": "abort", "why": str(e)})
+                lease, finished = self.pick()
+                if backoff:
+                    say(f"worker {self.id}: the store answers again")
+                backoff = 0.0
+                if finished:
+                    break
+                if lease is None:
+                    time.sleep(self.dcfg.poll_s)
+                    continue
+                try:
+                    self.run_phase(lease)
+                except LeaseLost as e:  # lost outside the inner steps (pull wait, push): the phase is wasted
+                    path, phase = self.current[1:] if self.current else (None, None)
+                    self.event({"e": "abort", "path": path, "phase": phase, "why": str(e)})
+                self.current = None
+            except OSError as e:
+                backoff = self._outage(e, backoff)
         self.event({"e": "bye"})
 
-
-def worker_main(cfg_dict: dict, run_dir: str, store_url: str, index: int, incarnation: int,
-                dcfg_dict: dict, handover: Optional[process_start.Handover] = None) -> None:
-    """Entry point of a started decoupled worker process (``handover``: :func:`process_start.enter`)."""
-    process_start.enter(handover)
-    torch.set_num_threads(1)  # several workers share the host's cores
-    cfg = to_config(cfg_dict)
-    dcfg = DecoupledConfig(**dcfg_dict)
-    DecoupledWorker(cfg, RunDir.at(run_dir), open_store(store_url), index, incarnation, dcfg).serve()
+    def _outage(self, e: OSError, backoff: float) -> float:
+        """Wait out a failing store; then give back the lease of the phase it cost."""
+        backoff = wait_out_outage(f"worker {self.id}", e, backoff, self.dcfg)
+        if self.current is not None:
+            lease, path, phase = self.current
+            try:
+                self.event({"e": "abort", "path": path, "phase": phase, "why": "store error"})
+                lease.release()
+                self.current = None
+            except (OSError, LeaseLost):
+                pass  # still down: the next round of the loop retries (or the lease expires)
+        return backoff

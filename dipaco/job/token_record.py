@@ -23,8 +23,6 @@ read: every entry carries the sha256 its writer took of it (``tokens.sha256``, c
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import time
 from pathlib import Path
@@ -37,6 +35,8 @@ from dipaco.data import Tokenizer
 from dipaco.run.checkpoint import sha256_file, write_json
 from dipaco.run.fingerprint import Fingerprints, read_fingerprints
 from dipaco.run.run_dir import RunDir, RunDirError
+from dipaco.storage.atomic import write_atomically
+from dipaco.storage.hashing import short_key
 from router import TokenDocs
 from router.tokens import CHECKSUM_FILE, OFFSETS_FILE, TokenFileError, open_token_docs
 
@@ -47,7 +47,7 @@ _TOKENIZER_INPUTS = ("data", "given", "bpe_text")  # what the tokenizer's record
 def entry_name(content: str, tokenizer_sha256: str) -> str:
     """The token cache's entry of a split whose content hash is ``content`` (the key of
     :func:`dipaco.data.tokenize.cache_path` and of the pre-tokenized copy)."""
-    return "tokens-" + hashlib.sha256(f"{content}:{tokenizer_sha256}".encode()).hexdigest()[:24]
+    return "tokens-" + short_key(f"{content}:{tokenizer_sha256}")
 
 
 def describe_split(cache_dir: str, content: str, tokenizer: Tokenizer, ids: TokenDocs) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def describe_split(cache_dir: str, content: str, tokenizer: Tokenizer, ids: Toke
 
 
 def labels_name(data_fp: str, label_field: Optional[str]) -> str:
-    return "labels-" + hashlib.sha256(f"{data_fp}:{label_field}".encode()).hexdigest()[:24] + ".npz"
+    return "labels-" + short_key(f"{data_fp}:{label_field}") + ".npz"
 
 
 def save_record(fps: Fingerprints, cache_dir: str, record: dict[str, Any], val_labels: list,
@@ -73,10 +73,12 @@ def save_record(fps: Fingerprints, cache_dir: str, record: dict[str, Any], val_l
         path = Path(cache_dir) / labels_name(record["data"], record["label_field"])
         known = np.array([lab is not None for lab in val_labels], dtype=bool)
         names = np.array(["" if lab is None else str(lab) for lab in val_labels], dtype=str)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as tmp_file:  # a file object: np.savez would add .npz to a name
-            np.savez(tmp_file, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
-        os.replace(tmp, path)
+
+        def fill(tmp: Path) -> None:
+            with open(tmp, "wb") as tmp_file:  # a file object: np.savez would add .npz to a name
+                np.savez(tmp_file, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
+
+        write_atomically(path, fill)
         record["labels"] = {"file": path.name, "sha256": sha256_file(path)}
     if fps.saved.get(RECORD) != record:
         fps.saved[RECORD] = record

@@ -19,7 +19,7 @@ from dipaco.run.checkpoint import atomic_write_text, write_json
 from dipaco.storage.jsonl import append_json_lines
 from dipaco.config import Config, ConfigError, eval_window
 from dipaco.decoupled.owner import check_store
-from dipaco.decoupled.run import run_decoupled
+from dipaco.decoupled.run import join_task, run_decoupled
 from dipaco.rounds.dense import BASELINE_STREAM_ID, load_dense_grid, load_dense_state, save_dense, train_dense
 from dipaco.runtime.device import set_deterministic
 from dipaco.rounds.evaluate import evaluate_single
@@ -86,6 +86,8 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
     if not cfg.run_dir:
         raise ConfigError("run_dir", "no run directory", "pass run_dir=DIR (the CLI uses hydra.run.dir)")
     check_run_root(cfg.run_dir)
+    if cfg.launcher.name == "slurm" and cfg.diloco.mode == "decoupled" and os.environ.get("SLURM_PROCID", "0") != "0":
+        return _decoupled_task(cfg)
     run = RunDir.at(cfg.run_dir)
     changes: dict[str, list] = {}
     if holds_prepared_run(run):  # a routed directory: continued, never rebuilt (dipaco/run/routed.py)
@@ -123,9 +125,18 @@ def _train_job(cfg: Config, overrides: Optional[list[str]], hydra_files: Optiona
         if hydra_files and not cfg.resume:  # a new run, accepted: Hydra's record beside its config.yaml
             for rel, text in hydra_files.items():
                 atomic_write_text(run.root / rel, text)
-        if cfg.launcher.name in ("torchrun", "slurm"):
+        if cfg.launcher.name in ("torchrun", "slurm") and cfg.diloco.mode == "sync":
             return _train_under_torchrun(cfg, run, changes)
-        return _train(cfg, run, changes)
+        return _train(cfg, run, changes)  # a decoupled SLURM job's task 0 too: it makes the run
+
+
+def _decoupled_task(cfg: Config) -> dict[str, Any]:
+    """A task of a ``launcher=slurm`` decoupled job other than task 0: it joins the run
+    task 0 makes in the store (:func:`dipaco.decoupled.run.join_task`), on its own GPU."""
+    os.environ.update(slurm_rendezvous(os.environ, cfg.launcher.master_port))
+    apply_placement(placement_of(cfg))
+    with StopSignals():  # SLURM's SIGUSR2: this task's share stops; task 0 requeues the job
+        return join_task(cfg, RunDir.at(cfg.run_dir), int(os.environ["RANK"]))
 
 
 def _check_write_targets(cfg: Config, run: RunDir) -> None:
@@ -190,8 +201,8 @@ def _finish(cfg: Config, run: RunDir, prep: Prepared, result: RoundsResult, roun
             wall0: float) -> dict[str, Any]:
     """After the rounds (launching process / rank 0): baseline, evaluation, summary
     (a :class:`~dipaco.job.summary.RunSummary`; a stopped run's stop instead)."""
-    if not result.finished and StopSignals.received:
-        raise stopped(cfg, run, result, StopSignals.received, requeue_here=False)
+    if not result.finished and StopSignals.received:  # under SLURM: a decoupled job's task 0, which requeues
+        raise stopped(cfg, run, result, StopSignals.received, requeue_here=cfg.launcher.name == "slurm")
     if not result.finished:
         _log(f"stopped after round {result.completed_rounds} of {result.rounds}; continue with: "
              f"dipaco-train hydra.run.dir={run.root} resume=true")

@@ -15,7 +15,7 @@ from dipaco.config import Config, codec_kwargs
 from dipaco.runtime.placement import placement_of
 from dipaco.plan.codecs import make_codec
 from dipaco.plan.schedule import RoundSchedule
-from dipaco.plan.stagger import Points, format_stagger, streaming_points
+from dipaco.plan.stagger import format_stagger, streaming_schedule
 from dipaco.plan.topology import Topology
 from modules import ModuleGrid
 
@@ -66,8 +66,8 @@ def build_comm_plan(cfg: Config, world_size: int) -> CommPlan:
                       sharded=cfg.launcher.group_parallel == "fsdp")
 
 
-def build_streaming_points(cfg: Config, grid: ModuleGrid) -> Points:
-    """``diloco.streaming``'s staggered sync points (:mod:`dipaco.plan.stagger`).
+def build_streaming_schedule(cfg: Config, grid: ModuleGrid) -> RoundSchedule:
+    """``diloco.streaming``'s staggered round (:mod:`dipaco.plan.stagger`).
 
     ``streaming_spread=size`` weighs each module by its encoded payload
     (``codec.nbytes_for(parameters)``), which depends on the module alone: every rank, and
@@ -76,18 +76,18 @@ def build_streaming_points(cfg: Config, grid: ModuleGrid) -> Points:
     d = cfg.diloco
     codec = make_codec(d.codec, **codec_kwargs(d))
     sizes = {m: codec.nbytes_for(grid.param_count(m)) for m in grid.module_ids}
-    return streaming_points(grid.module_ids, d.inner_steps, d.streaming_delay, fragments=d.streaming_fragments,
-                            spread=d.streaming_spread, sizes=sizes)
+    return streaming_schedule(grid.module_ids, d.inner_steps, d.streaming_delay, fragments=d.streaming_fragments,
+                              spread=d.streaming_spread, sizes=sizes)
 
 
 def build_schedule(cfg: Config, grid: ModuleGrid) -> RoundSchedule:
     """The run's round schedule, the one place it is built: synchronous (every module
-    launches and lands after step H), or with ``diloco.streaming`` the staggered points of
-    :func:`build_streaming_points` (the run's last round synchronous:
+    launches and lands after step H), or with ``diloco.streaming`` the staggered round of
+    :func:`build_streaming_schedule` (the run's last round synchronous:
     :meth:`RoundSchedule.of_round`)."""
     if not cfg.diloco.streaming:
         return RoundSchedule.synchronous(grid.module_ids, cfg.diloco.inner_steps)
-    return RoundSchedule.staggered(build_streaming_points(cfg, grid), cfg.diloco.inner_steps)
+    return build_streaming_schedule(cfg, grid)
 
 
 def format_streaming_plan(cfg: Config, world_size: int) -> str:
@@ -99,4 +99,4 @@ def format_streaming_plan(cfg: Config, world_size: int) -> str:
     codec = make_codec(d.codec, **codec_kwargs(d))
     nbytes = {m: module_bytes_per_rank(topo, m, grid.param_count(m), codec, d.lossy_exchange)
               for m in grid.module_ids}
-    return format_stagger(build_streaming_points(cfg, grid), topo.path_modules, nbytes)
+    return format_stagger(build_streaming_schedule(cfg, grid), topo.path_modules, nbytes)

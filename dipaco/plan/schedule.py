@@ -5,22 +5,24 @@ Every round of every sync mode is a :class:`RoundSchedule`:
 
 * the synchronous round (DiLoCo's; :meth:`RoundSchedule.synchronous`): every module
   launches and lands after step H, so a path's turn is one segment of H inner steps;
-* streaming's staggered round (:meth:`RoundSchedule.staggered`, the points of
-  :func:`dipaco.plan.stagger.streaming_points`): fragments launch at their own steps and
-  land τ steps later, so the turns are cut at those steps (:meth:`boundaries`);
+* streaming's staggered round (:func:`dipaco.plan.stagger.streaming_schedule`): fragments
+  launch at their own steps and land τ steps later, so the turns are cut at those steps
+  (:meth:`boundaries`);
 * streaming's final round is synchronous again (:meth:`RoundSchedule.of_round`).
 
 A landing *replaces* the live weights by the new global ones when the exchange overlapped
 no inner step (launch = land: nothing was learnt meanwhile) and *mixes* them in
-otherwise (``diloco.streaming_mix``). Pure Python: the planner and the simulator read it
-as the round driver does (:mod:`dipaco.sync.round_driver`).
+otherwise (``diloco.streaming_mix``). Pure Python: the round driver
+(:mod:`dipaco.sync.round_driver`) runs it, and the planner's bytes in flight
+(:func:`dipaco.plan.stagger.inflight_peak`) and the simulator (:mod:`dipaco.sim.modes`)
+read its :meth:`~RoundSchedule.fragments`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["RoundSchedule", "SyncPoint"]
+__all__ = ["Fragment", "RoundSchedule", "SyncPoint"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,15 @@ class SyncPoint:
     def replaces(self) -> bool:
         """The landing replaces the live weights: the exchange overlapped no inner step."""
         return self.launch == self.land
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """The modules that share one sync point: they launch together and land together."""
+
+    launch: int
+    land: int
+    modules: tuple[str, ...]  # in the global module order
 
 
 class RoundSchedule:
@@ -59,11 +70,6 @@ class RoundSchedule:
         """DiLoCo's round: every module launches and lands after step H."""
         H = int(inner_steps)
         return cls(H, {m: SyncPoint(H, H) for m in module_ids})
-
-    @classmethod
-    def staggered(cls, points: Mapping[str, tuple[int, int]], inner_steps: int) -> "RoundSchedule":
-        """From :func:`dipaco.plan.stagger.streaming_points`' ``{module: (launch, land)}``."""
-        return cls(inner_steps, {m: SyncPoint(int(a), int(b)) for m, (a, b) in points.items()})
 
     def of_round(self, r: int, rounds: int) -> "RoundSchedule":
         """Round ``r``'s schedule (0-based) in a run of ``rounds``: this one, except that the
@@ -97,6 +103,10 @@ class RoundSchedule:
         want = None if modules is None else set(modules)
         return [m for m, pt in self.points.items() if pt.launch == step and (want is None or m in want)]
 
-    def as_points(self) -> dict[str, tuple[int, int]]:
-        """``{module: (launch, land)}``, the form :mod:`dipaco.plan.stagger` reads."""
-        return {m: (pt.launch, pt.land) for m, pt in self.points.items()}
+    def fragments(self) -> list[Fragment]:
+        """The modules of each sync point, in launch order (then landing order)."""
+        by_point: dict[SyncPoint, list[str]] = {}
+        for m, pt in self.points.items():
+            by_point.setdefault(pt, []).append(m)
+        return [Fragment(pt.launch, pt.land, tuple(ms))
+                for pt, ms in sorted(by_point.items(), key=lambda kv: (kv[0].launch, kv[0].land))]

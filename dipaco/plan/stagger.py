@@ -20,31 +20,29 @@ are squeezed into ``[1, H − τ]``, keeping their proportions. The last fragmen
 the round it was launched in, so a round boundary (where checkpoints are taken) never
 has one in flight. With one fragment and τ = 0 every module launches and lands at step
 H: the synchronous round. The run's final round is synchronous too
-(:func:`synchronous_points`), so no inner step of the run is left out of θ_global: every
-module is exchanged once per round, as in the synchronous rounds.
+(:meth:`RoundSchedule.of_round`), so no inner step of the run is left out of θ_global:
+every module is exchanged once per round, as in the synchronous rounds.
 
-Bytes in flight (:func:`inflight_peak`): right after the sync point of step ``s`` the
-modules launched at or before ``s`` that land after it, and those launched and landed at
-``s`` (the driver lands earlier modules first, then launches, then lands the τ = 0
-ones: :meth:`dipaco.sync.diloco.DiLoCoSync.sync_point`). The synchronous round has a whole path in flight at
-once; a staggered round one fragment (plus any whose delay outlasts the gap to the next
-launch). Pure Python: ``dipaco-plan`` and the streaming driver both call it.
+Bytes in flight (:func:`inflight_peak`, over the schedule's fragments): right after the
+sync point of step ``s`` the fragments launched at or before ``s`` that land after it, and
+those launched and landed at ``s`` (the driver lands earlier modules first, then
+launches, then lands the τ = 0 ones: :meth:`dipaco.sync.round_driver.RoundDriver.sync_point`).
+The synchronous round has a whole path in flight at once; a staggered round one fragment
+(plus any whose delay outlasts the gap to the next launch). Pure Python: ``dipaco-plan``
+and the streaming driver both call it.
 """
 from __future__ import annotations
 
 import itertools
-import math
 import re
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["SPREADS", "Points", "format_stagger", "inflight_peak", "peak_bound", "stages",
-           "streaming_points", "synchronous_points"]
+from dipaco.plan.schedule import RoundSchedule, SyncPoint
+
+__all__ = ["SPREADS", "format_stagger", "inflight_peak", "peak_bound", "stages", "streaming_schedule"]
 
 #: diloco.streaming_spread choices
 SPREADS = ("even", "size")
-
-#: ``{module: (launch, land)}``: after which inner step of the round (1..H) each happens
-Points = dict[str, tuple[int, int]]
 
 _LEVEL = re.compile(r"^L(\d+)\.")
 
@@ -84,10 +82,10 @@ def _cut(weights: Sequence[float], n: int) -> list[int]:
     return ends + [len(cum)]
 
 
-def streaming_points(module_ids: Sequence[str], inner_steps: int, delay: int, *,
-                     fragments: Optional[int] = None, spread: str = "even",
-                     sizes: Optional[Mapping[str, float]] = None) -> Points:
-    """Every module's ``(launch, land)`` steps in a staggered round (module doc).
+def streaming_schedule(module_ids: Sequence[str], inner_steps: int, delay: int, *,
+                       fragments: Optional[int] = None, spread: str = "even",
+                       sizes: Optional[Mapping[str, float]] = None) -> RoundSchedule:
+    """The staggered round: every module's launch and landing step (module doc).
 
     Args:
         module_ids: every module, in the global order.
@@ -122,30 +120,21 @@ def streaming_points(module_ids: Sequence[str], inner_steps: int, delay: int, *,
     if ideal[0] < 1:  # τ leaves no room for the first gaps: squeeze into [1, H − τ]
         lo = ideal[0]
         ideal = [1 + (x - lo) * (span - 1) / (span - lo) for x in ideal]
-    out: Points = {}
+    out: dict[str, SyncPoint] = {}
     for frag, x in zip(frags, ideal):
         launch = min(span, max(1, round(x)))
         for s in frag:
             for m in s:
-                out[m] = (launch, launch + tau)
-    return {m: out[m] for m in module_ids}
+                out[m] = SyncPoint(launch, launch + tau)
+    return RoundSchedule(H, {m: out[m] for m in module_ids})
 
 
-def synchronous_points(module_ids: Sequence[str], inner_steps: int) -> Points:
-    """Every module launches and lands after step H (DiLoCo's round; streaming's last)."""
-    return {m: (int(inner_steps), int(inner_steps)) for m in module_ids}
-
-
-def _in_flight(points: Points, s: int) -> list[str]:
-    """Modules in flight right after the sync point of step ``s`` (module doc)."""
-    return [m for m, (a, b) in points.items() if a <= s < b or a == b == s]
-
-
-def inflight_peak(points: Points, modules: Sequence[str], nbytes: Mapping[str, int]) -> int:
+def inflight_peak(schedule: RoundSchedule, modules: Sequence[str], nbytes: Mapping[str, int]) -> int:
     """The most bytes ``modules`` (one path's) have in flight at once in a round."""
-    mine = {m: points[m] for m in modules if m in points}
-    steps = sorted({a for a, _ in mine.values()})
-    return max((sum(int(nbytes[m]) for m in _in_flight(mine, s)) for s in steps), default=0)
+    frags = [(f.launch, f.land, sum(int(nbytes[m]) for m in f.modules))
+             for f in schedule.restrict(modules).fragments()]
+    # right after the sync point of step s: launched by s and landing later, or at s itself
+    return max((sum(n for a, b, n in frags if a <= s < b or a == b == s) for s, _, _ in frags), default=0)
 
 
 def peak_bound(modules: Sequence[str], nbytes: Mapping[str, int]) -> int:
@@ -154,17 +143,14 @@ def peak_bound(modules: Sequence[str], nbytes: Mapping[str, int]) -> int:
     return sum(top[:2])
 
 
-def format_stagger(points: Points, path_modules: Sequence[Sequence[str]], nbytes: Mapping[str, int]) -> str:
+def format_stagger(schedule: RoundSchedule, path_modules: Sequence[Sequence[str]], nbytes: Mapping[str, int]) -> str:
     """``dipaco-plan``'s streaming table: each fragment's steps and a path's bytes in flight."""
-    by_step: dict[tuple[int, int], list[str]] = {}
-    for m, pt in points.items():
-        by_step.setdefault(pt, []).append(m)
     lines = ["streaming schedule (per round; bytes per rank of one path's module):",
              f"{'launch':>7} {'lands':>6}  modules"]
-    for (a, b), mods in sorted(by_step.items()):
-        lines.append(f"{a:>7} {b:>6}  {' '.join(mods)}")
+    for f in schedule.fragments():
+        lines.append(f"{f.launch:>7} {f.land:>6}  {' '.join(f.modules)}")
     sync = max(sum(int(nbytes[m]) for m in pm) for pm in path_modules)
-    peak = max(inflight_peak(points, pm, nbytes) for pm in path_modules)
+    peak = max(inflight_peak(schedule, pm, nbytes) for pm in path_modules)
     bound = max(peak_bound(pm, nbytes) for pm in path_modules)
     lines.append(f"peak bytes in flight per path: {peak:,} streaming vs {sync:,} synchronous "
                  f"(bound: largest module + one more = {bound:,}; the final round is synchronous)")

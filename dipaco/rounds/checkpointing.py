@@ -153,5 +153,4 @@ def load_checkpoint(path: Path, grid: ModuleGrid, sync: DiLoCoSync, learners: di
         if driver is not None and driver.holds_path_state:  # synchronous rounds wrote none: θ_global
             own = path / "streams" / f"path_{p}.safetensors"
             driver.load_path_state(p, load_state(own) if own.exists() else None)
-    sync.round = int(state["round"])
     return int(state["round"])

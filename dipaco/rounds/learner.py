@@ -4,8 +4,8 @@ A :class:`PathLearner` keeps its optimiser state and data position between its t
 (docs/design.md contract 3), so a worker group that trains several paths in turn resumes each
 exactly where it stopped. In the local backend several learners hold the *same* module
 tensors (paths share modules); each has its own AdamW state for them, as each path has
-in a real deployment, and :class:`dipaco.sync.diloco.DiLoCoSync` restores the round's
-global weights before every turn.
+in a real deployment, and :meth:`dipaco.sync.round_driver.RoundDriver.activate` puts the path's
+copy of the global weights live before every turn.
 """
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ runs every path this rank's worker group owns (every path in the local backend) 
 next boundary from its copy of its modules (θ_global when synchronous), data parallel over
 the worker group, each path contributing α·Δ (``diloco.alpha``) of its modules launching
 there; then the sync point lands, launches and lands
-(:class:`dipaco.sync.round_driver.RoundDriver`, :meth:`dipaco.sync.diloco.DiLoCoSync.sync_point`):
-each module's exchange runs over exactly the ranks that hold it. A synchronous round is one
+(:meth:`dipaco.sync.round_driver.RoundDriver.sync_point`): each module's exchange runs over exactly the ranks that hold it. A synchronous round is one
 segment of H inner steps and one sync point. Checkpoints are taken at round boundaries;
 resume reloads the newest valid one and continues bit for bit.
 

@@ -3,11 +3,11 @@ the newest checkpoint (:func:`resume`).
 
 A rank (or, in the local backend, the one process playing every worker group) holds:
 its device, the grid, the topology, the modules of its paths (FSDP2-sharded over the
-worker group with ``launcher.group_parallel=fsdp``), the per-module sync driver
-(:class:`dipaco.sync.diloco.DiLoCoSync`), one path learner per path it trains (its own
-AdamW state and data stream, docs/design.md contract 3), the α rule and the checkpoint
-manager; and the round driver over the sync by the run's schedule
-(:class:`dipaco.sync.round_driver.RoundDriver`).
+worker group with ``launcher.group_parallel=fsdp``), its per-module syncs
+(:class:`dipaco.sync.diloco.DiLoCoSync`) and the one object that runs their rounds by the
+run's schedule (:class:`dipaco.sync.round_driver.RoundDriver`), one path learner per path
+it trains (its own AdamW state and data stream, docs/design.md contract 3), the α rule
+and the checkpoint manager.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
+import dipaco
 from dipaco.storage.jsonl import append_json_lines, read_json_lines
 
 PROVENANCE = "provenance.jsonl"
@@ -75,8 +76,6 @@ def _devices() -> list[str]:
 
 def collect(event: str = "start") -> dict[str, Any]:
     """One provenance record of this process, now (``event``: start, resume, export)."""
-    import dipaco
-
     try:
         import torch
 

@@ -23,12 +23,16 @@ Syntax: ``;``-separated faults, each ``kind:key=value:key=value``::
                                                        # every 1 s (×U(0.5, 1.5)), 4 times
     DIPACO_FAULT="worker_delay:prob=0.5:s=0.8:seed=3"  # decoupled: a worker stalls U(0, 0.8) s
                                                        # inside a phase, with probability 0.5
+    DIPACO_FAULT="store_error:file=/tmp/outage"        # decoupled: every store call of this
+                                                       # process raises OSError while the file
+                                                       # exists (a store outage for this host)
 
 ``round`` is 1-based (the round being trained). ``rank`` is the global rank (the local
 backend is rank 0). ``start`` is which start of the ranks of an elastic launch this is (0
 the first; :mod:`dipaco.runtime.elastic` sets it), so a fault that a restart would meet
 again fires once. ``module`` defaults to every module of the path. Sync mode calls
-:func:`inject` in the rounds loop; decoupled mode reads :func:`worker_chaos`.
+:func:`inject` in the rounds loop; decoupled mode reads :func:`worker_chaos` and wraps
+its stores with :func:`store_outage`.
 """
 from __future__ import annotations
 
@@ -45,10 +49,10 @@ NODE_ENV = "DIPACO_NODE"  # the name of this rank's elastic agent (dipaco.runtim
 # the PID of this rank's elastic agent, which sets it: a rank forked from the agent's server
 # (dipaco.runtime.process_start) has that server, not the agent, as its parent
 AGENT_PID_ENV = "DIPACO_AGENT_PID"
-KINDS = ("kill", "node_kill", "signal", "nan", "inf", "worker_kill", "worker_delay")
+KINDS = ("kill", "node_kill", "signal", "nan", "inf", "worker_kill", "worker_delay", "store_error")
 # field name -> type; which fields a kind reads is in the module doc
 FIELDS = {"round": int, "rank": int, "path": int, "module": str, "every_s": float, "max": int, "prob": float,
-          "s": float, "seed": int, "sig": str, "start": int}
+          "s": float, "seed": int, "sig": str, "start": int, "file": str}
 
 
 def agent_pid() -> int:
@@ -73,6 +77,7 @@ class Fault:
     seed: Optional[int] = None
     sig: Optional[str] = None
     start: Optional[int] = None
+    file: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ def parse(spec: str) -> list[Fault]:
             raise ValueError(f"{ENV}: {item!r} needs every_s > 0 and max > 0, e.g. worker_kill:every_s=5:max=3")
         if kind == "signal" and not isinstance(getattr(signal, f"SIG{f.sig or 'USR2'}", None), signal.Signals):
             raise ValueError(f"{ENV}: {item!r} names no signal; use e.g. signal:sig=USR2 or signal:sig=TERM")
+        if kind == "store_error" and not f.file:
+            raise ValueError(f"{ENV}: {item!r} needs file=PATH (the store fails while PATH exists)")
         if kind == "worker_delay" and not (0 <= (f.prob or 0) <= 1 and (f.s or 0) > 0):
             raise ValueError(f"{ENV}: {item!r} needs prob in [0, 1] and s > 0, e.g. worker_delay:prob=0.2:s=1")
         faults.append(f)
@@ -178,3 +185,34 @@ def worker_chaos() -> WorkerChaos:
         elif f.kind == "worker_delay":
             out = replace(out, delay_prob=float(f.prob or 0.0), delay_s=float(f.s or 0.0), seed=f.seed or out.seed)
     return out
+
+
+class _FailingStore:
+    """A store whose every call raises OSError while ``flag`` exists (``store_error``)."""
+
+    def __init__(self, store: Any, flag: str) -> None:
+        self._store, self._flag = store, flag
+
+    def __repr__(self) -> str:
+        return repr(self._store)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if os.path.exists(self._flag):
+                raise OSError(f"{ENV}: injected store outage ({self._flag} exists)")
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def store_outage(store: Any) -> Any:
+    """``store``, or a wrapper failing while a ``store_error`` fault's file exists: a
+    decoupled role's store (worker, synchroniser, a host's supervisor) cut off for a while."""
+    if ENV not in os.environ:  # the production fast path
+        return store
+    flags = [f.file for f in active() if f.kind == "store_error" and f.file]
+    return _FailingStore(store, flags[-1]) if flags else store

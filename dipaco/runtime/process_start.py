@@ -58,6 +58,7 @@ PRELOAD = (
     "dipaco.runtime.launch",
     "dipaco.rounds.loop",
     "dipaco.decoupled.worker",
+    "dipaco.decoupled.supervisor",  # decoupled workers' and synchronisers' entry points
 )
 
 # this process's environment as it was when this module was imported: in a process forked

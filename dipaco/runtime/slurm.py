@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from dipaco.runtime.launch import LaunchError
+from dipaco.runtime.placement import place_rank
 
 # SLURM variables every srun task has, and what they become
 _TASK_ENV = {"SLURM_PROCID": "RANK", "SLURM_NTASKS": "WORLD_SIZE", "SLURM_LOCALID": "LOCAL_RANK"}
@@ -93,8 +94,6 @@ def dry_run_text(launcher: Mapping[str, Any], *, nodes: int, nproc: int, threads
     """What ``dipaco-train launcher=slurm launcher.dry_run=true`` prints: the sbatch script
     submitit would submit and the torch.distributed environment, device and threads each
     task derives (by :func:`dipaco.runtime.placement.place_rank`, as the task will)."""
-    from dipaco.runtime.placement import place_rank
-
     folder = str(Path(str(launcher.get("submitit_folder", ".submitit/%j"))).absolute())
     script = sbatch_script({**launcher, "submitit_folder": folder}, command=submitit_command(folder))
     world = nodes * nproc

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from dipaco.config import ConfigError
 from dipaco.sim.job import SimJob
+from dipaco.sim.modes import make_mode
 
 __all__ = ["MAX_EVENTS", "expected_wall_s", "expected_events", "check_cost"]
 
@@ -59,27 +60,25 @@ def expected_wall_s(job: SimJob, horizon_s: Optional[float]) -> float:
     return _expected_s(job, horizon_s)[0]
 
 
-def expected_events(job: SimJob, horizon_s: Optional[float], decoupled_s: Optional[float],
-                    modes: Sequence[str]) -> float:
+def expected_events(job: SimJob, modes: Sequence[str]) -> float:
     """Events of simulating ``modes``: rounds drawn while computing (decoupled: a phase per
     worker) and failures drawn, restarts included; an upper estimate (rounds at their
-    nominal length, every mode as long as sync). ``decoupled_s``: decoupled mode's horizon."""
+    nominal length, every mode as long as sync), each mode over its own horizon."""
     rs, lam = _round_s(job), _failure_rate(job)
     total = 0.0
-    for m in modes:
-        t, busy = _expected_s(job, decoupled_s if m == "decoupled" else horizon_s)
-        total += busy / rs * (job.workers if m == "decoupled" else 1) + lam * t
+    for mode in (make_mode(m, job) for m in modes):
+        t, busy = _expected_s(job, mode.horizon_s())
+        total += busy / rs * mode.phases + lam * t
     return total
 
 
-def check_cost(job: SimJob, horizon_s: Optional[float], decoupled_s: Optional[float],
-               modes: Sequence[str]) -> None:
+def check_cost(job: SimJob, modes: Sequence[str]) -> None:
     """:class:`ConfigError` naming the key to change when simulating ``modes`` of ``job``
     would take more than :data:`MAX_EVENTS` events (module doc)."""
-    events = expected_events(job, horizon_s, decoupled_s, modes)
+    events = expected_events(job, modes)
     if events <= MAX_EVENTS:
         return
-    c = job.cluster
+    horizon_s = make_mode("sync", job).horizon_s()  # the round modes' (decoupled caps its own)
     t = expected_wall_s(job, horizon_s)
     lam = _failure_rate(job)
     size = "never ends" if math.isinf(events) else f"takes about {events:.2g} events (rounds, failures)"

@@ -47,6 +47,7 @@ class ModuleState:
     pending: list[tuple[int, int, Any]] = field(default_factory=list)  # (path, base version, steps)
     first_pending_at: Optional[float] = None
     fill_ema: Optional[float] = None
+    phase_ema: Optional[float] = None  # seconds of a phase (the grace window's scale)
     grace_armed: bool = False
     steps: list[tuple] = field(default_factory=list)  # each outer step: (time, trigger, paths, version)
 
@@ -63,14 +64,15 @@ class Synchronizers:
         self.done_paths: set[int] = set()
         self.on_account, self.on_apply = on_account, on_apply
 
-    def offer(self, module_id: str, path: int, base: int, steps: Any) -> None:
+    def offer(self, module_id: str, path: int, base: int, steps: Any, phase_s: Optional[float] = None) -> None:
         """An update of ``path`` started from version ``base`` arrives now (``steps``: what
-        ``on_apply`` is given when it is applied)."""
+        ``on_apply`` is given when it is applied; ``phase_s``: its phase's seconds)."""
         mod = self.modules[module_id]
         if rules.is_stale(mod.version, base, self.d.max_staleness):
             self.on_account(path)
             return
         mod.pending.append((path, base, steps))
+        mod.phase_ema = rules.next_phase_ema(mod.phase_ema, phase_s)
         if mod.first_pending_at is None:
             mod.first_pending_at = self.env.now
         self.check(mod)
@@ -80,7 +82,7 @@ class Synchronizers:
         ``deadline``: the grace expiry a timer fired for (the clock reads it, not a float
         a rounding short of it)."""
         now = self.env.now
-        grace = rules.grace_window(self.d, mod.fill_ema)
+        grace = rules.grace_window(self.d, mod.fill_ema, mod.phase_ema, mod.quorum, len(mod.sharing))
         # (first + grace) - first can round a hair below grace: the fired timer reads its deadline plus 1 ns
         clock = now if deadline is None else max(now, deadline + 1e-9 * max(1.0, abs(deadline)))
         why = "flush" if flush and mod.pending else rules.step_due(
@@ -215,7 +217,7 @@ class _DecoupledSim:
             self.accounted[path] = self.env.event()
             self.unaccounted[path] = len(job.path_modules[path])
             for m in job.path_modules[path]:
-                self.sync.offer(m, path, base[m], (steps, factor))
+                self.sync.offer(m, path, base[m], (steps, factor), dur)
 
     def _others_factor(self, i: int) -> float:
         c = self.job.cluster

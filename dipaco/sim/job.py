@@ -4,8 +4,8 @@ Everything here comes from the project's own planners: the training paths and th
 modules from the grid (:func:`dipaco.plan.build.build_grid`), who holds what from the
 topology (paths dealt to worker groups round-robin, :mod:`dipaco.plan.topology`), the
 bytes each rank sends per module exchange from the communication plan
-(:func:`dipaco.plan.comm_plan.module_bytes_per_rank`), streaming's launch and landing
-steps from :func:`dipaco.plan.build.build_streaming_points`. The cluster
+(:func:`dipaco.plan.comm_plan.module_bytes_per_rank`), streaming's round from
+:func:`dipaco.plan.build.build_streaming_schedule`. The cluster
 (``cluster.*``, :mod:`dipaco.config.cluster`) adds chips, step time and links.
 
 Aggregation: a cluster of 10^6 chips has more worker groups than the config has paths.
@@ -24,10 +24,10 @@ import torch
 from dipaco.config import Config, codec_kwargs
 from dipaco.config.cluster import ClusterConfig, worker_groups
 from dipaco.config.decoupled import DecoupledConfig
-from dipaco.plan.build import build_grid, build_streaming_points, build_topology
+from dipaco.plan.build import build_grid, build_streaming_schedule, build_topology
 from dipaco.plan.codecs import make_codec
 from dipaco.plan.comm_plan import module_bytes_per_rank, ring_allreduce_bytes
-from dipaco.plan.stagger import Points
+from dipaco.plan.schedule import RoundSchedule
 
 __all__ = ["SimJob", "sim_job"]
 
@@ -50,7 +50,7 @@ class SimJob:
     module_bytes: dict[str, int]  # bytes one rank sends per exchange of the module, per round
     ranks_per_group: int  # launcher.group_size
     plan_groups: int  # worker groups the bytes were planned on (min(groups, paths))
-    points: Points  # streaming's (launch, land) step of each module
+    streaming: RoundSchedule  # streaming's round with the config's streaming settings
     ddp_rank_bytes_per_step: int  # a path's all-reduce over every rank, each inner step
     decoupled: DecoupledConfig
     workers: int  # decoupled workers (diloco.decoupled.workers, else one per path)
@@ -118,14 +118,14 @@ def sim_job(cfg: Config) -> SimJob:
     path_params = grid.path_param_count(0)
     # the streaming mode's schedule with the config's streaming settings, whether or not
     # this config streams (a delay of H or more cannot stream: every module at step H)
-    points = (build_streaming_points(cfg, grid) if d.streaming_delay < d.inner_steps
-              else {m: (d.inner_steps, d.inner_steps) for m in grid.module_ids})
+    streaming = (build_streaming_schedule(cfg, grid) if d.streaming_delay < d.inner_steps
+                 else RoundSchedule.synchronous(grid.module_ids, d.inner_steps))
     workers = d.decoupled.num_workers or paths
     return SimJob(cluster=c, paths=paths, groups=groups, chips_per_group=cpg, inner_steps=d.inner_steps,
                   step_s=derived_step_s(cfg, path_params, cpg), rounds=cfg.trainer.rounds,
                   checkpoint_every=cfg.trainer.checkpoint_every,
                   tokens_per_step=cfg.trainer.batch_size * cfg.trainer.seq_len, path_params=path_params,
                   path_modules=tuple(tuple(pm) for pm in topo.path_modules), module_bytes=nbytes,
-                  ranks_per_group=G, plan_groups=plan_groups, points=points,
+                  ranks_per_group=G, plan_groups=plan_groups, streaming=streaming,
                   ddp_rank_bytes_per_step=ring_allreduce_bytes(plan_groups * G, 4 * path_params),
                   decoupled=d.decoupled, workers=min(workers, groups))

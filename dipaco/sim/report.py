@@ -4,23 +4,17 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from dipaco.config import Config
 from dipaco.run.owned import write_owned_file
 from dipaco.storage.strict_json import dumps_strict
 from dipaco.sim.cost import check_cost
-from dipaco.sim.decoupled import simulate_decoupled
 from dipaco.sim.job import SimJob, sim_job
-from dipaco.sim.rounds import ROUND_MODES, simulate_rounds
+from dipaco.sim.modes import MODES, make_mode
 from dipaco.sim.tally import ModeResult
 
 __all__ = ["MODES", "SimReport", "simulate", "simulate_job"]
-
-#: simulated seconds of decoupled mode when its workers stand for many groups each
-STATIONARY_S = 600.0
-#: every mode the simulator knows, in the order the table prints them
-MODES = ("sync", "elastic", "streaming", "decoupled", "ddp")
 
 
 @dataclass(frozen=True)
@@ -85,32 +79,17 @@ class SimReport:
         write_owned_file(path, buf.getvalue(), "dipaco-plan --plot")
 
 
-def horizons(job: SimJob) -> tuple[Optional[float], Optional[float]]:
-    """Simulated seconds of the round modes and of decoupled mode (None: until the
-    config's rounds are applied)."""
-    h = job.cluster.horizon_hours
-    horizon: Optional[float] = None if h is None else h * 3600.0
-    # a decoupled worker standing for many groups folds their failures into each phase: its
-    # goodput is a stationary rate, and ten simulated minutes measure it (a week of phases
-    # of 256 workers would be millions of events)
-    dec = horizon if job.groups <= job.workers or horizon is None else min(horizon, STATIONARY_S)
-    return horizon, dec
-
-
-def simulate_job(job: SimJob, modes: Sequence[str] = MODES) -> SimReport:
+def simulate_job(job: SimJob, modes: Sequence[str] = tuple(MODES)) -> SimReport:
     """Simulate ``modes`` of ``job`` (horizon: ``cluster.horizon_hours``)."""
-    horizon, dec = horizons(job)
-    out = [simulate_decoupled(job, dec) if m == "decoupled" else simulate_rounds(job, m, horizon)
-           for m in modes]
+    out = [mode.simulate(mode.horizon_s()) for mode in (make_mode(m, job) for m in modes)]
     return SimReport(job, tuple(out))
 
 
-def simulate(cfg: Config, modes: Sequence[str] = MODES) -> SimReport:
+def simulate(cfg: Config, modes: Sequence[str] = tuple(MODES)) -> SimReport:
     """``dipaco-plan --simulate``: every mode of validated ``cfg`` on ``cfg.cluster``."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise ValueError(f"unknown modes {unknown}: choose from {MODES}")
-    assert set(ROUND_MODES) | {"decoupled"} == set(MODES)
+        raise ValueError(f"unknown modes {unknown}: choose from {list(MODES)}")
     job = sim_job(cfg)
-    check_cost(job, *horizons(job), modes)  # refuse in one line what would run for hours
+    check_cost(job, modes)  # refuse in one line what would run for hours
     return simulate_job(job, modes)

@@ -1,33 +1,25 @@
-"""The round-based modes on a SimPy clock: synchronous per-module DiLoCo, elastic,
-streaming, and DDP of one path (the baseline).
+"""The round-based modes on a SimPy clock: a :class:`RoundSim` runs rounds of one
+:class:`RoundMode` (sync, elastic, streaming, DDP: :mod:`dipaco.sim.modes`) until the
+budget or the horizon.
 
 One SimPy process trains round after round; another draws the cluster's failures and
 interrupts it (:class:`simpy.Interrupt`). Rounds between two events are drawn as one
 block (their straggler factors drawn one by one), so a simulated week costs events in
-proportion to failures and blocks, not to rounds or chips. What a round costs follows
-the project's own rules:
-
-* **sync**: the busiest worker group trains its paths in turn (paths dealt round-robin,
-  :mod:`dipaco.plan.topology`) and every group waits for the slowest; then each module
-  is exchanged (the plan's bytes per rank, :mod:`dipaco.sim.job`), nothing overlapped.
-  A failure rolls the job back to its last checkpoint (``trainer.checkpoint_every``
-  rounds) and costs ``detect_s + restart_s``.
-* **elastic** (``launcher.elastic``): a lost group makes the survivors re-form
-  (``detect_s + rendezvous_s``) and go on from the last committed round with the paths
-  re-dealt over fewer groups; the group rejoins ``restart_s`` later at a round boundary
-  (another rendezvous).
-* **streaming**: sync's round, each fragment launched and landed at the steps of
-  :func:`dipaco.plan.stagger.streaming_points`; the inner loop stands only when a
-  fragment has not landed by its step. The link carries one fragment at a time, in
-  launch order.
-* **ddp**: one path data-parallel over every group: a gradient all-reduce each inner
-  step, nothing overlapped; failures as in sync.
+proportion to failures and blocks, not to rounds or chips. A round
+(:class:`RoundCost`): the busiest worker group trains its paths in turn (paths dealt
+round-robin, :mod:`dipaco.plan.topology`) and every group waits for the slowest; the mode
+says what its exchanges expose and send. A failure rolls the job back to its last
+checkpoint (``trainer.checkpoint_every`` rounds) and costs ``detect_s + restart_s``; in an
+elastic mode the survivors re-form instead (``detect_s + rendezvous_s``) and go on from
+the last round with the paths re-dealt over fewer groups, the group rejoining
+``restart_s`` later at a round boundary (another rendezvous).
 """
 from __future__ import annotations
 
 import bisect
 import math
-from typing import Generator, Optional, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Generator, Optional, Protocol, Sequence
 
 import simpy
 
@@ -35,16 +27,39 @@ from dipaco.sim.faults import Faults
 from dipaco.sim.job import SimJob
 from dipaco.sim.tally import ModeResult, Tally, result
 
-__all__ = ["ROUND_MODES", "simulate_rounds"]
+__all__ = ["RoundCost", "RoundMode", "RoundSim"]
 
-ROUND_MODES = ("sync", "elastic", "streaming", "ddp")
 _BLOCK = 512  # rounds drawn at once between events
 
 
-class _RoundSim:
+@dataclass(frozen=True)
+class RoundCost:
+    """What one simulated round cost."""
+
+    seconds: float  # wall: the inner steps and what the link exposed
+    exposed: float  # the inner loop stood for the link
+    bytes: float  # every rank's, together
+    steps: float  # path inner steps run
+    factor: float  # their mean straggler factor
+
+
+class RoundMode(Protocol):
+    """What :class:`RoundSim` asks of a round-based mode (:mod:`dipaco.sim.modes`)."""
+
+    name: ClassVar[str]
+    elastic: ClassVar[bool]  # a lost group makes the survivors re-form (else: roll back)
+
+    def path_steps(self, groups_up: int) -> float:
+        """Path inner steps a round runs with ``groups_up`` groups."""
+
+    def exchange(self, step_s: float) -> tuple[float, float]:
+        """``(exposed seconds, bytes one rank sends)`` of a round of ``step_s``-second steps."""
+
+
+class RoundSim:
     """One round-based mode on one SimPy environment (module doc)."""
 
-    def __init__(self, job: SimJob, mode: str, horizon_s: Optional[float],
+    def __init__(self, job: SimJob, mode: RoundMode, horizon_s: Optional[float],
                  failures_at: Optional[Sequence[float]] = None) -> None:
         self.job, self.mode, self.horizon_s = job, mode, horizon_s
         self.script = None if failures_at is None else sorted(float(t) for t in failures_at)
@@ -57,61 +72,38 @@ class _RoundSim:
         self.recovering = False
         self.committed: list[tuple[float, float]] = []  # (steps, factor) of each round since the last checkpoint
         self.rounds_done = 0
-        self.block: Optional[tuple[float, list[float], list[tuple[float, float, float, float, float]]]] = None
-        # per round the same: a path's bytes, each fragment's (launch, land, seconds on the link)
-        self.path_bytes = job.rank_bytes()
-        frags: dict[tuple[int, int], int] = {}
-        for m, pt in job.points.items():
-            frags[pt] = max(frags.get(pt, 0), job.module_bytes[m])  # a path holds one module of a stage
-        self.fragments = [(a, b, job.transfer_s(n)) for (a, b), n in sorted(frags.items())]
+        self.block: Optional[tuple[float, list[float], list[RoundCost]]] = None
         self.finished = self.env.event()
         self.trainer = self.env.process(self._train())
         self.env.process(self._failures())
 
     # ------------------------------------------------------------------ one round
-    def _streaming_stall(self, step: float) -> float:
-        """Seconds the inner loop stands in a staggered round of ``step``-second steps."""
-        stall, link_free = 0.0, 0.0
-        for a, b, seconds in self.fragments:
-            start = max(a * step + stall, link_free)
-            link_free = start + seconds
-            stall += max(0.0, link_free - (b * step + stall))
-        return stall
-
-    def _round(self) -> tuple[float, float, float, float, float]:
-        """``(seconds, exposed, bytes, path steps, their mean straggler factor)`` of the next round."""
-        job, H = self.job, self.job.inner_steps
-        up = self.groups_up
-        step = job.step_s * job.path_load(up) * self.faults.slowest(up)
-        steps = float(max(up, job.paths) * H) if self.mode != "ddp" else float(up * H)
+    def _round(self) -> RoundCost:
+        """The next round's cost."""
+        job, up = self.job, self.groups_up
+        nominal = job.step_s * job.path_load(up)
+        step = nominal * self.faults.slowest(up)
         ranks = max(1, min(up, job.plan_groups)) * job.ranks_per_group
-        if self.mode == "ddp":
-            exposed = H * job.transfer_s(job.ddp_rank_bytes_per_step)
-            nbytes = H * job.ddp_rank_bytes_per_step * ranks
-        elif self.mode == "streaming":
-            exposed = self._streaming_stall(step)
-            nbytes = self.path_bytes * ranks
-        else:
-            exposed = job.transfer_s(self.path_bytes)
-            nbytes = self.path_bytes * ranks
+        exposed, rank_bytes = self.mode.exchange(step)
         # a group's steps are busy at most as long as the round's slowest group: the mean
         # factor of a heavy tail (lognormal, large sigma) can exceed the draw, and goodput 1
-        slowest = step / max(job.step_s * job.path_load(up), 1e-300)
-        return H * step + exposed, exposed, nbytes, steps, min(self.faults.mean_factor(up), slowest)
+        slowest = step / max(nominal, 1e-300)
+        return RoundCost(job.inner_steps * step + exposed, exposed, rank_bytes * ranks, self.mode.path_steps(up),
+                         min(self.faults.mean_factor(up), slowest))
 
     # ------------------------------------------------------------------ accounting
-    def _commit(self, rounds: list[tuple[float, float, float, float, float]]) -> None:
+    def _commit(self, rounds: list[RoundCost]) -> None:
         t = self.tally
-        for _, exposed, nbytes, steps, factor in rounds:
-            t.exposed_s += exposed
-            t.bytes += nbytes
-            t.executed_steps += steps
+        for r in rounds:
+            t.exposed_s += r.exposed
+            t.bytes += r.bytes
+            t.executed_steps += r.steps
             t.rounds += 1
             self.rounds_done += 1
-            self.committed.append((steps, factor))
-            if self.mode == "elastic" or self.rounds_done % self.job.checkpoint_every == 0:
+            self.committed.append((r.steps, r.factor))
+            if self.mode.elastic or self.rounds_done % self.job.checkpoint_every == 0:
                 self.committed = []  # elastic: every round is committed (the survivors go on from it)
-            t.apply(steps, self.env.now, factor)
+            t.apply(r.steps, self.env.now, r.factor)
 
     def _rollback(self) -> None:
         """A failure: the rounds since the last checkpoint are lost (sync, streaming, ddp)."""
@@ -133,13 +125,13 @@ class _RoundSim:
                 self.groups_up, self.rejoins = self.rejoins, 0
                 continue
             left = self.tally.target_steps - self.tally.applied_steps
-            rounds: list[tuple[float, float, float, float, float]] = []
+            rounds: list[RoundCost] = []
             while len(rounds) < _BLOCK and (self.horizon_s is not None or left > 0):
                 rounds.append(self._round())
-                left -= rounds[-1][3]
+                left -= rounds[-1].steps
             cum = [0.0]
             for r in rounds:
-                cum.append(cum[-1] + r[0])
+                cum.append(cum[-1] + r.seconds)
             self.block = (self.env.now, cum, rounds)
             try:
                 yield self.env.timeout(cum[-1])
@@ -148,7 +140,7 @@ class _RoundSim:
                 blk, self.block = self.block, None  # no further interrupt while this one is handled
                 yield from self._interrupted(str(why.cause), blk)
             self.block = None
-            if self.rejoins and self.mode == "elastic":
+            if self.rejoins and self.mode.elastic:
                 yield from self._recover(self.job.cluster.rendezvous_s)
                 self.groups_up, self.rejoins = self.groups_up + self.rejoins, 0
         self.finished.succeed()
@@ -164,10 +156,11 @@ class _RoundSim:
                 yield self.env.timeout(max(0.0, cum[done + 1] - elapsed))
                 self._commit(rounds[done:done + 1])
             return
-        partial = rounds[done][3] * (elapsed - cum[done]) / max(rounds[done][0], 1e-12) if done < len(rounds) else 0
+        partial = rounds[done].steps * (elapsed - cum[done]) / max(rounds[done].seconds, 1e-12) \
+            if done < len(rounds) else 0
         self.tally.executed_steps += partial
         self.tally.failures += 1
-        if self.mode == "elastic":
+        if self.mode.elastic:
             self.groups_up -= 1
             self.env.process(self._rejoin())
             yield from self._recover(c.detect_s + c.rendezvous_s)
@@ -189,7 +182,7 @@ class _RoundSim:
     def _failures(self) -> Generator:
         script = iter(self.script) if self.script is not None else None
         while True:
-            up = self.groups_up if self.mode == "elastic" else self.job.groups
+            up = self.groups_up if self.mode.elastic else self.job.groups
             if script is not None:  # failures at given times (tests)
                 wait = next(script, math.inf) - self.env.now
             else:
@@ -202,7 +195,7 @@ class _RoundSim:
             if self.recovering or self.block is None:
                 # a failure while the job re-forms: one more group to replace, no extra rollback
                 self.tally.failures += 1
-                if self.mode == "elastic" and self.groups_up > 0:
+                if self.mode.elastic and self.groups_up > 0:
                     self.groups_up -= 1
                     self.env.process(self._rejoin())
                 continue
@@ -215,15 +208,6 @@ class _RoundSim:
             start, cum, rounds = self.block
             self._commit(rounds[:bisect.bisect_right(cum, self.env.now - start + 1e-12) - 1])
         job = self.job
-        return result(self.mode, self.tally, float(self.env.now), job.chips, job.step_s * job.chips_per_group,
+        return result(self.mode.name, self.tally, float(self.env.now), job.chips, job.step_s * job.chips_per_group,
                       job.tokens_per_step)
 
-
-def simulate_rounds(job: SimJob, mode: str, horizon_s: Optional[float] = None,
-                    failures_at: Optional[Sequence[float]] = None) -> ModeResult:
-    """Simulate ``mode`` (one of :data:`ROUND_MODES`) until ``horizon_s`` (None: until the
-    config's rounds are applied); ``failures_at``: failures at these seconds instead of
-    the cluster's drawn ones."""
-    if mode not in ROUND_MODES:
-        raise ValueError(f"mode {mode!r} is not one of {ROUND_MODES}")
-    return _RoundSim(job, mode, horizon_s, failures_at).run()

@@ -126,8 +126,3 @@ class ProcessGroups:
             g = self.topology.group_of_rank(self.rank)
         group = self.worker_group(g)
         return self._exchange_group.get(g, group)
-
-    @property
-    def num_created(self) -> int:
-        """Number of distinct process groups created."""
-        return len(self._cache)

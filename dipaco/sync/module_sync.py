@@ -1,6 +1,6 @@
 """Synchronous DiLoCo for ONE module: the per-module core + a communicator.
 
-Per round (the driver is :class:`dipaco.sync.diloco.DiLoCoSync`, its schedule says when):
+Per round (:class:`dipaco.sync.round_driver.RoundDriver` calls these when its schedule says):
 
 1. before each path's turn, :meth:`CollectiveModuleSync.restore` copies θ_global into the live
    module, so every path starts the round from the same weights;
@@ -13,7 +13,7 @@ Per round (the driver is :class:`dipaco.sync.diloco.DiLoCoSync`, its schedule sa
 4. :meth:`CollectiveModuleSync.land` waits for the exchange, sets the outer gradient to
    ``Σα·Δ / Σα`` and steps the outer optimiser (:meth:`ModuleCore.step`). The new global
    weights are then the caller's to put into the live module: replaced
-   (:meth:`restore`, the synchronous round) or mixed (:meth:`ModuleCore.mix_into`).
+   (:meth:`restore`, the synchronous round) or mixed (:meth:`mix`, :meth:`mix_into`).
 
 A *contributor* is a worker group index: contributions of one group's paths are summed
 into one buffer (in the order the paths were trained), which is encoded once per slice
@@ -196,6 +196,14 @@ class CollectiveModuleSync:
     def mix(self, weight: float) -> None:
         """``live ← live + weight·(θ_global − live)`` (weight 1: :meth:`restore`)."""
         self.core.mix_into(self._live(), weight)
+
+    def snapshot(self) -> torch.Tensor:
+        """A flat fp32 copy of θ_global on the live parameters' device (a path's own copy)."""
+        return self.core.weights.to(self.params[0].device, copy=True)
+
+    def mix_into(self, copy: torch.Tensor, weight: float) -> None:
+        """``copy ← copy + weight·(θ_global − copy)`` for a flat copy set aside by a path."""
+        self.core.mix_into([copy], weight)
 
     def pseudo_gradient(self) -> torch.Tensor:
         """Δ = θ_global − live, flat fp32 on the state device."""

@@ -24,17 +24,21 @@ __all__ = ["DelayedNesterov", "make_outer_optimizer", "optimizer_names", "outer_
 class DelayedNesterov(torch.optim.Optimizer):
     """Outer SGD with delayed momentum (our reading of Liu et al. 2024, "Asynchronous
     Local-SGD Training for Language Modeling", Alg. DN), β the momentum, N = ``every``,
-    c = ``scale``::
+    c = ``scale``, counted in rounds: each step brings ``share`` of a round (the param
+    group's ``"share"``, 1 unless the caller sets it before the step)::
 
-        buffer += g;  t += 1
-        if t % N == 0:  m = β·m + buffer/N;  θ -= lr·(g + β·m);  buffer = 0   (nesterov)
-                                              θ -= lr·m                        (heavy ball)
-        else:           θ -= lr·(g + c·β·m)
+        buffer += g;  r += share
+        if r >= N:  m = β·m + buffer/r;  θ -= lr·(g + β·m);  buffer = 0;  r = 0   (nesterov)
+                                          θ -= lr·m                               (heavy ball)
+        else:       θ -= lr·(g + c·β·m)
 
-    Momentum sees one averaged pseudo-gradient every N steps instead of each stale one,
-    so stale updates arriving in bursts are not amplified by 1/(1−β). N=1 is exactly
-    torch's ``SGD(momentum=β, nesterov=...)``. ``state[p]["momentum_applied"]`` says
-    whether the last step activated the momentum (decoupled mode logs it).
+    Momentum sees one averaged pseudo-gradient every N rounds instead of each stale one,
+    so stale updates arriving in bursts are not amplified by 1/(1−β). A decoupled partial
+    step applies part of a round (``Σα/D``; its g is that share of a round's mean), so
+    the buffer over a round is about one round's pseudo-gradient, as a synchronous step's.
+    With every share 1, N=1 is exactly torch's ``SGD(momentum=β, nesterov=...)``.
+    ``state[p]["momentum_applied"]`` says whether the last step activated the momentum
+    (decoupled mode logs it).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 0.7, momentum: float = 0.9,
@@ -61,6 +65,8 @@ class DelayedNesterov(torch.optim.Optimizer):
                     st["momentum_buffer"] = torch.zeros_like(p)
                 if "delay_buffer" not in st:
                     st["delay_buffer"] = torch.zeros_like(p)
+                if "rounds" not in st:  # a state from before round counting: its steps were rounds
+                    st["rounds"] = torch.tensor(float(int(st["step"]) % every), dtype=torch.float64)
                 st["step"] += 1
                 st["momentum_applied"] = False
                 if beta == 0:  # plain SGD (lr 1: averaging); nothing to delay
@@ -68,9 +74,11 @@ class DelayedNesterov(torch.optim.Optimizer):
                     continue
                 m, buf = st["momentum_buffer"], st["delay_buffer"]
                 buf.add_(g)
-                if int(st["step"]) % every == 0:
-                    m.mul_(beta).add_(buf, alpha=1.0 / every)
+                st["rounds"] += float(group.get("share", 1.0))
+                if float(st["rounds"]) >= every - 1e-6:
+                    m.mul_(beta).add_(buf, alpha=1.0 / float(st["rounds"]))
                     buf.zero_()
+                    st["rounds"].zero_()
                     p.add_(g + beta * m if group["nesterov"] else m, alpha=-lr)
                     st["momentum_applied"] = True
                 else:
