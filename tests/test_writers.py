@@ -34,12 +34,13 @@ STORAGE = ("dipaco/storage/", "dipaco/run/owned.py", "dipaco/decoupled/store.py"
 # HTTP bodies are not files: the server's responses are the serve package's (Starlette's
 # JSONResponse refuses NaN itself); the scan of raw file writes covers it all the same
 NOT_FILES = ("dipaco/serve/",)
-# the decoupled store's records (leases, inboxes, event logs) are its own protocol, written
-# and read back by the same code (dipaco/decoupled/store.py); the run's decoupled_metrics.json
-# is written by the storage layer. Adopting strict JSON inside the store needs its readers to
-# restore the numbers (strict_json.loads_restored): left to the store's owners
-STORE_RECORDS = ("dipaco/decoupled/lease.py", "dipaco/decoupled/metrics.py", "dipaco/decoupled/service.py",
-                 "dipaco/decoupled/store.py", "dipaco/decoupled/supervisor.py", "dipaco/decoupled/worker.py")
+# the decoupled store's records (inboxes, revisions, event logs) are its own protocol, written
+# and read back by the same code (dipaco/decoupled/store.py: leases and slots are its
+# encode_json records); the run's decoupled_metrics.json is written by the storage layer.
+# Adopting strict JSON inside the store needs its readers to restore the numbers
+# (strict_json.loads_restored): left to the store's owners
+STORE_RECORDS = ("dipaco/decoupled/metrics.py", "dipaco/decoupled/module_leases.py", "dipaco/decoupled/store.py",
+                 "dipaco/decoupled/supervisor.py", "dipaco/decoupled/worker.py")
 WRITE_CALLS = {"write_text", "write_bytes", "savefig", "save_file", "savez", "savez_compressed", "to_parquet",
                "save_to_disk", "truncate"}
 MODULE_WRITES = {("np", "save"), ("numpy", "save"), ("torch", "save"), ("OmegaConf", "save"), ("shutil", "copy"),

@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Optional, Union
 
+from dipaco.storage.strict_json import dumps_strict
+
 PathLike = Union[str, os.PathLike]
 _LOCK = threading.Lock()
 
@@ -142,8 +144,6 @@ def atomic_write_lines(path: PathLike, lines: Iterable[str], *, durable: bool = 
 def write_json(path: PathLike, obj: Any) -> Path:
     """Atomically write ``obj`` as indented strict JSON with sorted keys (the checkpoint
     format; a non-finite number is ``null`` with its reason: dipaco/storage/strict_json.py)."""
-    from dipaco.storage.strict_json import dumps_strict
-
     return atomic_write_text(Path(path), dumps_strict(obj, indent=2, sort_keys=True) + "\n")
 
 

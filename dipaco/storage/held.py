@@ -15,11 +15,11 @@ depends on that file only.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
+from dipaco.storage.hashing import sha256_file, sha256_hex
 from dipaco.storage.tensor_io import CheckpointError, load_state, state_from_bytes
 
 __all__ = ["HeldFiles", "check_unchanged", "identity", "read_held"]
@@ -60,11 +60,7 @@ def check_unchanged(path: Path, info: dict, checked: dict) -> None:
         raise CheckpointError(f"checkpoint file {path} is listed in the manifest but missing") from None
     if checked.get(path) == now:
         return
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(16 << 20), b""):
-            h.update(chunk)
-    if now[2] != info.get("bytes") or h.hexdigest() != info.get("sha256"):
+    if now[2] != info.get("bytes") or sha256_file(path, chunk=16 << 20) != info.get("sha256"):
         raise CheckpointError(f"checkpoint file {path} does not match its manifest hash")
     checked[path] = now
 
@@ -105,7 +101,7 @@ class HeldFiles:
             data = read_held(fd)
         except OSError as e:
             raise CheckpointError(f"cannot read checkpoint file {path}: {e.strerror or e}") from None
-        if len(data) != info.get("bytes") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        if len(data) != info.get("bytes") or sha256_hex(data) != info.get("sha256"):
             raise CheckpointError(f"checkpoint file {path} does not match its manifest hash")
         state = state_from_bytes(data, path)
         self._checked[rel] = now
