@@ -12,7 +12,7 @@ import contextlib
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import pytest
@@ -28,15 +28,29 @@ EOS = 0
 
 
 class ByteTokenizer:
-    """Token id = byte + 1; 0 is eos."""
+    """Token id = byte + 1; 0 is eos (``<eos>`` as text)."""
 
     eos_id = EOS
 
     def encode(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
 
-    def decode(self, ids) -> str:
-        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        parts, run = [], []
+        for i in ids:
+            if i > 0:
+                run.append(i - 1)
+                continue
+            parts.append(bytes(run).decode("utf-8", errors="replace"))
+            run = []
+            if not skip_special_tokens:
+                parts.append("<eos>")
+        return "".join(parts) + bytes(run).decode("utf-8", errors="replace")
+
+
+def fake_logprob(token: int, top: int) -> tuple:
+    """The stand-in engine's log-probabilities of ``token``: -0.5 each, its top list the token first."""
+    return (-0.5 - token / 1000, [(token, -0.5 - token / 1000)] + [(t, -9.0) for t in range(1, top)])
 
 
 TOKENIZER = ByteTokenizer()
@@ -55,6 +69,7 @@ class _Row:
     request: Request
     made: int = 0
     cancelled: bool = False
+    times: list = field(default_factory=list)  # when each token was made (time.monotonic)
 
 
 class FakeEngine:
@@ -72,19 +87,21 @@ class FakeEngine:
         self.rows: dict[int, _Row] = {}
         self.batches: list[tuple[int, list[int]]] = []  # (path, request ids) of each step
         self.cancelled: list[int] = []
+        self.seen: list[_Row] = []  # every row submitted, in order
         self._next = 0
         self._lock = threading.Lock()
 
     def submit(self, request: Request) -> int:
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
-        if request.max_new_tokens < 1:
+        if request.max_new_tokens < (0 if request.prompt_logprobs is not None else 1):
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if len(request.prompt_ids) > 100:
             raise ValueError("the engine refuses this prompt\nsecond line")
         with self._lock:
             rid, self._next = self._next, self._next + 1
             self.rows[rid] = _Row(rid, request.prompt_ids[0] % self.num_paths, request)
+            self.seen.append(self.rows[rid])
         return rid
 
     def cancel(self, request_id: int) -> None:
@@ -120,34 +137,42 @@ class FakeEngine:
         return events
 
     def _advance(self, r: _Row) -> TokenEvent:
-        if r.cancelled:
+        req = r.request
+        prompt_lp = None
+        if r.made == 0 and req.prompt_logprobs is not None:
+            prompt_lp = [None] + [fake_logprob(t, req.prompt_logprobs) for t in req.prompt_ids[1:]]
+        if r.cancelled or req.max_new_tokens == 0:
             del self.rows[r.rid]
-            return TokenEvent(r.rid, None, r.path, True, "cancelled")
-        eos_at = 3 if "EOS" in TOKENIZER.decode(r.request.prompt_ids) else None
-        tok = EOS if r.made == eos_at else self.script[r.made % len(self.script)]
+            return TokenEvent(r.rid, None, r.path, True, "cancelled" if r.cancelled else "length",
+                              prompt_logprobs=prompt_lp)
+        eos_at = 3 if "EOS" in TOKENIZER.decode(req.prompt_ids) and req.stop_at_eos else None
+        # a row seeded apart by the server (n > 1: a mixed, 63-bit seed) starts elsewhere in the script
+        start = req.seed % 7 + 1 if req.seed >= 2**32 else 0
+        tok = EOS if r.made == eos_at else self.script[(r.made + start) % len(self.script)]
         r.made += 1
-        reason = "eos" if tok == EOS else "length" if r.made >= r.request.max_new_tokens else None
+        r.times.append(time.monotonic())
+        reason = "eos" if tok == EOS else "stop" if tok in req.stop_ids and r.made > req.min_tokens else \
+            "length" if r.made >= req.max_new_tokens else None
         if reason:
             del self.rows[r.rid]
-        return TokenEvent(r.rid, tok, r.path, reason is not None, reason)
+        lp = fake_logprob(tok, req.logprobs) if req.logprobs is not None else None
+        return TokenEvent(r.rid, tok, r.path, reason is not None, reason, logprob=lp, prompt_logprobs=prompt_lp)
 
 
 @contextlib.contextmanager
 def serving(engine: FakeEngine, limits: Optional[ServeLimits] = None, *, max_seq_len: int = 64,
-            name: str = "tiny-run") -> Iterator[tuple[str, CompletionService]]:
-    """A real uvicorn server over ``engine`` on a free loopback port: ``(base url, service)``."""
-    import uvicorn
-
-    from dipaco.serve.app import create_app
+            name: str = "tiny-run", aliases: tuple = (), **server_args) -> Iterator[tuple[str, CompletionService]]:
+    """A real uvicorn server over ``engine`` on a free loopback port: ``(base url, service)``;
+    ``server_args``: :func:`dipaco.serve.server.build_server`'s bounds."""
+    from dipaco.serve.server import build_server
 
     model = ServedModel(name=name, tokenizer=TOKENIZER, max_seq_len=max_seq_len, num_paths=engine.num_paths,
-                        vocab_size=257)
+                        vocab_size=257, aliases=aliases)
     service = CompletionService(model, EngineThread(engine), limits or ServeLimits(max_tokens_cap=48,
                                                                                   max_body_bytes=4096))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=2))
+    server = build_server(service, grace=2, **{"access_log": False, "max_batch_size": engine.max_batch_size, **server_args})
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

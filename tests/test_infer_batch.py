@@ -51,8 +51,25 @@ def test_file_writes_each_prompt_in_order_with_its_one_prompt_tokens(finished, t
     for i in (0, 3, len(TEXTS)):
         ids = run.encode((TEXTS + ["x = 1"])[i])
         ref = run.generate(ids, max_new_tokens=5, temperature=0.9, top_p=0.9, seed=lines[i]["seed"])
-        assert lines[i]["tokens"] == ref.tokens and lines[i]["text"] == run.tokenizer.decode(ref.tokens)
+        assert lines[i]["tokens"] == ref.tokens
+        assert lines[i]["text"] == run.tokenizer.decode(ref.tokens, skip_special_tokens=True)
         assert lines[i]["prompt_tokens"] == len(ids) and lines[i]["path_sequence"] == ref.window_paths
+
+
+def test_a_lines_text_holds_no_end_of_text_marker(finished) -> None:
+    """A row that ends at end-of-text keeps the token in ``tokens`` but not its marker in
+    ``text`` (before: a literal ``<|endoftext|>``; the server never sent it either)."""
+    from types import SimpleNamespace
+
+    from dipaco.cli.infer_generate import _InOrder
+    from dipaco.inference import Generation
+
+    run = InferenceRun.open(finished[0], need_weights=False)
+    tok = run.tokenizer
+    gen = Generation(prompt=[1], tokens=tok.encode("x = 1") + [tok.eos_id], window_paths=[0], switches=[(1, 0)],
+                     stopped_at_eos=True, finish_reason="eos")
+    rec = _InOrder(SimpleNamespace(tokenizer=tok), -1, 0, None).record(0, {}, gen, 0)
+    assert rec["text"] == "x = 1" and rec["tokens"][-1] == tok.eos_id and "<|endoftext|>" in tok.decode(gen.tokens)
 
 
 @pytest.mark.multiprocess  # the --file run is a subprocess killed mid-write

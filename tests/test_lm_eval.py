@@ -216,29 +216,40 @@ def test_generate_until_is_routed_greedy_generation_cut_at_until(run):
 # --------------------------------------------------------------------------- dipaco-infer eval
 
 
+COMMON = "test_split: test\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {f}\n"
+MC_YAML = ("output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+           "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n")
+
+
+def gen_yaml(until: str, extra: str = "") -> str:
+    """A ``generate_until`` task's spec: ``until`` as YAML, ``extra`` more generation_kwargs lines."""
+    return ("output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
+            f"generation_kwargs:\n  until: {until}\n{extra}  do_sample: false\n"
+            "metric_list:\n  - metric: exact_match\n")
+
+
+def local_task(folder: Path, task: str, rows: list[dict], spec: str) -> None:
+    """One local lm-eval task: ``rows`` as ``folder/<task>.jsonl`` and its YAML (``spec``: what
+    follows the data source: the output type, the fields, the metrics)."""
+    data = folder / f"{task}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / f"{task}.yaml").write_text(f"task: {task}\n" + COMMON.format(f=data) + spec)
+
+
 def _tasks(folder: Path, hub: bool = False) -> Path:
     """Three local tasks (multiple choice, rolling perplexity, generation) over jsonl files."""
     folder.mkdir(exist_ok=True)
     mc = [{"question": c[:14], "choices": [c[14:40], CODE[(i + 1) % 4][14:40], " pass"], "label": 0}
           for i, c in enumerate(CODE)]
-    files = {"mc": mc, "ppl": [{"text": c} for c in CODE],
-             "gen": [{"prompt": c[:20], "answer": c[20:30]} for c in CODE]}
-    for name, rows in files.items():
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = "test_split: test\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {f}\n"
-    (folder / "mc.yaml").write_text("task: t_mc\n" + common.format(f=folder / "mc.jsonl") + (
-        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"))
-    (folder / "ppl.yaml").write_text("task: t_ppl\n" + common.format(f=folder / "ppl.jsonl") + (
+    local_task(folder, "t_mc", mc, MC_YAML)
+    local_task(folder, "t_ppl", [{"text": c} for c in CODE], (
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"))
-    (folder / "gen.yaml").write_text("task: t_gen\n" + common.format(f=folder / "gen.jsonl") + (
-        "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n"))
+    local_task(folder, "t_gen", [{"prompt": c[:20], "answer": c[20:30]} for c in CODE],
+               gen_yaml("['\\n']", "  max_gen_toks: 8\n"))
     (folder / "hub.yaml").write_text("task: t_hub\ndataset_path: someone/some_dataset\noutput_type: "
                                      "loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n")
-    (folder / "gone.yaml").write_text("task: t_gone\n" + common.format(f=folder / "missing.jsonl") + (
+    (folder / "gone.yaml").write_text("task: t_gone\n" + COMMON.format(f=folder / "missing.jsonl") + (
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"))
     return folder
 

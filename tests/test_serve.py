@@ -195,11 +195,13 @@ BAD = [  # (body, status, param, words in the message)
     ({**OK, "prompt": "   "}, 400, "prompt", "empty"),
     ({**OK, "prompt": []}, 400, "prompt", "empty list"),
     ({**OK, "prompt": ["ok", ""]}, 400, "prompt", "prompt[1] is empty"),
-    ({**OK, "prompt": "x" * 64}, 400, "prompt", "context is 64 tokens"),
+    ({**OK, "prompt": "x" * 64}, 400, "prompt", "whole context (64)"),
+    ({**OK, "prompt": "x" * 60, "max_tokens": 10}, 400, "max_tokens", "60 + 10 = 70 is more than the model's context of 64"),
+    ({**OK, "prompt": ["ab", "x" * 60], "max_tokens": 5}, 400, "max_tokens", "prompt[1] is 60 tokens"),
     ({**OK, "prompt": [[1, 2], [999]]}, 400, "prompt", "outside the vocabulary"),
     ({**OK, "prompt": 5}, 400, "prompt", "must be a string"),
-    ({**OK, "max_tokens": 0}, 400, "max_tokens", "[1, 48]"),
-    ({**OK, "max_tokens": -3}, 400, "max_tokens", "[1, 48]"),
+    ({**OK, "max_tokens": 0}, 400, "max_tokens", "only echo"),
+    ({**OK, "max_tokens": -3}, 400, "max_tokens", "must be >= 0"),
     ({**OK, "max_tokens": 49}, 400, "max_tokens", "--max-tokens-cap"),
     ({**OK, "model": "other"}, 404, "model", "does not exist"),
     ({"prompt": "ab"}, 400, "model", "model is required"),
@@ -211,10 +213,23 @@ BAD = [  # (body, status, param, words in the message)
     ({**OK, "temperature": -0.1}, 400, "temperature", "[0, 2]"),
     ({**OK, "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({**OK, "top_p": 1.5}, 400, "top_p", "(0, 1]"),
-    ({**OK, "top_k": 0}, 400, "top_k", ">= 1"),
-    ({**OK, "n": 2}, 400, "n", "n=1"),
-    ({**OK, "logprobs": 1}, 400, "logprobs", "not supported"),
-    ({**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ({**OK, "top_k": 0}, 400, "top_k", ">= 1 or -1"),
+    ({**OK, "min_p": 1.5}, 400, "min_p", "[0, 1]"),
+    ({**OK, "n": 0}, 400, "n", "[1, 128]"),
+    ({**OK, "n": 2, "best_of": 1}, 400, "best_of", "best_of (1) must be >= n (2)"),
+    ({**OK, "best_of": 2, "stream": True}, 400, "best_of", "cannot be streamed"),
+    ({**OK, "prompt": ["a", "b", "c"], "n": 30}, 400, "prompt", "--max-choices"),
+    ({**OK, "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ({**OK, "suffix": "x"}, 400, "suffix", "not supported"),
+    ({**OK, "presence_penalty": 3}, 400, "presence_penalty", "[-2, 2]"),
+    ({**OK, "repetition_penalty": 0}, 400, "repetition_penalty", "[0.01, 100]"),
+    ({**OK, "repetition_penalty": 1e-300}, 400, "repetition_penalty", "[0.01, 100]"),
+    ({**OK, "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    ({**OK, "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100, 100]"),
+    ({**OK, "logit_bias": {"999": 1}}, 400, "logit_bias", "outside the vocabulary"),
+    ({**OK, "stop_token_ids": [999]}, 400, "stop_token_ids", "outside the vocabulary"),
+    ({**OK, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", "min_tokens (10) must be <= max_tokens (5)"),
+    ({**OK, "stop": ["s"] * 33}, 400, "stop", "at most 32"),
     ({**OK, "stop": [""]}, 400, "stop", "empty string"),
     ({**OK, "max_token": 5}, 400, "max_token", "unknown field"),
     ({**OK, "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
@@ -335,7 +350,7 @@ def test_the_openai_client_speaks_to_it(server) -> None:
     assert out.choices[0].text == script_text(5) and out.usage.completion_tokens == 5
     stream = client.completions.create(model=MODEL, prompt="ab", max_tokens=5, stream=True)
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == script_text(5)
-    with pytest.raises(openai.BadRequestError, match="max_tokens must lie in"):
-        client.completions.create(model=MODEL, prompt="ab", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="more than the model's context of 64"):
+        client.completions.create(model=MODEL, prompt="ab", max_tokens=63)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="ab")

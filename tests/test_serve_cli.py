@@ -59,6 +59,16 @@ def test_a_bad_run_directory_or_flag_is_one_line(monkeypatch, capsys, tmp_path) 
     code, err = run_cli(main, [tmp_path, "--engine-processes", "0"], capsys, monkeypatch)
     assert code == 2
     one_line(err, "--engine-processes must lie in")
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft != resource.RLIM_INFINITY and soft < 1 << 20:  # more connections than files this process may open
+        code, err = run_cli(main, [tmp_path, "--max-connections", str(soft)], capsys, monkeypatch)
+        assert code == 2
+        one_line(err, f"--max-connections {soft} is more than this process can open", "ulimit -n")
+    code, err = run_cli(main, [tmp_path, "--body-timeout", "0"], capsys, monkeypatch)
+    assert code == 2
+    one_line(err, "--body-timeout must lie in")
 
 
 def test_a_busy_port_is_one_line(monkeypatch, capsys, tmp_path) -> None:
@@ -106,14 +116,14 @@ def test_more_engine_processes_than_paths_is_one_line(finished, monkeypatch, cap
 # --------------------------------------------------------------------------- the real engine
 
 
-def _serve(run_dir: Path, cwd: Path, *flags: str):
-    """``dipaco-serve RUN --port 0 FLAGS`` in a subprocess: yields its base url; stopped at the end
-    (no traceback in its log)."""
+def start_server(run_dir: Path, cwd: Path, *flags: str, new_session: bool = False) -> tuple:
+    """``dipaco-serve RUN --port 0 FLAGS`` in a subprocess: (the process, its base url once it
+    serves, its stderr lines so far, read on a thread)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", "from dipaco.cli.serve import main; main()", str(run_dir),
                              "--port", "0", "--max-loaded-paths", "1", "--max-tokens-cap", "64", *flags],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=cwd)
+                            cwd=cwd, start_new_session=new_session)
     lines: list[str] = []
     found: dict = {}
 
@@ -129,9 +139,15 @@ def _serve(run_dir: Path, cwd: Path, *flags: str):
     while "url" not in found:
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
         time.sleep(0.05)
+    return proc, found["url"], lines
+
+
+def _serve(run_dir: Path, cwd: Path, *flags: str):
+    """:func:`start_server`: yields its base url; stopped at the end (no traceback in its log)."""
+    proc, url, lines = start_server(run_dir, cwd, *flags)
     children = _children(proc.pid)  # the engine processes (and multiprocessing's resource tracker)
     try:
-        yield found["url"]
+        yield url
     finally:
         proc.terminate()
         code = proc.wait(30)
@@ -248,6 +264,40 @@ def test_the_openai_client_against_the_real_engine(served) -> None:
     name = client.models.list().data[0].id
     out = client.completions.create(model=name, prompt=PROMPTS[2], max_tokens=8, temperature=0, stop=["\n\n\n"])
     assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens <= 8
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_openai_clients_echo_logprobs_are_dipaco_infer_scores(served, run, tmp_path, capsys) -> None:
+    """n=2, logprobs=3, echo=True, max_tokens=0 (how lm-eval scores a text): each choice is the
+    text with its tokens' log-probabilities, the first null; past the routing prefix they sum
+    to what ``dipaco-infer score`` gives the same text, on the same path."""
+    openai = pytest.importorskip("openai")
+    from dipaco.cli.infer import main as infer
+
+    url, run_dir = served
+    text = PROMPTS[0] + PROMPTS[1]
+    ids = run.encode(text)
+    assert run.prefix_tokens < len(ids) <= run.cfg.model.max_seq_len
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    out = client.completions.create(model=Path(run_dir).resolve().name, prompt=text, n=2, logprobs=3, echo=True,
+                                    max_tokens=0)
+    doc = tmp_path / "doc.jsonl"
+    doc.write_text(json.dumps({"text": text}) + "\n")
+    capsys.readouterr()
+    infer(["score", str(run_dir), "--file", str(doc), "--seq-len", str(run.cfg.model.max_seq_len)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out.choices) == 2 and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert choice.text == text and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert "".join(lp.tokens) == run.tokenizer.decode(ids) and lp.text_offset[-1] + len(lp.tokens[-1]) == len(text)
+        assert all(1 <= len(top) <= 4 for top in lp.top_logprobs[1:])  # the 3 likeliest, and the token
+        assert -sum(lp.token_logprobs[run.prefix_tokens:]) == pytest.approx(report["loss"] * report["num_tokens"],
+                                                                           rel=1e-5)
+        assert choice.dipaco["paths"] == [int(p) for p in report["per_path"]]
+    assert out.choices[0].logprobs.token_logprobs == out.choices[1].logprobs.token_logprobs
 
 
 @pytest.mark.slow

@@ -96,6 +96,22 @@ def test_a_bad_request_is_refused_here_and_a_cancel_ends_its_row(child, run) -> 
     assert len([e for e in first + rest if e.token is not None]) < 60
 
 
+def test_the_child_stays_at_most_ahead_steps_past_what_it_was_read(child, run) -> None:
+    """A parent too busy to read (its event loop serving many streams) holds the child back:
+    a row cancelled meanwhile has made at most AHEAD + 1 more tokens, not as many as the pipe
+    holds (before: all 60 here, so a vanished client's row ran on under load)."""
+    from dipaco.inference.engine import Request
+    from dipaco.serve.engine_process import AHEAD
+
+    rid = child.submit(Request(prompt_ids=run.encode(TEXTS[3]), max_new_tokens=60, temperature=0.0))
+    first = child.step()
+    time.sleep(3)  # the parent reads nothing: the child may make AHEAD steps, no more
+    child.cancel(rid)
+    rest = _drain(child).get(rid, [])
+    made = [e for e in first + rest if e.request_id == rid and e.token is not None]
+    assert rest[-1].finish_reason == "cancelled" and len(made) <= 1 + AHEAD + 1, len(made)
+
+
 def test_a_killed_child_fails_every_open_request_and_later_submits(finished, run) -> None:
     from dipaco.inference.engine import Request
 
@@ -156,10 +172,11 @@ def test_the_default_threads_leave_one_core_to_the_server_on_a_cpu() -> None:
         torch.set_num_threads(before)
 
 
-def test_the_child_is_born_ignoring_sigint(finished) -> None:
-    """A terminal's Ctrl-C reaches the whole process group: a child still importing (long
-    before its own ``signal.signal`` call) must ignore it already, or it prints a
-    KeyboardInterrupt traceback over the server's one line."""
+def test_the_child_is_born_ignoring_sigint_and_sigterm(finished) -> None:
+    """A terminal's Ctrl-C and a service manager's stop reach the whole process group: a child
+    still importing (long before its own ``signal.signal`` calls) must ignore them already,
+    or it prints a KeyboardInterrupt traceback over the server's one line, or dies at once
+    and the server's open requests lose their grace."""
     if not os.path.exists("/proc/self/status"):
         pytest.skip("reads the child's signal mask from /proc")
     before = signal.getsignal(signal.SIGINT)
@@ -169,5 +186,6 @@ def test_the_child_is_born_ignoring_sigint(finished) -> None:
             ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
     finally:
         spawned.kill()
-    assert ignored & (1 << (signal.SIGINT - 1)), f"SigIgn {ignored:#x}"
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        assert ignored & (1 << (sig - 1)), f"{sig.name}: SigIgn {ignored:#x}"
     assert signal.getsignal(signal.SIGINT) is before  # this process's own handler is back

@@ -95,7 +95,7 @@ def test_a_stop_signal_answers_requests_still_open_after_the_grace_503_and_ends(
     import time
 
     from _serve_fakes import TOKENIZER
-    from dipaco.cli.serve import build_server
+    from dipaco.serve.server import build_server
     from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
 
     engine = FakeEngine(step_delay=0.05)  # 48 tokens: 2.4 s, well past the grace

@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
-
 from dipaco.cli.errors import fail
 from dipaco.cli.generate_job import (check_record_name, check_resume, claim, describe_job, job_path, read_prompts,
                                      record_job)
@@ -20,6 +18,7 @@ from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, add_run_args, emit,
                                    non_negative_float, open_run, positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
 from dipaco.run.owned import check_out_file
+from dipaco.inference.sampling import mixed_seed
 from dipaco.run.run_dir import RunDirError
 from dipaco.runtime.device import choose_device
 from dipaco.runtime.progress import progress_bar
@@ -89,7 +88,8 @@ def _unit_interval(s: str) -> float:
 
 
 class _TextStream:
-    """Writes decoded text as tokens arrive; holds back an incomplete UTF-8 character."""
+    """Writes decoded text as tokens arrive; holds back an incomplete UTF-8 character. The
+    end-of-text token is not text (as in --file lines and the server's answers)."""
 
     def __init__(self, tokenizer: Any, out: Any) -> None:
         self.tok, self.out = tokenizer, out
@@ -98,7 +98,7 @@ class _TextStream:
 
     def __call__(self, token: int) -> None:
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # a byte-level token split a character: wait for the rest
             return
         self.out.write(text[self.written:])
@@ -106,7 +106,7 @@ class _TextStream:
         self.written = len(text)
 
     def close(self) -> str:
-        text = self.tok.decode(self.ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
         self.out.write(text[self.written:] + "\n")
         self.out.flush()
         return text
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
 def prompt_seed(seed: int, index: int) -> int:
     """The sampling seed of prompt ``index`` under ``--seed seed``: mixed, not added, so
     neighbouring prompts and runs get unrelated streams."""
-    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return mixed_seed(seed, index)
 
 
 def _resume_point(out: Path, fd: Optional[int] = None) -> int:
@@ -242,7 +242,7 @@ class _InOrder:
             return {"index": index, **({"id": line["id"]} if "id" in line else {}), "error": self.failed[-1],
                     "finish_reason": "error", "seed": seed}
         return {"index": index, **({"id": line["id"]} if "id" in line else {}),
-                "text": self.inf.tokenizer.decode(gen.tokens), "tokens": gen.tokens,
+                "text": self.inf.tokenizer.decode(gen.tokens, skip_special_tokens=True), "tokens": gen.tokens,
                 "prompt_tokens": len(gen.prompt), "new_tokens": len(gen.tokens), "finish_reason": gen.finish_reason,
                 "path_sequence": gen.window_paths, "paths_used": used, "seed": seed}
 

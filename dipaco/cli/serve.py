@@ -1,19 +1,16 @@
 """``dipaco-serve``: serve a finished run over HTTP with OpenAI's completions API.
 
-    dipaco-serve RUN_DIR [--host H] [--port P] [--max-loaded-paths N] [--max-batch-size B]
-                 [--max-tokens-cap C] [--reroute-every W] [--device D]
-                 [--engine-processes N] [--engine-threads T | --engine-in-process]
+    dipaco-serve RUN_DIR [--host H] [--port P] [--served-model-name NAME ...] [--max-loaded-paths N]
+                 [--max-batch-size B] [--max-tokens-cap C] [--slide-past-context] [--reroute-every W]
+                 [--device D] [--engine-processes N] [--engine-threads T | --engine-in-process] ...
 
 The server's rules (endpoints, continuous batching, refusals, no authentication) are
-written once, in :mod:`dipaco.serve`; the inference rules in :mod:`dipaco.inference`.
-The one module that uses uvicorn.
-
-How it stops (:func:`build_server`): SIGTERM or SIGINT stops accepting connections and
-gives open requests ``GRACE_S`` seconds to finish; those still open then get a 503 saying
-the server is stopping (a stream: an error event, then ``[DONE]``) rather than a cut
-connection. The process prints ``stopped (SIGTERM)`` and exits 0; a second SIGINT ends
-the grace at once (the same 503s), a third stops without answering. Every way out of
-:func:`serve`, an error while starting included, stops the engine processes it started.
+written once, in :mod:`dipaco.serve`; the inference rules in :mod:`dipaco.inference`; how
+it stops and what a client can hold, in :mod:`dipaco.serve.server`. Every way out of
+:func:`serve`, an error while starting included, stops the engine processes it started;
+they ignore SIGINT and SIGTERM, so a signal to the whole process group (a terminal's
+Ctrl-C, systemd, ``timeout``, ``kill -- -PGID``) reaches the server alone, which gives open
+requests their grace and then stops them.
 """
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ import ipaddress
 import signal
 import socket
 import sys
-import threading
 from typing import Any, Callable, Optional, Sequence
 
 from dipaco.cli.errors import entry_point, fail, report_user_errors
@@ -35,8 +31,6 @@ LOOPBACK = "127.0.0.1"
 _BIND_FIX = {errno.EADDRINUSE: "another process has it: choose another --port, or 0 for a free one",
              errno.EADDRNOTAVAIL: "--host is not an address of this machine: try 127.0.0.1 or 0.0.0.0",
              errno.EACCES: "ports below 1024 need privileges: choose --port 1024 or above"}
-# seconds a stop signal leaves open requests to finish before they are answered 503
-GRACE_S = 5.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,13 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="paths kept in memory at once, by each engine process (default 1)")
     p.add_argument("--max-batch-size", type=int_in("--max-batch-size", 1, 4096), default=32, metavar="B",
                    help="rows decoded together in one path's batch (default 32)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id requests give and answers carry (default: the run directory's name); "
+                        "further names are accepted too")
     p.add_argument("--max-tokens-cap", type=int_in("--max-tokens-cap", 1, 2**20), default=None, metavar="C",
-                   help="largest max_tokens a request may ask for (default: the model's context)")
+                   help="largest max_tokens a request may ask for (default: none beyond the length rule: prompt + "
+                        "max_tokens <= the model's context; with --slide-past-context, 8 contexts)")
+    p.add_argument("--slide-past-context", action="store_true",
+                   help="accept prompt + max_tokens past the model's context (the model reads the last max_seq_len "
+                        "tokens, as dipaco-infer generate and eval do) instead of refusing it (400, as OpenAI)")
+    p.add_argument("--max-choices", type=int_in("--max-choices", 1, 65536), default=64, metavar="K",
+                   help="choices one request may ask for: its prompts times best_of (or n) (default 64)")
+    p.add_argument("--max-stop-strings", type=int_in("--max-stop-strings", 0, 4096), default=32, metavar="S",
+                   help="stop strings one request may give (default 32)")
     p.add_argument("--reroute-every", type=int_in("--reroute-every", 1, 2**20), default=None, metavar="W",
                    help="re-route every W tokens (default: route once by the prompt; a request's "
                         "reroute_every field overrides it)")
     p.add_argument("--max-body-bytes", type=int_in("--max-body-bytes", 1024, 2**30), default=1 << 20,
                    metavar="BYTES", help="largest request body accepted (default 1 MiB)")
+    p.add_argument("--body-timeout", type=int_in("--body-timeout", 1, 3600), default=30, metavar="S",
+                   help="seconds a request body may take to arrive whole (default 30; then 408, connection closed)")
+    p.add_argument("--header-timeout", type=int_in("--header-timeout", 1, 3600), default=30, metavar="S",
+                   help="seconds a connection may take to send a request's headers (default 30; then closed)")
+    p.add_argument("--max-connections", type=int_in("--max-connections", 1, 1 << 20), default=None, metavar="N",
+                   help="connections open at once; one more is answered 503 (default 1024, less when the "
+                        "process may open fewer files)")
+    p.add_argument("--no-access-log", action="store_true", help="no log line per request on stderr")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default=None,
                    help="where the path models run (default: the run's trainer.device)")
     p.add_argument("--checkpoint", default=None, metavar="ROUND",
@@ -134,6 +147,9 @@ def serve(args: argparse.Namespace) -> None:
     _require_extra()
     if args.engine_in_process and args.engine_processes is not None:
         fail("--engine-processes is not allowed with --engine-in-process (see dipaco-serve --help)")
+    from dipaco.serve.server import build_server, server_logging
+
+    max_connections = _max_connections(args.max_connections)
     sock = _bind(args.host, args.port)
     if not _is_loopback(args.host):
         _say(f"warning: binding {args.host}: the server has no authentication; anyone who can reach "
@@ -143,9 +159,12 @@ def serve(args: argparse.Namespace) -> None:
     old_term = signal.signal(signal.SIGTERM, _interrupt)
     stops: list[Callable[[], None]] = []  # what stops the engine once it exists: every way out calls it
     try:
-        service = _open_service(args, sock, stops)
-        server = build_server(service)
-        server.run(sockets=[sock])
+        with server_logging(access_log=not args.no_access_log):
+            service, ready = _open_service(args, sock, stops)
+            server = build_server(service, body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                                  max_connections=max_connections, access_log=not args.no_access_log,
+                                  max_batch_size=args.max_batch_size, on_ready=lambda: _say(ready))
+            server.run(sockets=[sock])
     except KeyboardInterrupt:
         fail("interrupted while starting: nothing was served", code=130)
     finally:
@@ -155,21 +174,42 @@ def serve(args: argparse.Namespace) -> None:
     _say(f"stopped ({server.stopped_by or 'shut down'})")
 
 
+def _max_connections(requested: Optional[int]) -> int:
+    """``--max-connections``, or its default: 1024, less where the process may open fewer
+    files (a connection is a descriptor; the engine pipes and the run's files need some)."""
+    from dipaco.serve.server import MAX_CONNECTIONS
+
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        soft = -1  # unknown: no bound from it
+    room = soft - 64 if soft > 0 else None
+    if requested is not None:
+        if room is not None and requested > room:
+            fail(f"--max-connections {requested} is more than this process can open (its file limit is {soft}, "
+                 f"some taken by the engine): give at most {room}, or raise the limit (ulimit -n)")
+        return requested
+    return max(1, min(MAX_CONNECTIONS, room if room is not None else MAX_CONNECTIONS))
+
+
 def _interrupt(sig: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _open_service(args: argparse.Namespace, sock: socket.socket, stops: list[Callable[[], None]]) -> Any:
+def _open_service(args: argparse.Namespace, sock: socket.socket, stops: list[Callable[[], None]]) -> tuple[Any, str]:
     """The run opened, its engine started and the service over it (what stops the engine is
-    put in ``stops`` as soon as there is one); says what it serves on stderr."""
+    put in ``stops`` as soon as there is one), and the line saying what it serves (said once
+    it serves)."""
     from dipaco.inference import InferenceRun
-    from dipaco.serve import CompletionService, EngineThread, ServedModel, ServeLimits
+    from dipaco.serve import CompletionService, EngineThread, ServeLimits
 
     verify = "read" if args.fast_verify else "all"
     shape = {"max_batch_size": args.max_batch_size, "max_loaded_paths": args.max_loaded_paths}
     if args.engine_in_process:
         run = InferenceRun.open(args.run_dir, checkpoint=args.checkpoint, device=args.device, verify=verify)
-        model = ServedModel.from_run(run)
+        model = _model(run, args)
         from dipaco.inference.engine import RoutedEngine  # after the quick checks: it imports torch kernels
 
         engine: Any = RoutedEngine(run, **shape)
@@ -194,9 +234,13 @@ def _open_service(args: argparse.Namespace, sock: socket.socket, stops: list[Cal
         except EngineFailed as e:
             fail(str(e))
         stops.append(engine.close)
-        model = ServedModel.from_run(run, checkpoint=engine.info["checkpoint"])
-    cap = model.max_seq_len if args.max_tokens_cap is None else args.max_tokens_cap
-    limits = ServeLimits(max_tokens_cap=cap, max_body_bytes=args.max_body_bytes, reroute_every=args.reroute_every)
+        model = _model(run, args, checkpoint=engine.info["checkpoint"])
+    cap = args.max_tokens_cap
+    if cap is None and args.slide_past_context:  # a request still bounds its rows' work
+        cap = 8 * model.max_seq_len
+    limits = ServeLimits(max_tokens_cap=cap, max_body_bytes=args.max_body_bytes, reroute_every=args.reroute_every,
+                         max_choices=args.max_choices, max_stop_strings=args.max_stop_strings,
+                         slide_past_context=args.slide_past_context)
     thread = EngineThread(engine)
     stops[:] = [thread.stop]  # the thread's stop closes the engine too (and ends a thread still stepping)
     service = CompletionService(model, thread, limits)
@@ -207,46 +251,18 @@ def _open_service(args: argparse.Namespace, sock: socket.socket, stops: list[Cal
         where = f"in {engine.info['processes']} processes of {engine.info['threads']} thread(s), paths kept apart"
     else:
         where = f"in its own process, {engine.info['threads']} thread(s)"
-    _say(f"serving model {model.name!r} ({model.num_paths} paths, context {model.max_seq_len} tokens) on "
-         f"http://{_url_host(host)}:{port}/v1 (at most {args.max_loaded_paths} path(s) loaded, batches of "
-         f"{args.max_batch_size}, max_tokens <= {cap}; engine {where})")
-    return service
+    length = (f"prompt + max_tokens may pass the context (max_tokens <= {cap})" if args.slide_past_context else
+              "prompt + max_tokens <= the context" + (f", max_tokens <= {cap}" if cap is not None else ""))
+    return service, (f"serving model {model.name!r} ({model.num_paths} paths, context {model.max_seq_len} tokens) "
+                     f"on http://{_url_host(host)}:{port}/v1 (at most {args.max_loaded_paths} path(s) loaded, "
+                     f"batches of {args.max_batch_size}, {length}; engine {where})")
 
 
-def build_server(service: Any, *, grace: float = GRACE_S) -> Any:
-    """uvicorn's server for ``service`` with dipaco-serve's stop rule (module docstring).
+def _model(run: Any, args: argparse.Namespace, checkpoint: Optional[str] = None) -> Any:
+    from dipaco.serve import ServedModel
 
-    ``stopped_by`` is the name of the signal that stopped it (``None`` until one came).
-    Why not uvicorn's own rule: past its grace it cancels the requests' tasks, so a client
-    got a bare ``500 Internal Server Error`` in plain text or a stream cut without
-    ``[DONE]`` (and the log a traceback per request); and it re-raises the signal once
-    stopped, so a clean stop by SIGTERM exited -15 and SIGINT as a Ctrl-C of training.
-    """
-    import uvicorn
-
-    from dipaco.serve.app import create_app
-
-    class Server(uvicorn.Server):
-        stopped_by: Optional[str] = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's, without re-raising the signal
-            if self.should_exit:  # a second Ctrl-C ends the grace now, a third stops waiting at all
-                if sig == signal.SIGINT:
-                    self.force_exit = self.hurried
-                    self.hurried = True
-                    service.engine.refuse_open(self.reason)
-                return
-            self.should_exit, self.hurried = True, False
-            self.stopped_by = signal.Signals(sig).name
-            self.reason = f"the server is shutting down ({self.stopped_by}); send the request again once it is back"
-            timer = threading.Timer(grace, service.engine.refuse_open, args=(self.reason,))
-            timer.daemon = True  # the process may end first: nothing was left open
-            timer.start()
-
-    # uvicorn's own limit comes after ours, so the 503s are written before it cancels anything
-    config = uvicorn.Config(create_app(service), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=grace + 5)
-    return Server(config)
+    names = args.served_model_name or [None]
+    return ServedModel.from_run(run, name=names[0], checkpoint=checkpoint, aliases=names[1:])
 
 
 def _url_host(host: str) -> str:

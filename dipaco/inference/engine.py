@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
-from dipaco.inference.engine_rows import PathBatch, Request, Row
+from dipaco.inference.engine_rows import PathBatch, Request, Row, TokenLogprob
 from dipaco.inference.generate import Generation
-from dipaco.inference.sampling import check_sampling
+from dipaco.inference.sampling import check_sampling, check_shaping
 from dipaco.storage.tensor_io import CheckpointError
 
 if TYPE_CHECKING:
@@ -51,14 +51,22 @@ if TYPE_CHECKING:
 
 @dataclass
 class TokenEvent:
-    """What one engine step reports for one request."""
+    """What one engine step reports for one request.
+
+    ``finish_reason``: ``eos`` (the end-of-text token), ``stop`` (one of the request's
+    ``stop_ids``), ``length`` (``max_new_tokens``; a row longer than the model's context
+    slides on, by the long-context rule, so a full context never ends one) or ``cancelled``.
+    """
 
     request_id: int
     token: Optional[int]              # the new token (None when finishing without a token)
     path: int                         # the path that produced it
     finished: bool
-    finish_reason: Optional[str]      # "eos" | "length" | "cancelled" | "context"
+    finish_reason: Optional[str]      # "eos" | "stop" | "length" | "cancelled"
     generation: Optional[Generation] = field(default=None, repr=False)  # the whole result, on the finishing event
+    logprob: Optional[TokenLogprob] = None  # the token's, with the likeliest alternatives (Request.logprobs)
+    # the prompt's tokens' (Request.prompt_logprobs), on the request's first event only
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = field(default=None, repr=False)
 
 
 def check_request(req: Request, vocab_size: int) -> list[int]:
@@ -74,7 +82,8 @@ def check_request(req: Request, vocab_size: int) -> list[int]:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if isinstance(req.max_new_tokens, bool) or not isinstance(req.max_new_tokens, int) or req.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {req.max_new_tokens!r}")
-    check_sampling(req.temperature, req.top_k, req.top_p)
+    check_sampling(req.temperature, req.top_k, req.top_p, req.min_p)
+    check_shaping(req, vocab_size)
     if isinstance(req.seed, bool) or not isinstance(req.seed, int) or not 0 <= req.seed < 2**63:
         raise ValueError(f"seed must be an integer in [0, 2**63), got {req.seed!r}")
     W = req.reroute_every
@@ -172,7 +181,7 @@ class RoutedEngine:
                     events.append(self._finish(self._rows[rid], None, f"error: {e}"))
                 return events
             self._batch = PathBatch(model, path, self.max_batch_size, self.use_kv_cache,
-                                    self._batch.cache if self._batch is not None else None, self.exact)
+                                    self._batch.cache if self._batch is not None else None, self.exact, self.eos)
         batch = self._batch
         queue = self._queues.get(path)
         if queue and not (batch.rows and self._overdue(now, path)):  # draining: admit no more
@@ -218,7 +227,7 @@ class RoutedEngine:
         for r in rows:
             self._rows[r.rid] = r
             r.path = r.path_at(len(r.seq))
-            if r.req.max_new_tokens == 0:
+            if r.req.max_new_tokens == 0 and r.req.prompt_logprobs is None:
                 events.append(self._finish(r, None, "length"))
             else:
                 self._enqueue(r, now)
@@ -242,15 +251,20 @@ class RoutedEngine:
     def _after_tokens(self, rows: list[Row], tokens: list[int], now: int, events: list[TokenEvent]) -> None:
         going = []
         for row, tok in zip(rows, tokens):
+            if row.req.max_new_tokens == 0:  # its prompt scored (prompt_logprobs), no token wanted
+                events.append(self._finish(row, None, "length"))
+                continue
             row.seq.append(tok)
             row.out.tokens.append(tok)
             if row.req.stop_at_eos and tok == self.eos:
                 row.out.stopped_at_eos = True
                 events.append(self._finish(row, tok, "eos"))
+            elif tok in row.req.stop_ids:
+                events.append(self._finish(row, tok, "stop"))
             elif len(row.out.tokens) >= row.req.max_new_tokens:
                 events.append(self._finish(row, tok, "length"))
             else:
-                events.append(TokenEvent(row.rid, tok, row.path, False, None))
+                events.append(self._event(row, TokenEvent(row.rid, tok, row.path, False, None)))
                 going.append(row)
         self._route_next(going)
         for row in going:
@@ -271,7 +285,17 @@ class RoutedEngine:
                 del self._queues[row.path]
         row.out.finish_reason = reason
         row.out.window_paths = row.record_windows(self.run)
-        return TokenEvent(row.rid, token, row.path, True, reason, row.out)
+        return self._event(row, TokenEvent(row.rid, token, row.path, True, reason, row.out))
+
+    @staticmethod
+    def _event(row: Row, event: TokenEvent) -> TokenEvent:
+        """``event`` with the log-probabilities the row asked for: its token's, and on its first
+        event its prompt's."""
+        if event.token is not None:
+            event.logprob, row.logprob = row.logprob, None
+        if row.prompt_logprobs is not None:
+            event.prompt_logprobs, row.prompt_logprobs = row.prompt_logprobs, None
+        return event
 
     def _overdue(self, now: int, current: Optional[int]) -> bool:
         """A row of another path has waited ``patience`` steps (never offline)."""

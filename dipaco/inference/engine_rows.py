@@ -9,12 +9,13 @@ re-encodes its trailing window every step (the long-context rule).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from dipaco.inference.generate import Generation
-from dipaco.inference.sampling import sample_token
+from dipaco.inference.sampling import sample_token, shape_logits, shapes_logits, token_logprobs
 from dipaco.runtime.device import model_device
 from modules import PathModel
 from modules.kv_cache import KVCache
@@ -24,9 +25,22 @@ if TYPE_CHECKING:
     from dipaco.inference.run import InferenceRun
 
 
+# one token's log-probability and the likeliest tokens' (id, log-probability), likeliest first
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class Request:
-    """One prompt to continue, with its own decoding settings."""
+    """One prompt to continue, with its own decoding settings.
+
+    The logit rules (``logit_bias``, the penalties, ``min_tokens``) are
+    :func:`~dipaco.inference.sampling.shape_logits`'; ``stop_ids`` end the row as the
+    end-of-text token does (the token is kept, finish reason ``stop``). ``logprobs`` N: each
+    generated token comes with its log-probability and the N likeliest tokens';
+    ``prompt_logprobs`` N: so do the prompt's tokens (but the first), on the row's first
+    event. With ``prompt_logprobs``, ``max_new_tokens=0`` scores the prompt and generates
+    nothing.
+    """
 
     prompt_ids: list[int]
     max_new_tokens: int = 64
@@ -36,6 +50,15 @@ class Request:
     seed: int = 0                     # per-request sampler seed
     stop_at_eos: bool = True
     reroute_every: Optional[int] = None   # W; None = routed once by the prompt
+    min_p: Optional[float] = None     # keep tokens at least this fraction of the likeliest's probability
+    min_tokens: int = 0               # end-of-text and stop_ids are held back until this many tokens
+    stop_ids: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
 
 @dataclass(eq=False)  # rows are compared by identity
@@ -60,6 +83,17 @@ class Row:
     slot: Optional[int] = None
     start: int = 0
     generator: Optional[torch.Generator] = None
+    logprob: Optional[TokenLogprob] = None  # of the token the last step gave it (Request.logprobs)
+    # the prompt's tokens' (None for the first, and for tokens before the window it was read
+    # through); set when its context is first encoded, handed out once with its first event
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    scored: bool = False  # the prompt's log-probabilities have been computed
+
+    @cached_property
+    def shaped(self) -> bool:
+        """Whether its logits go through :func:`shape_logits` before a token is chosen (asked
+        of every row at every step: computed once)."""
+        return shapes_logits(self.req)
 
     def path_at(self, pos: int) -> int:
         """The path of sequence position ``pos`` (its window must have been routed)."""
@@ -86,8 +120,9 @@ class PathBatch:
     step, ``fresh`` joined since the last step and are encoded at the next."""
 
     def __init__(self, model: PathModel, path: int, max_rows: int, use_kv_cache: bool,
-                 cache: Optional[RowCache] = None, exact: bool = True) -> None:
+                 cache: Optional[RowCache] = None, exact: bool = True, eos: Optional[int] = None) -> None:
         self.model, self.path, self.max_rows = model, int(path), int(max_rows)
+        self.eos = eos  # held back by a row's min_tokens
         self.exact = bool(exact)  # decode_rows' mode: row-exact (default) or one product per layer
         self.device = model_device(model)
         self.max_len = model.cfg.max_seq_len
@@ -137,10 +172,23 @@ class PathBatch:
         row.start = max(0, len(row.seq) - self.max_len)
         window = row.seq[row.start:]
         if self.cache is None:
-            return self.model(self._ids(window))[0, -1]
-        scratch = self.cache.scratch
-        scratch.reset()
-        return self.model(self._ids(window), scratch)[0, -1]
+            logits = self.model(self._ids(window))[0]
+        else:
+            scratch = self.cache.scratch
+            scratch.reset()
+            logits = self.model(self._ids(window), scratch)[0]
+        if row.req.prompt_logprobs is not None and not row.scored:
+            self._score_prompt(row, logits, window)
+        return logits[-1]
+
+    @staticmethod
+    def _score_prompt(row: Row, logits: torch.Tensor, window: list[int]) -> None:
+        """The prompt's log-probabilities from the forward that encoded its context (no
+        second pass): token ``j`` of the window from position ``j - 1``."""
+        n = len(row.out.prompt)
+        scored = token_logprobs(logits[:n - row.start - 1], window[1:n - row.start], row.req.prompt_logprobs)
+        row.prompt_logprobs = [None] * (row.start + 1) + list(scored)
+        row.scored = True
 
     def _slot(self, row: Row, scratch: KVCache, i: int = 0, n: Optional[int] = None) -> None:
         """``row`` takes the next slot, with the positions of ``scratch``'s row ``i``."""
@@ -182,9 +230,9 @@ class PathBatch:
         fresh, self.fresh = self.fresh, []
         if not self.exact and self.cache is not None:
             # fast mode: every fresh row whose context fits a slot is encoded in one padded call
-            fits = [r for r in fresh if len(r.seq) < self.max_len]
+            fits = [r for r in fresh if len(r.seq) < self.max_len and r.req.prompt_logprobs is None]
             if len(fits) > 1:
-                fresh = [r for r in fresh if len(r.seq) >= self.max_len]
+                fresh = [r for r in fresh if r not in fits]
                 rows.extend(fits)
                 parts.append(self._encode_padded(fits))
         for row in fresh:
@@ -196,16 +244,21 @@ class PathBatch:
                 self.windowed.append(row)
         logits = torch.cat(parts).float()
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows: the first of equal maxima, as one prompt
-        sampled = [i for i, row in enumerate(rows) if row.req.temperature > 0]
-        if sampled:
+        chosen = [i for i, row in enumerate(rows) if row.req.temperature > 0 or row.shaped]
+        if chosen:
             # Sampling happens on the CPU, as in one-prompt generation: a CUDA generator draws a
             # different stream from a CPU one seeded alike, so a row's sample would depend on the
-            # device. One transfer of the sampled rows' logits per step.
-            host = logits[torch.tensor(sampled, device=logits.device)].cpu()
-            for j, i in enumerate(sampled):
+            # device. One transfer of these rows' logits per step.
+            host = logits[torch.tensor(chosen, device=logits.device)].cpu()
+            for j, i in enumerate(chosen):
                 row = rows[i]
-                tokens[i] = int(sample_token(host[j], row.req.temperature, row.req.top_k, row.req.top_p,
-                                             self._generator(row)))
+                row_logits = shape_logits(host[j], row.req, row.out.prompt, row.out.tokens, self.eos) \
+                    if row.shaped else host[j]
+                tokens[i] = int(sample_token(row_logits, row.req.temperature, row.req.top_k, row.req.top_p,
+                                             self._generator(row), row.req.min_p))
+        for i, row in enumerate(rows):  # each row alone: its numbers never depend on its batch
+            if row.req.logprobs is not None:
+                row.logprob = token_logprobs(logits[i:i + 1], [tokens[i]], row.req.logprobs)[0]
         return rows, tokens
 
     @staticmethod

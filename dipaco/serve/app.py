@@ -1,34 +1,42 @@
-"""The HTTP app: OpenAI's completions and models endpoints and ``/health``, on FastAPI.
+"""The HTTP app: OpenAI's completions and models endpoints, vLLM's tokenizer endpoints,
+``/metrics`` and ``/health``, on FastAPI.
 
 The one module that uses FastAPI / Starlette. Every error a client can cause is OpenAI's
 error object with a one-line message (FastAPI's 422 output and Starlette's ``{"detail"}``
-are replaced); a body larger than the limit is refused before it is parsed, and the body
-is parsed by one parser (:func:`dipaco.serve.schemas.parse_completion`). An exception no
-handler expected is a 500 with the error object, caught by one boundary
-(:class:`ErrorBoundary`) before it reaches uvicorn, which would drop the connection.
+are replaced); a body larger than the limit is refused before it is parsed, one that does
+not arrive in time is dropped (408), and every body is parsed by one parser
+(:func:`dipaco.serve.schemas.parse_body`). An exception no handler expected is a 500 with
+the error object, caught by one boundary (:class:`ErrorBoundary`) before it reaches
+uvicorn, which would drop the connection.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dipaco.serve import sse
 from dipaco.serve.completions import Completion, CompletionService
-from dipaco.serve.errors import APIError, error_body, one_line
-from dipaco.serve.schemas import parse_completion, validation_error
+from dipaco.serve.errors import APIError, bad_request, error_body, one_line
+from dipaco.serve.metrics import HttpMetrics, HttpObserver, render
+from dipaco.serve.schemas import (CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body,
+                                  validation_error)
 
 log = logging.getLogger("dipaco.serve")
-# how often a non-streaming request checks that its client is still there
-_DISCONNECT_POLL_S = 0.25
-ENDPOINTS = "POST /v1/completions, GET /v1/models, GET /health"
+ENDPOINTS = ("POST /v1/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /tokenizer_info, "
+             "GET /metrics, GET /health")
+BODY_TIMEOUT_S = 30.0
+# a refusal before the whole body was read: the connection is closed after it (the rest of
+# the body would otherwise be read as the next request, or hold the connection)
+_CLOSE = {"connection": "close"}
 
 
 class ErrorBoundary:
@@ -63,14 +71,16 @@ class ErrorBoundary:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 before anything parses it.
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 before anything parses it,
+    and one that has not arrived whole ``timeout`` seconds after its headers gets 408; the
+    connection is then closed (a client trickling a body cannot hold it).
 
     A declared ``Content-Length`` is checked first; a chunked body is read up to the
     limit and then replayed to the app.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, int(limit)
+    def __init__(self, app: ASGIApp, limit: int, timeout: float = BODY_TIMEOUT_S) -> None:
+        self.app, self.limit, self.timeout = app, int(limit), float(timeout)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,12 +88,18 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                return await _send_error(send, 400, "Content-Length is not a number")
+                return await _send_error(send, 400, "Content-Length is not a number", headers=_CLOSE)
             if int(declared) > self.limit:
                 return await self._too_large(send, int(declared))
         chunks, size, more = [], 0, True
+        deadline = time.monotonic() + self.timeout
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return await _send_error(send, 408, f"the request body did not arrive whole within {self.timeout:g} s "
+                                         f"({size} bytes came); the connection is closed", code="body_timeout",
+                                         headers=_CLOSE)
             if message["type"] != "http.request":  # the client left before sending its body
                 return
             chunks.append(message.get("body", b""))
@@ -105,11 +121,12 @@ class BodyLimit:
 
     async def _too_large(self, send: Send, size: int) -> None:
         await _send_error(send, 413, f"the request body is {size}+ bytes; this server accepts at most "
-                          f"{self.limit} (--max-body-bytes)", code="body_too_large")
+                          f"{self.limit} (--max-body-bytes)", code="body_too_large", headers=_CLOSE)
 
 
-async def _send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
-    response = JSONResponse(error_body(status, message, code=code), status_code=status)
+async def _send_error(send: Send, status: int, message: str, code: str | None = None,
+                      headers: Optional[dict[str, str]] = None) -> None:
+    response = JSONResponse(error_body(status, message, code=code), status_code=status, headers=headers)
     await response({"type": "http"}, _no_receive, send)
 
 
@@ -117,20 +134,30 @@ async def _no_receive() -> Message:  # pragma: no cover - JSONResponse never rea
     return {"type": "http.disconnect"}
 
 
-def create_app(service: CompletionService) -> FastAPI:
-    """The app serving ``service``; its lifespan starts and stops the engine thread."""
+def create_app(service: CompletionService, *, body_timeout: float = BODY_TIMEOUT_S, access_log: bool = True,
+               max_batch_size: Optional[int] = None, on_ready: Optional[Callable[[], None]] = None) -> FastAPI:
+    """The app serving ``service``; its lifespan starts and stops the engine thread.
+
+    ``access_log``: a line per request on the ``dipaco.serve.access`` logger;
+    ``max_batch_size``: the engine's, for ``/metrics``' batch occupancy; ``on_ready``: called
+    once the server serves (its stop signals handled: ``dipaco-serve`` says so then)."""
     model = service.model
+    http = HttpMetrics()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not service.engine.alive:
             service.engine.start()
+        if on_ready is not None:
+            on_ready()
         yield
         await asyncio.to_thread(service.engine.stop)
 
     app = FastAPI(title="dipaco-serve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.add_middleware(BodyLimit, limit=service.limits.max_body_bytes)
-    app.add_middleware(ErrorBoundary)  # added last: the outermost, so it sees every exception
+    app.add_middleware(BodyLimit, limit=service.limits.max_body_bytes, timeout=body_timeout)
+    app.add_middleware(ErrorBoundary)  # the outermost but one, so it sees every exception
+    app.add_middleware(HttpObserver, metrics=http, enabled=access_log)  # outermost: sees every status, 500s too
+    app.state.http_metrics = http
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -154,7 +181,7 @@ def create_app(service: CompletionService) -> FastAPI:
         engine = service.engine
         ok = engine.alive
         body: dict[str, Any] = {"status": "ok" if ok else "failed", "model": model.name,
-                                "active_requests": engine.active, "engine": vars(engine.stats).copy()}
+                                "active_requests": engine.active, "engine": engine.stats.health()}
         loaded = _loaded_paths(engine.engine)
         if loaded is not None:
             body["loaded_paths"] = loaded
@@ -165,32 +192,62 @@ def create_app(service: CompletionService) -> FastAPI:
             body["error"] = engine.error or "the engine thread is not running"
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": model.name, "object": "model", "created": model.created, "owned_by": "dipaco",
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(render(http, service.engine, max_batch_size, model.name),
+                                 media_type="text/plain; version=0.0.4")
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": model.created, "owned_by": "dipaco",
+                "root": model.name, "max_model_len": model.max_seq_len,
                 "dipaco": {"num_paths": model.num_paths, **model.info}}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in model.names]}
 
     @app.get("/v1/models/{model_id}")
     async def one_model(model_id: str) -> dict[str, Any]:
-        if model_id != model.name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {model.name!r}",
-                           param="model", code="model_not_found")
-        return model_card()
+        service.check_model(model_id)
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        # parsed here, not by FastAPI: one parser for every body (schemas.parse_completion:
+        # parsed here, not by FastAPI: one parser for every body (schemas.parse_body:
         # strict UTF-8 JSON, no lone surrogates, the Content-Type checked)
-        body = parse_completion(await request.body(), request.headers.get("content-type"))
+        body = parse_body(CompletionRequest, await request.body(), request.headers.get("content-type"))
         if not service.engine.alive:
             raise APIError(503, f"the engine is not running: {service.engine.error}", code=service.engine.down_code)
         completion = await service.open(body)
+        request.state.completion = completion  # its token counts, for the access log
         if body.stream:
             return StreamingResponse(_stream(completion), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
         return await _collect(completion, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(TokenizeRequest, await request.body(), request.headers.get("content-type"))
+        service.check_model(body.model)
+        ids = await asyncio.to_thread(model.tokenizer.encode, body.prompt)
+        return {"count": len(ids), "max_model_len": model.max_seq_len, "tokens": list(ids),
+                "token_strs": [model.token_text(t) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_body(DetokenizeRequest, await request.body(), request.headers.get("content-type"))
+        service.check_model(body.model)
+        vocab = model.vocab_size or 2**63
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"tokens holds token id {bad[0]}, outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": await asyncio.to_thread(model.tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        # what lm-eval's remote tokenizer (tokenizer_backend=auto) reads, with /tokenize and /detokenize
+        return {"tokenizer_class": type(model.tokenizer).__name__, "eos_token": model.eos_text,
+                "bos_token": None, "pad_token": None, "model_max_length": model.max_seq_len,
+                "vocab_size": model.vocab_size}
 
     return app
 
@@ -228,22 +285,26 @@ async def _stream(completion: Completion) -> AsyncIterator[str]:
 
 
 async def _collect(completion: Completion, request: Request) -> Response:
-    """Wait for the whole completion, freeing its rows if the client leaves first."""
+    """Wait for the whole completion, freeing its rows as soon as the client leaves (its
+    connection's close is awaited, not polled for)."""
 
     async def drain() -> None:
         async for _ in completion.updates():
             pass
 
-    task = asyncio.ensure_future(drain())
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, left = asyncio.ensure_future(drain()), asyncio.ensure_future(gone())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                task.result()  # an APIError (engine failed) propagates to its handler
-                return JSONResponse(completion.response())
-            if await request.is_disconnected():
-                log.info("client left %s: freeing its rows", completion.id)
-                return Response(status_code=499)
+        done, _ = await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            task.result()  # an APIError (engine failed) propagates to its handler
+            return JSONResponse(completion.response())
+        log.info("client left %s: freeing its rows", completion.id)
+        return Response(status_code=499)
     finally:
         task.cancel()
+        left.cancel()
         completion.cancel()

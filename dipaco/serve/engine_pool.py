@@ -67,10 +67,10 @@ class EnginePool:
         try:
             for child in spawned:
                 ready.append(child.ready(vocab_size))
-        except EngineFailed:
+        except BaseException:  # a failure, or a signal while waiting: none of them may outlive us
             for engine in ready:
                 engine.close()
-            for child in spawned[len(ready):]:
+            for child in spawned[len(ready) + 1:]:  # the one that failed has killed itself
                 child.kill()
             raise
         return cls(ready, route)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from dipaco.serve.engine_process import EngineFailed
@@ -60,6 +61,10 @@ class BatchStats:
         joined_running: requests whose first token came from a step that also served a
             request which had had tokens before (they joined a running batch).
         submitted, finished: requests in and out.
+        prompt_tokens: the submitted requests' prompt tokens.
+        rows_total, last_rows: rows summed over the steps, and the last step's.
+        path_tokens, path_rows: tokens by the path that made them; requests by the path of
+            their first token (``/metrics``).
     """
 
     steps: int = 0
@@ -68,6 +73,15 @@ class BatchStats:
     joined_running: int = 0
     submitted: int = 0
     finished: int = 0
+    prompt_tokens: int = 0
+    rows_total: int = 0
+    last_rows: int = 0
+    path_tokens: Counter = field(default_factory=Counter)
+    path_rows: Counter = field(default_factory=Counter)
+
+    def health(self) -> dict:
+        """The counters ``/health`` shows (the per-path ones are ``/metrics``')."""
+        return {k: v for k, v in vars(self).items() if not isinstance(v, Counter)}
 
 
 class EngineThread:
@@ -121,6 +135,12 @@ class EngineThread:
         with self._lock:
             return len(self._sinks)
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted that have had no token yet (queued for their path's batch)."""
+        with self._lock:
+            return len(self._sinks) - len(self._started)
+
     def add_step_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` on the engine thread after each step's events went to their
         sinks (and after a failure's): a sink may hold events back until then and hand the
@@ -148,6 +168,7 @@ class EngineThread:
             rid = int(self.engine.submit(request))
             self._sinks[rid] = sink
             self.stats.submitted += 1
+            self.stats.prompt_tokens += len(getattr(request, "prompt_ids", ()))
         with self._wake:
             self._wake.notify_all()
         return rid
@@ -199,7 +220,11 @@ class EngineThread:
             if events:
                 self.stats.steps += 1
             rows = {ev.request_id for ev in events}
-            self.stats.max_rows = max(self.stats.max_rows, len(rows))
+            stats = self.stats
+            stats.max_rows = max(stats.max_rows, len(rows))
+            if events:
+                stats.rows_total += len(rows)
+                stats.last_rows = len(rows)
             running = bool(rows & self._started)
             for ev in events:
                 rid = ev.request_id
@@ -207,10 +232,12 @@ class EngineThread:
                 if sink is None:  # cancelled, or finished already
                     continue
                 if ev.token is not None:
-                    self.stats.tokens += 1
+                    stats.tokens += 1
+                    stats.path_tokens[ev.path] += 1
                     if rid not in self._started:
                         self._started.add(rid)
-                        self.stats.joined_running += running
+                        stats.joined_running += running
+                        stats.path_rows[ev.path] += 1
                 if ev.finished:
                     self._sinks.pop(rid, None)
                     self._started.discard(rid)
@@ -225,6 +252,7 @@ class EngineThread:
         with self._lock:
             self.error = message
             sinks, self._sinks = list(self._sinks.values()), {}
+            self._started.clear()
         for sink in sinks:
             try:
                 sink(ENGINE_FAILED)

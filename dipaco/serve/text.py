@@ -19,27 +19,38 @@ class TextAssembler:
 
     :meth:`add` returns the text that became final with that token; :attr:`stopped` turns
     true when a stop string appeared (the text ends just before it, the stop itself is not
-    returned, as OpenAI does). The eos token is never part of the text.
+    returned, as OpenAI does; with ``include_stop`` it ends just after it) and
+    :attr:`stop_reason` is that string. Tokens in ``skip`` (the special tokens, by
+    default the end-of-text token) are never part of the text. Stop strings are looked for
+    once ``min_tokens`` tokens have come (vLLM's rule for its ``min_tokens``).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stops: Sequence[str] = (), eos_id: Optional[int] = None) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stops: Sequence[str] = (), eos_id: Optional[int] = None, *,
+                 skip: Optional[Sequence[int]] = None, include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = [s for s in stops if s]
-        self.eos_id = eos_id
+        self.skip = set(skip if skip is not None else ([] if eos_id is None else [eos_id]))
+        self.include_stop = include_stop
+        self.min_tokens = int(min_tokens)
         self.ids: list[int] = []
+        self.count = 0  # tokens taken, skipped ones included
         self.text = ""  # what has been returned so far
         self.stopped = False
+        self.stop_reason: Optional[str] = None
 
     def add(self, token: int) -> str:
         """Take one generated token; return the text it made final (maybe empty)."""
-        if self.stopped or token == self.eos_id:
+        if self.stopped:
+            return ""
+        self.count += 1
+        if token in self.skip:
             return ""
         self.ids.append(int(token))
         full = self.tokenizer.decode(self.ids)
-        cut = self._first_stop(full)
+        cut = self._first_stop(full) if self.count >= self.min_tokens else None
         if cut is not None:
             self.stopped = True
-            return self._emit(full, cut)
+            return self._emit(full, cut + (len(self.stop_reason or "") if self.include_stop else 0))
         safe = len(full.rstrip(_REPLACEMENT)) if full.endswith(_REPLACEMENT) else len(full)
         safe = min(safe, len(full) - self._stop_prefix_len(full))
         return self._emit(full, safe)
@@ -50,7 +61,8 @@ class TextAssembler:
             return "".join(self.add(t) for t in tokens)
         if self.stopped:
             return ""
-        self.ids.extend(int(t) for t in tokens if t != self.eos_id)
+        self.count += len(tokens)
+        self.ids.extend(int(t) for t in tokens if t not in self.skip)
         full = self.tokenizer.decode(self.ids)
         safe = len(full.rstrip(_REPLACEMENT)) if full.endswith(_REPLACEMENT) else len(full)
         return self._emit(full, safe)
@@ -82,7 +94,7 @@ class TextAssembler:
         for s in self.stops:
             i = full.find(s, max(0, len(self.text) - len(s) + 1))
             if i >= 0 and (best is None or i < best):
-                best = i
+                best, self.stop_reason = i, s
         return best
 
     def _stop_prefix_len(self, full: str) -> int:
