@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import dipaco
 from dipaco.storage.hashing import sha256_hex
+from dipaco.storage.strict_json import dumps_strict
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.store import JSON_DIGEST, CorruptBlob, Store, decode_json
 from dipaco.run.path_guard import check_target
@@ -163,7 +164,7 @@ def code_version() -> str:
 def config_digest(cfg_dict: dict) -> str:
     """sha256 of a config (a plain dict), the keys of :data:`_WHERE_KEYS` left out."""
     what = {k: v for k, v in cfg_dict.items() if k not in _WHERE_KEYS}
-    return sha256_hex(json.dumps(what, sort_keys=True, default=str))
+    return sha256_hex(dumps_strict(what, sort_keys=True, default=str))  # a NaN key: null, not a token
 
 
 def write_run_record(store: Store, cfg_dict: dict, run_dir: Path, slurm: Optional[dict] = None) -> dict:
