@@ -216,6 +216,9 @@ def open_run(url: str, *, cfg_dict: Optional[dict] = None, to_train: bool = True
     (:class:`JoinRefused`, one line, nothing written) when the store cannot be reached or
     holds no run, the run was made by another dipaco, ``cfg_dict`` is not its config, or
     (``to_train``) the run is finished."""
+    if not url.strip():  # '' would be read as this folder
+        raise JoinRefused("the store URL is empty: pass the store of a run (diloco.decoupled.store_url, "
+                          "default RUN_DIR/decoupled)")
     local = _local_path(url)
     if local is not None and not local.is_dir():
         kind = JoinRefused if local.exists() else NoRunYet
