@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.common import base_parser, load_average, print_table, verdict, work_dir, write_result
+from dipaco.storage.strict_json import dumps_strict
+from dipaco.storage.jsonl import append_json_lines
 
 NAME = "decoupled"
 TARGET_GOODPUT = 0.8
@@ -94,8 +96,7 @@ def slow_run_rank(cfg: Any, run: Any, rank: Optional[int], world: int, slow_rank
         t0 = time.time()
         stats = original(self, n, on_step=hook, **kw)
         stats.seconds = time.time() - t0
-        with open(log, "a") as f:
-            f.write(json.dumps({"start": t0, "end": time.time(), "path": self.path_id}) + "\n")
+        append_json_lines(log, [{"start": t0, "end": time.time(), "path": self.path_id}])
         return stats
 
     learner_mod.PathLearner.train_steps = train_steps
@@ -252,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = [summarise(rows, s, side) for s in settings for side in sides]
     print_table(summary, ["setting", "side", "mean", "stdev", "min", "max", "decoupled_goodput", "sync_goodput"],
                 title=f"\ndecoupled - sync routed loss (nats), seeds {args.seeds}")
-    print(json.dumps({"summary": summary, "set": dset}, indent=2))
+    print(dumps_strict({"summary": summary, "set": dset}, indent=2))
     write_result(NAME, {"sizes": size, "slow_factor": SLOW_FACTOR, "seeds": args.seeds, "settings": settings,
                         "set": dset, "overrides": args.override, "rows": rows, "summary": summary},
                  mode=args.mode, load_before=load0, out=args.out, argv=argv)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, write_result
+from dipaco.storage.strict_json import dumps_strict
 
 # per mode and device type: model presets (conf/model/), steps per sample (= H), rounds
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -223,7 +224,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.child:
         model, side, precision, comp = args.child
-        print(json.dumps(child(model, side, args.mode, precision, comp == "1")))
+        print(dumps_strict(child(model, side, args.mode, precision, comp == "1")))
         return {}
     import torch
 

@@ -30,6 +30,8 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.bench_gpu import rss_now, warm_runtime
 from benchmarks.common import base_parser, load_average, print_table, write_result
+from dipaco.storage.strict_json import dumps_strict
+from benchmarks.common import write_output
 
 G = 2
 # per mode and device type: model presets (conf/model/), global batch, T, H, timed rounds
@@ -135,7 +137,7 @@ def _rank(rank: int, port: int, model_name: str, side: str, mode: str, out: str)
     dist.all_gather_object(rows, row)
     if rank == 0:
         worst = max(rows, key=lambda r: r["peak_memory_bytes"])
-        Path(out).write_text(json.dumps({**row, "peak_memory_bytes": worst["peak_memory_bytes"],
+        write_output(out, dumps_strict({**row, "peak_memory_bytes": worst["peak_memory_bytes"],
                                          "measured_over_planned": worst["peak_memory_bytes"] / planned}))
     dist.destroy_process_group()
 

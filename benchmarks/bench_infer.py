@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from dipaco.storage.strict_json import dumps_strict
+from benchmarks.common import write_output
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -71,8 +73,11 @@ def reset_peak_rss() -> int:
 
     Imports alone peak far above a small model, so the peak must be measured from here on.
     """
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    fd = os.open("/proc/self/clear_refs", os.O_WRONLY)  # a kernel control, not a file of ours
+    try:
+        os.write(fd, b"5")
+    finally:
+        os.close(fd)
     return _status_kib("VmRSS") * 1024
 
 
@@ -173,7 +178,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="new tokens per generation")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.tokens)))
+        print(dumps_strict(child(args.child, args.tokens)))
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -191,7 +196,7 @@ def main() -> None:
               "speed": speed, "prepare_run_s": train_s, "torch_threads": torch.get_num_threads(),
               "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
                        "torch": torch.__version__, "load_avg": os.getloadavg()}}
-    (RESULTS / "infer.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_output(RESULTS / "infer.json", dumps_strict(result, indent=2) + "\n")
 
     mb = 1 / 2**20
     c = mem["cases"]

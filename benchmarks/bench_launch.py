@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+from dipaco.storage.strict_json import dumps_strict
 
 HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run as a script: the repository root holds `benchmarks`
@@ -68,7 +69,7 @@ def child(tmp: str) -> None:
         times.append(time.perf_counter() - t0)
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-    print(json.dumps({"first_s": times[0], "second_s": times[1], "cpu_s": cpu}), flush=True)
+    print(dumps_strict({"first_s": times[0], "second_s": times[1], "cpu_s": cpu}), flush=True)
 
 
 def _become_subreaper() -> bool:

@@ -58,6 +58,7 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, work_dir, write_result
 from benchmarks.link_wire import WireMeter, control_bytes, round_record_proxy, transfer_times
+from dipaco.storage.atomic import write_json
 
 INSIDE = "DIPACO_BENCH_LINK_NETNS"  # set in the re-run inside the namespace
 SETTINGS = ("ddp", "sync", "streaming", "streaming+int4")
@@ -103,7 +104,7 @@ def build_run(root: Path, paths: int) -> Any:
     write_shards(TokenDocs.from_arrays(docs), [[i % paths] for i in range(len(docs))], paths, run.shards)
     # an empty record, as a prepared run holds one: without it the rounds refuse a tokenizer and
     # shards whose origin is unknown (dipaco/run/fingerprint.py)
-    (run.root / "fingerprints.json").write_text("{}\n", encoding="utf-8")
+    write_json(run.root / "fingerprints.json", {})
     return run
 
 

@@ -23,6 +23,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, write_result
+from dipaco.storage.strict_json import dumps_strict
 
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"model": "base", "grids": [[1, 1], [2, 2], [4, 4], [8, 8]], "repeats": 1},
@@ -66,7 +67,7 @@ def child(model_name: str, grid: list[int], whole_grid: bool, steps: int = 3) ->
 
 def run_case(model_name: str, grid: list[int], whole_grid: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--child",
-           json.dumps({"model": model_name, "grid": grid, "whole_grid": whole_grid})]
+           dumps_strict({"model": model_name, "grid": grid, "whole_grid": whole_grid})]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -77,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
-        print(json.dumps(child(spec["model"], spec["grid"], spec["whole_grid"])))
+        print(dumps_strict(child(spec["model"], spec["grid"], spec["whole_grid"])))
         return {}
     argv = list(sys.argv[1:] if argv is None else argv)
     load0 = load_average()

@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from benchmarks.common import base_parser, load_average, print_table, write_result
+from dipaco.storage.strict_json import dumps_strict
+from dipaco.storage.atomic import write_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"quick": [5, 20], "full": [50, 250, 1000]}
@@ -102,15 +104,19 @@ def _documents(doc_chars: int) -> Iterator[tuple[str, str, str]]:
 
 def write_corpus(path: Path, target_bytes: int, doc_chars: int, max_docs: Optional[int] = None) -> dict[str, Any]:
     """Write JSON lines of about ``target_bytes`` of text (or ``max_docs`` documents)."""
-    written, docs = 0, 0
-    with open(path, "w", encoding="utf-8") as f:
-        for doc_id, label, text in _documents(doc_chars):
-            if written >= target_bytes or (max_docs is not None and docs >= max_docs):
-                break
-            f.write(json.dumps({"id": doc_id, "text": text, "label": label}, ensure_ascii=False) + "\n")
-            written += len(text.encode("utf-8"))
-            docs += 1
-    return {"text_bytes": written, "documents": docs, "file_bytes": path.stat().st_size}
+    count = {"written": 0, "docs": 0}
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for doc_id, label, text in _documents(doc_chars):
+                if count["written"] >= target_bytes or (max_docs is not None and count["docs"] >= max_docs):
+                    break
+                f.write(dumps_strict({"id": doc_id, "text": text, "label": label}, ensure_ascii=False) + "\n")
+                count["written"] += len(text.encode("utf-8"))
+                count["docs"] += 1
+
+    write_atomically(path, fill)
+    return {"text_bytes": count["written"], "documents": count["docs"], "file_bytes": path.stat().st_size}
 
 
 # --------------------------------------------------------------------------- one run

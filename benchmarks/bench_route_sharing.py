@@ -18,7 +18,6 @@ Prints the tables and writes benchmarks/results/route_sharing.json (not committe
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,8 @@ import numpy as np
 from benchmarks.common import RESULTS_DIR, print_table
 from router import Router, routing_report
 from router.synthetic import hierarchical_corpus
+from dipaco.storage.strict_json import dumps_strict
+from benchmarks.common import write_output
 
 SEEDS = (0, 1, 2)
 METHODS = ("product", "flat", "grouped", "tree")
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["method", "balance", "path_nmi", "imbalance", "moved", "moved_kept_level0"]
     print_table(out["skewed"], cols, "skewed hierarchy [4,4], training shards")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "route_sharing.json").write_text(json.dumps(out, indent=2))
+    write_output(RESULTS_DIR / "route_sharing.json", dumps_strict(out, indent=2))
     return 0
 
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from dipaco.storage.strict_json import dumps_strict
+from benchmarks.common import write_output
 
 
 def clustered_points(n: int, d: int, k: int, seed: int = 0) -> np.ndarray:
@@ -200,9 +202,7 @@ def main() -> None:
               "load_average_before_after": [load_before, os.getloadavg()[0]], **head,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "kmeans": kmeans_rows, "memmap": mem, "end_to_end": e2e}
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_output(out, dumps_strict(result, indent=2) + "\n")
     print(f"\nwrote {out}")
 
 

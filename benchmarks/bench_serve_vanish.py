@@ -34,6 +34,7 @@ if str(HERE.parent) not in sys.path:  # run as a script: the repository root hol
     sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.common import load_average, print_table, write_result  # noqa: E402
+from dipaco.storage.atomic import write_json  # noqa: E402
 
 PROMPT_TOKENS = 16
 TEXTS = ["def parse_args(argv):\n    parser = argparse.ArgumentParser()\n", "class Cache:\n    def __init__(self):",
@@ -79,7 +80,7 @@ def serve_child(out: str, vanish_tokens: int, argv: list[str]) -> None:
     def dump() -> None:
         lags = sorted(t - times[rid][n - 1] for rid, n, t in chunks if 0 < n <= len(times[rid]))
         rows = [{"submitted": vanish[r], "times": times[r], "cancelled": cancelled.get(r)} for r in vanish]
-        Path(out).write_text(json.dumps({"lags_s": lags, "vanished": rows}))
+        write_json(out, {"lags_s": lags, "vanished": rows})  # the bench's own scratch file, read back below
 
     atexit.register(dump)
     from dipaco.cli.serve import main as serve

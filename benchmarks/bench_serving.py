@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.common import base_parser, fmt, load_average, print_table, work_dir, write_result
+from dipaco.storage.strict_json import dumps_strict
+from dipaco.storage.atomic import atomic_write_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,16 +69,14 @@ class Setup:
     profile: bool = False
 
 
-def _run_child(cmd: Sequence[str], out_path: Optional[Path] = None) -> tuple[float, float, str]:
+def _run_child(cmd: Sequence[str]) -> tuple[float, float, str]:
     """Run ``cmd``: (wall seconds, the process's own peak RSS in MiB by ``wait4``, its stdout)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
-    with open(os.devnull if out_path is None else out_path, "w") as sink:
-        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE if out_path is None else sink,
-                                stderr=subprocess.PIPE, env=env, cwd=ROOT)
-        out = proc.stdout.read() if proc.stdout else b""
-        err = proc.stderr.read()
-        _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    out = proc.stdout.read() if proc.stdout else b""
+    err = proc.stderr.read() if proc.stderr else b""
+    _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     code = os.waitstatus_to_exitcode(status)
     if code:
@@ -210,7 +210,7 @@ def hf_worker(export: str, prompt_file: str, new_tokens: int, batch_size: int) -
                                      eos_token_id=eos, pad_token_id=eos)
             for i, row in zip(chunk, gen[:, width:].tolist()):
                 out[i] = row[: row.index(eos) + 1] if eos in row else row
-    print(json.dumps({"loop_s": time.perf_counter() - t0, "tokens": out}))
+    print(dumps_strict({"loop_s": time.perf_counter() - t0, "tokens": out}))
 
 
 def _verdicts(results: dict[str, dict]) -> dict[str, float]:
@@ -253,7 +253,7 @@ def make_prompts(run_dir: Path, n: int, prompt_tokens: int, path: Path) -> list[
                 texts.append(run.tokenizer.decode(cut))
         if len(texts) == n:
             break
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    atomic_write_lines(path, (dumps_strict({"text": t}) + "\n" for t in texts))
     return texts
 
 

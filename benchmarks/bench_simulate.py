@@ -27,6 +27,8 @@ from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.decoupled import simulate_decoupled
 from dipaco.sim.modes import simulate_mode
 from dipaco.sim.report import simulate_job
+from dipaco.storage.strict_json import dumps_strict
+from benchmarks.common import write_figure, write_output
 
 DECOUPLED_S = 600.0  # simulated seconds of decoupled mode at scale (256 workers: ~300 phases each)
 
@@ -96,7 +98,7 @@ def scale(plot_dir: str | None) -> dict[str, Any]:
 
     def note(key: str, value: Any) -> None:
         out[key] = value
-        print(json.dumps({key: value}, default=str), flush=True)
+        print(dumps_strict({key: value}, default=str), flush=True)
 
     def at(chips: int, **kw: Any) -> dict[str, float]:
         """Goodput per mode on ``chips`` chips: the round modes over the preset's week;
@@ -172,7 +174,7 @@ def grace_floor() -> dict[str, Any]:
         out[name] = {"goodput": round(r.goodput, 3),
                      "applied_share": round(sim.tally.applied_steps / sim.tally.executed_steps, 3),
                      "steps_by_trigger": dict(Counter(s[1] for m in sim.modules.values() for s in m.steps))}
-        print(json.dumps({name: out[name]}), flush=True)
+        print(dumps_strict({name: out[name]}), flush=True)
     return out
 
 
@@ -196,7 +198,7 @@ def _plot(out: dict[str, Any], folder: str) -> None:
         ax.set_ylabel("goodput")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(os.path.join(folder, f"{key}.png"), dpi=90)
+        write_figure(fig, os.path.join(folder, f"{key}.png"), dpi=90)
         plt.close(fig)
 
 
@@ -213,7 +215,7 @@ def main() -> None:
     res: dict[str, Any] = {}
     if args.bandwidth:
         res["bandwidth"] = bandwidth()
-        print(json.dumps({"gbps_for_exposed_under_5pct": res["bandwidth"]}))
+        print(dumps_strict({"gbps_for_exposed_under_5pct": res["bandwidth"]}))
     if args.grace:
         res["grace"] = grace_floor()
     if args.validate or not (args.scale or args.grace or args.bandwidth):
@@ -224,8 +226,7 @@ def main() -> None:
     if args.scale:
         res["scale"] = scale(args.plot)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1, default=str)
+        write_output(args.json, dumps_strict(res, indent=1, default=str))
 
 
 if __name__ == "__main__":

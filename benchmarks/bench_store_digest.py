@@ -51,7 +51,8 @@ def update(numel: int) -> dict[str, Any]:
 def _plain_encode(state: Any, meta: dict) -> bytes:
     """The encoding without a digest: the same flatten and safetensors calls."""
     tensors, skeleton = flatten_state(state)
-    return tensors_to_bytes(tensors, metadata={"skeleton": json.dumps(skeleton), "meta": json.dumps(meta)})
+    return tensors_to_bytes(tensors, metadata={"skeleton": json.dumps(skeleton, allow_nan=False),
+                                               "meta": json.dumps(meta, allow_nan=False)})
 
 
 def _plain_decode(blob: bytes) -> Any:
@@ -70,7 +71,7 @@ def measure(name: str, state: dict[str, Any], repeats: int, root: str) -> dict[s
     meta = {"version": 1}
     blob, plain = encode_state(state, meta), _plain_encode(state, meta)
     tensors, skeleton = flatten_state(state)
-    header = {"skeleton": json.dumps(skeleton), "meta": json.dumps(meta)}
+    header = {"skeleton": json.dumps(skeleton, allow_nan=False), "meta": json.dumps(meta, allow_nan=False)}
     store = FileStore(root)
     store.put_state("k.st", state, meta=meta)
     enc = interleaved({"digest": lambda: _seconds(lambda: encode_state(state, meta)),

@@ -26,6 +26,8 @@ import time
 from typing import Any, Optional, Sequence
 
 import torch
+from dipaco.storage.strict_json import dumps_strict
+from benchmarks.common import write_output
 
 
 def _sync(device: str) -> None:
@@ -70,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         res[f"{name}_tokens_s"] = sum(len(g.tokens) for g in gens) / dt
         res[f"{name}_prompts_s"] = len(prompts) / dt
         res[f"{name}_equal_batch1_first16"] = sum(g.tokens == r.tokens for g, r in zip(gens, ref))
-    print(json.dumps(res), flush=True)
+    print(dumps_strict(res), flush=True)
 
     from transformers import LlamaForCausalLM
 
@@ -95,10 +97,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 spent += time.perf_counter() - t
                 total += (out.shape[1] - width) * len(chunk)
     res["hf_b32_tokens_s_loop_only"] = total / spent
-    print(json.dumps(res), flush=True)
+    print(dumps_strict(res), flush=True)
     if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(res, f, indent=1)
+        write_output(a.out, dumps_strict(res, indent=1))
     return res
 
 

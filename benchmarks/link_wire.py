@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
+from dipaco.storage.strict_json import dumps_strict
 
 
 def lo_tx_bytes() -> int:
@@ -159,7 +160,7 @@ def round_record_proxy(run: Any) -> Optional[dict]:
     last = [x for x in steps if step is None or x.get("step", 0) > step - 16]  # H = 16 in the benchmark
     mine = last[: max(1, len(last) // 4)]
     record = {**{k: v for k, v in line.items() if k != "step"}, "steps": mine}
-    return {"record": record, "json_bytes": len(json.dumps(record))}
+    return {"record": record, "json_bytes": len(dumps_strict(record))}
 
 
 def _receive(conn: socket.socket, nbytes: int) -> None:

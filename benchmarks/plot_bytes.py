@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from benchmarks.common import write_figure
 
 
 def main(argv: list[str]) -> None:
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> None:
     ax.set_ylabel("routed perplexity (validation)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(argv[0], dpi=100)
+    write_figure(fig, argv[0], dpi=100)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,13 @@ Layout of a token directory::
 
     tokens.bin    every document's token ids end to end, raw little-endian int32
     offsets.npy   int64 [N + 1]: document i is tokens[offsets[i]:offsets[i + 1]]
+    tokens.sha256 the sha256 of tokens.bin, taken as it was written (no second read)
+
+Checked where read (docs/reliability.md, rule 1): :func:`open_token_docs` hashes
+``tokens.bin`` against ``tokens.sha256`` before mapping it (about 2 s a GB on this
+project's 2-core CPU), so a token file rewritten in place, even to the same length, is
+refused naming it; a directory written before the checksum is refused as uncheckable
+(``require_checksum``; a cache rebuilds it), except where the caller vouches for it.
 
 Written once (:class:`TokenDocsWriter`, in bounded memory, renamed into place when
 complete) and read by offset through ``numpy.memmap``: opening a corpus of any size costs
@@ -18,6 +25,7 @@ shard's rows) and :meth:`TokenDocs.prefixes` (each document cut to its routing p
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import shutil
@@ -27,7 +35,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 TOKEN_DTYPE = np.dtype("<i4")
-TOKENS_FILE, OFFSETS_FILE = "tokens.bin", "offsets.npy"
+TOKENS_FILE, OFFSETS_FILE, CHECKSUM_FILE = "tokens.bin", "offsets.npy", "tokens.sha256"
 _TMP_MARK = ".tmp-"  # .<name>.tmp-<pid>: a write in progress (or left by a killed writer)
 
 
@@ -148,6 +156,7 @@ class TokenDocsWriter:
         self._tmp.mkdir(parents=True)
         self._file = open(self._tmp / TOKENS_FILE, "wb")
         self._lengths: list[np.ndarray] = []
+        self._hash = hashlib.sha256()
 
     def append(self, docs: Iterable[Sequence[int]]) -> None:
         """Write a batch of documents (token id sequences)."""
@@ -163,7 +172,9 @@ class TokenDocsWriter:
             raise ValueError(f"lengths sum to {int(lengths.sum())}, but {tokens.size} tokens were given")
         if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(TOKEN_DTYPE).max):
             raise ValueError(f"token ids must lie in [0, 2**31), got [{tokens.min()}, {tokens.max()}]")
-        self._file.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+        data = tokens.astype(TOKEN_DTYPE, copy=False).tobytes()
+        self._file.write(data)
+        self._hash.update(data)
         self._lengths.append(lengths)
 
     def close(self) -> TokenDocs:
@@ -172,15 +183,41 @@ class TokenDocsWriter:
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         np.save(self._tmp / OFFSETS_FILE, offsets)
+        (self._tmp / CHECKSUM_FILE).write_text(self._hash.hexdigest() + "\n", encoding="ascii")
         if self.directory.exists():
             shutil.rmtree(self.directory)
         os.replace(self._tmp, self.directory)
+        st = (self.directory / TOKENS_FILE).stat()  # hashed as written: the reader below need not read it again
+        _CHECKED[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = self._hash.hexdigest()
         return open_token_docs(self.directory)
 
     def abort(self) -> None:
         """Drop what was written (the published directory, if any, is left untouched)."""
         self._file.close()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+_CHECKED: dict[tuple[int, int, int, int], str] = {}  # (device, inode, size, mtime) -> sha256, this process
+
+
+def _checked_sha256(path: Path) -> str:
+    """sha256 of ``path``, taken once per process while the file is unchanged (its device,
+    inode, size and modification time): a reader of many shards of one file hashes it once."""
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _CHECKED:
+        _CHECKED[key] = _sha256(path)
+    return _CHECKED[key]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(16 << 20)
+            if not chunk:
+                return h.hexdigest()
+            h.update(chunk)
 
 
 def sweep_stale_writes(parent: str | os.PathLike) -> None:
@@ -219,9 +256,12 @@ def write_token_docs(directory: str | os.PathLike, docs: Iterable[Sequence[int]]
     return writer.close()
 
 
-def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the directory and rerun") -> TokenDocs:
+def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the directory and rerun",
+                    require_checksum: bool = True) -> TokenDocs:
     """Memory-map a token directory; :class:`TokenFileError` (one line: the file and ``fix``)
-    when a file is missing or the offsets do not match the token file."""
+    when a file is missing, the offsets do not match the token file, or ``tokens.bin`` is
+    not the file its ``tokens.sha256`` was taken of (a directory without one: refused with
+    ``require_checksum``, else mapped as before)."""
     d = Path(directory)
     tokens_path, offsets_path = d / TOKENS_FILE, d / OFFSETS_FILE
     for p in (tokens_path, offsets_path):
@@ -239,6 +279,15 @@ def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the dire
         raise TokenFileError(
             f"corrupt {tokens_path}: {size} bytes, but {offsets_path.name} expects "
             f"{int(offsets[-1]) * TOKEN_DTYPE.itemsize} (truncated or overwritten). Fix: {fix}")
+    checksum = d / CHECKSUM_FILE
+    if checksum.is_file():
+        want = checksum.read_text(encoding="ascii", errors="replace").strip()
+        if _checked_sha256(tokens_path) != want:
+            raise TokenFileError(f"corrupt {tokens_path}: its sha256 is not the one written with it ({checksum.name}):"
+                                 f" rewritten or damaged since. Fix: {fix}")
+    elif require_checksum:
+        raise TokenFileError(f"{d} has no {CHECKSUM_FILE} (written by an older dipaco), so its tokens cannot be "
+                             f"checked. Fix: {fix}")
     # np.memmap refuses an empty file: an empty corpus is a plain empty array
     tokens = (np.memmap(tokens_path, dtype=TOKEN_DTYPE, mode="r") if size
               else np.zeros(0, TOKEN_DTYPE))
@@ -246,4 +295,4 @@ def open_token_docs(directory: str | os.PathLike, *, fix: str = "delete the dire
 
 
 __all__ = ["TokenDocs", "TokenDocsWriter", "TokenFileError", "open_token_docs", "sweep_stale_writes",
-           "write_token_docs", "TOKEN_DTYPE"]
+           "write_token_docs", "CHECKSUM_FILE", "TOKEN_DTYPE"]

@@ -77,12 +77,13 @@ ROWS = [
      "drop --out"),
     (("infer_generate.py", "_out_file"), ["generate", "RUN", "--file", "DOCS", "--max-new-tokens", "2", "--resume"],
      "add --out F"),
+    (("infer_args.py", "out_file"), ["score", "RUN", "--file", "DOCS", "--force"], "drop --force"),
 ]
 
 
 def test_every_fail_line_that_proposes_a_fix_is_in_the_table() -> None:
     # _bind and plan.py's options: their own tests below (another console script)
-    covered = {row[0] for row in ROWS} | {("serve.py", "_bind"), ("plan.py", "_options")}
+    covered = {row[0] for row in ROWS} | {("serve.py", "_bind"), ("plan.py", "_options"), ("plan.py", "_check_outputs")}
     assert _fix_proposing_fails() <= covered, _fix_proposing_fails() - covered
     assert apply_fix(["a", "--out", "x", "--resume"], "drop --out", {}) == ["a", "--resume"]
 

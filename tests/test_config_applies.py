@@ -14,7 +14,7 @@ import pytest
 
 from _compose import compose
 from dipaco.config import Config, ConfigError, compose_config
-from dipaco.config.applies import APPLIES, check_applies, not_applying
+from dipaco.config.applies import APPLIES, EVERYWHERE, check_applies, not_applying, undeclared
 from dipaco.config.domains import DOMAINS, Domain, value_of
 from dipaco.config.validate import validate_config
 from dipaco.run.resume import flat_config
@@ -33,6 +33,7 @@ AWAY: dict[str, list[str]] = {
     "data.tokenizer_sample_documents": ["data.tokenizer=/nonexistent/tokenizer.json", "model.vocab_size=512"],
     "trainer.compile_backend": ["trainer.compile=false"],
     "launcher.nproc": ["launcher=torchrun"],  # launcher=local reads it: the simulated worker groups
+    "cluster.chip_tflops": ["cluster.step_s=1"], "cluster.mfu": ["cluster.step_s=1"],
 }
 # what a fix of the form "use data=hub" needs besides (data=hub requires a path)
 NEEDS = {"data=hub": ["data.path=someone/some_dataset"], "data=jsonl": ["data.path=/nonexistent/x.jsonl"]}
@@ -69,9 +70,16 @@ def other_value(key: str, dom: Domain) -> Any:
     return default + 1 if dom.kind == "int" else default / 2
 
 
-def test_every_schema_key_declares_where_it_applies() -> None:
+def test_every_schema_key_declares_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Declared, not filled in: a key in neither EVERYWHERE nor a Where row fails here."""
+    assert undeclared() == [], "declare where these keys apply in dipaco/config/applies.py"
     assert set(APPLIES) == set(flat_config(Config())) == set(DOMAINS)
-    assert len(CONDITIONAL) >= 40  # the slurm, decoupled, streaming, elastic, data-source and codec keys
+    assert len(CONDITIONAL) >= 60  # the slurm, decoupled, streaming, elastic, data-source, codec and cluster keys
+    import dipaco.config.applies as applies
+
+    monkeypatch.setattr(applies, "EVERYWHERE", tuple(k for k in EVERYWHERE if k != "trainer.lr"))
+    monkeypatch.setattr(applies, "APPLIES", {k: w for k, w in APPLIES.items() if k != "trainer.lr"})
+    assert applies.undeclared() == ["trainer.lr"]
 
 
 @pytest.mark.parametrize("key", CONDITIONAL)
@@ -109,6 +117,15 @@ def test_a_key_set_where_it_does_not_apply_is_refused_and_its_fix_makes_it_apply
     (["logging.wandb_project=x"], "logging.wandb_project"),
     (["diloco.decoupled.quorum=0.9"], "diloco.decoupled.quorum"),
     (["trainer.rounds=3", "trainer.total_steps=40", "diloco.inner_steps=4"], "trainer.rounds"),
+    # issue 56: switched off by another setting
+    (["cluster.slow_factor=3"], "cluster.slow_factor"), (["cluster.slow_groups=2"], "cluster.slow_groups"),
+    (["cluster.straggler_sigma=0.5"], "cluster.straggler_sigma"), (["cluster.wan_gbps=10"], "cluster.wan_gbps"),
+    (["cluster.regions=4"], "cluster.regions"), (["cluster.step_s=1", "cluster.mfu=0.5"], "cluster.mfu"),
+    (["cluster.restart_s=60"], "cluster.restart_s"), (["cluster.seed=7"], "cluster.seed"),
+    (["diloco.error_feedback=true"], "diloco.error_feedback"),
+    (["diloco.lossy_exchange=all_gather"], "diloco.lossy_exchange"),
+    (["logging.run_name=x"], "logging.run_name"), (["router.method=random", "router.feature_dim=8"],
+                                                   "router.feature_dim"),
 ])
 def test_the_reported_ignored_settings_are_refused_by_validate(overrides: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -147,3 +164,39 @@ def test_a_loss_that_becomes_infinite_says_so(caplog: pytest.LogCaptureFixture) 
                                  "1": {"loss": float("nan"), "skipped_steps": 4}}}
     line = nonfinite_line(bad)
     assert line and "path 1" in line and "path 0" not in line and "non-finite" in line and "trainer.lr" in line
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (["cluster.chips=64", "cluster.chips_per_group=3"], "cluster.chips", "1 chip(s) would sit idle"),
+    (["grid.levels=[3]", "router.top_k=1"], "cluster.chips", "so 63 chips would be simulated"),
+    (["cluster.slow_groups=9", "cluster.slow_factor=2"], "cluster.slow_groups", "more than the 4 worker groups"),
+    (["cluster.regions=9", "cluster.wan_gbps=10"], "cluster.regions", "more than the 4 worker groups"),
+    (["cluster.straggler=lognormal", "cluster.straggler_sigma=0"], "cluster.straggler_sigma", "would do nothing"),
+])
+def test_a_cluster_the_simulator_would_reshape_is_refused_naming_the_key(overrides: list[str], key: str,
+                                                                         says: str) -> None:
+    """`cluster.chips=64` simulated as 63, slow groups or regions capped at the group
+    count, a straggler of spread 0: refused in one line by dipaco-plan --simulate's
+    preflight, and the fix the line proposes is accepted."""
+    from dipaco.job.preflight import preflight
+
+    cfg = compose_config(SMOKE + overrides)
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, simulating=True)
+    assert err.value.key == key and says in str(err.value), str(err.value)
+    fix = re.search(r"Fix: use ([\w.]+=[\w.]+)", str(err.value))
+    assert fix, str(err.value)
+    preflight(compose_config(SMOKE + overrides + [fix.group(1)]), simulating=True)
+
+
+def test_outer_momentum_is_refused_for_an_optimiser_that_does_not_take_it() -> None:
+    from dipaco.job.preflight import preflight
+
+    for given, key in ((["diloco.outer.momentum=0.5"], "diloco.outer.momentum"),
+                       (["diloco.outer.nesterov=false"], "diloco.outer.nesterov")):
+        with pytest.raises(ConfigError) as err:
+            preflight(compose_config(SMOKE + ["diloco.outer.name=adam"] + given))
+        assert err.value.key == key and "would ignore it" in str(err.value)
+    preflight(compose_config(SMOKE + ["diloco.outer.name=adam"]))  # defaults are not "set"
+    preflight(compose_config(SMOKE + ["diloco.outer.name=rmsprop", "diloco.outer.momentum=0.5",
+                                      "diloco.outer.nesterov=true"]))

@@ -10,7 +10,7 @@ one host while it holds a path lease and module leases:
 * (a) SIGKILL the whole host: the run finishes, its path and modules are taken over;
 * (b) SIGSTOP it for twice ``lease_s``, then SIGCONT: its expired leases are refused (its
   worker abandons the phase, its synchroniser writes nothing and drops its modules);
-* (c) its store fails for twice ``lease_s`` (``DIPACO_FAULT=store_error``): it backs off
+* (c) its store fails until its leases have lapsed (at least ``lease_s``) (``DIPACO_FAULT=store_error``): it backs off
   and rejoins (its worker ends phases again, its synchroniser takes modules again).
 
 After each: every path has its budget, every pushed update is applied or dropped with a
@@ -82,22 +82,25 @@ class Drill:
         sync = next(n[:-5] for n in self.store.list("syncs") if f"-{sync_cli}-" in n)
         return f"W{slot}.", sync
 
+    def holds(self, h: Host, both: bool = False) -> bool:
+        """Whether host ``h``'s worker holds a live path lease and (``both``) / or its
+        synchroniser a live module lease."""
+        try:
+            w, s = self.names(h)
+        except StopIteration:
+            return False
+        paths = [Lease.holder(self.store, f"path_{p}") or "" for p in range(self.plan["num_paths"])]
+        mods = [Lease.holder(self.store, f"module_{m}") for m in self.plan["module_ids"]]
+        path, module = any(x.startswith(w) for x in paths), s in mods
+        return path and module if both else path or module
+
     def hit(self, i: int, sig: Optional[int] = None, min_phases: int = 4) -> tuple[str, str, float]:
         """Wait until the run is under way and host ``i`` holds a path lease and a module
         lease, then send its process group ``sig``: its worker-id prefix, its
         synchroniser's name, and when."""
         h = self.hosts[i]
-        def holds() -> bool:
-            if phases_done(self.store, self.plan["num_paths"]) < min_phases:
-                return False
-            try:
-                w, s = self.names(h)
-            except StopIteration:
-                return False
-            paths = [Lease.holder(self.store, f"path_{p}") or "" for p in range(self.plan["num_paths"])]
-            mods = [Lease.holder(self.store, f"module_{m}") for m in self.plan["module_ids"]]
-            return any(x.startswith(w) for x in paths) and s in mods
-        wait_for(f"host {h.name} busy", holds, timeout=200, poll=0.05)
+        wait_for(f"host {h.name} busy", lambda: phases_done(self.store, self.plan["num_paths"]) >= min_phases
+                 and self.holds(h, both=True), timeout=200, poll=0.05)
         worker, sync = self.names(h)
         if sig is not None:
             h.signal(sig)
@@ -167,9 +170,12 @@ def test_drill_b_a_host_paused_past_its_leases(prepared, tmp_path: Path) -> None
 def test_drill_c_a_host_whose_store_fails_for_a_while(prepared, tmp_path: Path) -> None:
     flag = tmp_path / "outage"
     with Drill(prepared[0], tmp_path, envs={"C": {"DIPACO_FAULT": f"store_error:file={flag}"}}) as d:
-        worker, sync, _ = d.hit(2)
+        # hit early, and lifted once its leases have lapsed (not after a fixed time): work
+        # must remain for it to rejoin, whatever the speed of the phases on this machine
+        worker, sync, _ = d.hit(2, min_phases=1)
         flag.write_text("")
-        time.sleep(2 * LEASE_S)
+        time.sleep(LEASE_S)
+        wait_for("its leases to lapse", lambda: not d.holds(d.hosts[2]), timeout=60, poll=0.05)
         flag.unlink()
         back = time.time()
 

@@ -69,6 +69,7 @@ def _cases(tmp: Path, cfg_dict: dict, other: dict) -> list[tuple[str, list[str],
     return [
         ("no such folder", ["worker", tmp / "missing"], tmp, "no such folder"),
         ("a file", ["sync", a_file], tmp, "not a folder"),
+        ("an empty URL", ["status", ""], tmp, "the store URL is empty"),
         ("an empty folder", ["worker", empty], empty, "not the store of a dipaco run"),
         ("a folder of other files", ["status", other_files], other_files, "not the store of a dipaco run"),
         ("a store from before run records", ["sync", legacy], legacy, "before run records"),

@@ -126,7 +126,7 @@ def test_out_is_never_overwritten_and_resume_refuses_a_foreign_file(finished, tm
     base = ["generate", finished[0], "--file", prompts, "--out", out]
     code, err = run_cli(main, base, capsys, monkeypatch)
     assert code != 0
-    one_line(err, "exists", "--resume")
+    one_line(err, "exists (not a file dipaco wrote)", "never overwritten")  # --resume would not help
     code, err = run_cli(main, [*base, "--resume"], capsys, monkeypatch)
     assert code != 0
     one_line(err, "not line 0 of an earlier")

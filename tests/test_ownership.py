@@ -159,7 +159,7 @@ def _report(run_dir: Path, out: Path, capsys, monkeypatch) -> tuple[int, str]:
 def _score(run_dir: Path, out: Path, capsys, monkeypatch) -> tuple[int, str]:
     docs = out.parent / "docs.jsonl"  # one small document: the write is what is tested, not the scoring
     docs.write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 8}) + "\n")
-    return run_cli(infer_cli.main, ["score", run_dir, "--file", docs, "--out", out / "score.json"], capsys,
+    return run_cli(infer_cli.main, ["score", run_dir, "--file", docs, "--out", out / "score.json", "--force"], capsys,
                    monkeypatch)
 
 

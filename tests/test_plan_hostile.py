@@ -70,6 +70,9 @@ def test_json_and_plot_never_write_into_a_run(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize("argv, words", [
     (["--plot", "sim.txt"], "suffix names its format"),
     (["--json", "."], "is a folder"),
+    (["--json="], "names no file"),  # an empty shell variable: nothing was written, silently
+    (["--force"], "drop --force"),
+    (["--json", "sim.png", "--plot", "sim.png"], "name the same file"),
 ])
 def test_outputs_it_cannot_write_are_refused_before_simulating(tmp_path: Path, capsys, monkeypatch,
                                                                 argv, words) -> None:

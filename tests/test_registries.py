@@ -83,6 +83,7 @@ def test_every_registered_source_and_codec_points_at_code() -> None:
     for name, entry in CODECS.items():
         cls = load(entry.where)
         assert issubclass(cls, Codec) and cls.name == name, name
+        assert entry.lossy == cls.lossy, f"{name}: its registry line's lossy must be its class's"
     for name, src in DATA_SOURCES.items():
         assert (src.reader is not None) == (src.kind in ("builtin", "files")), name
         if src.reader:

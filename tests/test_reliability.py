@@ -180,11 +180,20 @@ def test_pickle_planted_as_weights_is_never_unpickled(base_run: Path, tmp_path: 
 
 
 @pytest.mark.slow
-def test_resume_falls_back_over_a_corrupt_checkpoint(base_run: Path, copy_of_base: Path) -> None:
-    """A flipped byte in round 2: resume=true restarts from round 1 and re-makes round 2 bit for bit."""
+@pytest.mark.parametrize("damage", ["module_byte", "state_json"])
+def test_resume_falls_back_over_a_corrupt_checkpoint(base_run: Path, copy_of_base: Path, capsys, damage) -> None:
+    """A flipped byte in round 2's module file, or its state.json garbled (the resume's
+    preflight refused the whole run for it): resume=true says it skips round 2, restarts
+    from round 1 and re-makes round 2 bit for bit."""
     original = module_weights(base_run, 2)
-    _flip_byte(ckpt_dir(copy_of_base, 2))
+    if damage == "module_byte":
+        _flip_byte(ckpt_dir(copy_of_base, 2))
+    else:
+        (ckpt_dir(copy_of_base, 2) / "state.json").write_text('{"round": 2, "lev')
+    capsys.readouterr()
     out = run_train(copy_of_base, "resume=true", "trainer.stop_after_rounds=2")
+    said = capsys.readouterr()
+    assert "skipping checkpoint" in said.out + said.err and "round_000002" in said.out + said.err
     assert out["stopped_at_round"] == 2
     CheckpointManager.verify(ckpt_dir(copy_of_base, 2))
     assert_same(module_weights(copy_of_base, 2), original, exact=True)

@@ -126,3 +126,23 @@ def test_routed_export_refuses_an_altered_file_and_all_without_hf(shared: Path, 
     (copy / "path_001" / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="path_001/config.json"):
         load_routed(copy)
+
+
+def test_a_path_folder_damaged_after_open_is_refused_when_read_and_the_others_load(shared: Path,
+                                                                                  tmp_path: Path) -> None:
+    """Rule 1 for a routed export read lazily: a path's weights damaged after load_routed
+    checked the folder are refused when that path is loaded, naming the file; the other
+    paths load (and a path read before is not hashed again while unchanged)."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shared / "routed", copy)
+    routed = load_routed(copy)
+    routed.model(0)
+    weights = copy / "path_001" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="path_001/model.safetensors does not match its manifest hash"):
+        routed.model(1)
+    assert routed.model(2) is not None and routed.model(0) is not None

@@ -222,7 +222,7 @@ def test_dipaco_report_reads_what_ran(tmp_path):
     (run / ".hydra").mkdir()
     (run / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(["seed=7", "grid=4x4"])))
     (run / "summary.json").write_text(json.dumps({"routed_ppl": 1.0, "num_paths": 4}))
-    (row,) = find_runs(tmp_path / "sweep")
+    (row,), _ = find_runs(tmp_path / "sweep")
     assert row.value("seed") == "1" and row.value("grid.levels") == "[2, 2]"
 
 

@@ -119,7 +119,7 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(local_run: tuple[Path, d
         ("launcher.nproc=3", "launcher.nproc"),
         ("trainer.batch_size=3", "trainer.batch_size"),
         ("data.source=jsonl", "data.path"),
-        ("model.n_heads=3", "model"),
+        ("model.n_heads=3", "model.n_heads"),
         ("trainer.eval_split=train", "trainer.eval_split"),
     ],
 )

@@ -25,6 +25,7 @@ from dipaco.config import ConfigError
 from dipaco.data import DataError
 from dipaco.runtime.launch import LaunchError
 from dipaco.run.run_dir import RunDirError, RunStopped
+from dipaco.storage.atomic import atomic_write_text
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -86,9 +87,8 @@ def crash_report(e: BaseException) -> str:
     folder = os.environ.get("DIPACO_CRASH_DIR") or tempfile.gettempdir()
     path = os.path.join(folder, f"dipaco-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(f"argv: {sys.argv!r}\n")
-            f.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        atomic_write_text(path, f"argv: {sys.argv!r}\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                          durable=False)
     except OSError as err:
         return f"(not written: {err.strerror})"
     return path

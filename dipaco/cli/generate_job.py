@@ -95,7 +95,7 @@ def claim(out: Path) -> int:
     """Open ``out`` for appending (created if missing) and lock it for this job alone; the
     descriptor (the lock goes with it, a kill included) is the caller's to close. Another
     job holding it is refused in one line, nothing written."""
-    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # never through a link
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -16,7 +16,6 @@ contexts) are documented once, in :mod:`dipaco.inference`. This module is the di
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -25,13 +24,12 @@ from typing import Any, Callable, Optional, Sequence
 from dipaco.cli import infer_eval, infer_generate
 from dipaco.cli.errors import entry_point, fail, known_error, report_user_errors
 from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, Parser, add_inputs, add_run_args, emit, mode_flags,
-                                   open_run, positive, read_jsonl, texts_of)
+                                   open_run, out_file, positive, read_jsonl, texts_of)
 from dipaco.inference import ExportError, export_path, export_path_hf, export_routed_hf, parse_path
 from dipaco.inference.export import DIPACO_EXPORT_FILES, check_export_target
 from dipaco.inference.export_hf import HF_EXPORT_FILES
-from dipaco.run.owned import check_owned, write_owned_file
-from dipaco.run.path_guard import check_target
-from dipaco.run.run_dir import RunDirError
+from dipaco.run.owned import write_owned_file
+from dipaco.storage.strict_json import dumps_strict
 
 __all__ = ["main", "build_parser", "read_jsonl", "VERBS"]
 
@@ -71,6 +69,8 @@ def _add_score(sub: Any) -> argparse.ArgumentParser:
                    help="also score the run's same-size dense baseline on the same documents: "
                         "adds dense_ppl and ratio_vs_dense")
     s.add_argument("--out", default=None, metavar="F", help="write the JSON here instead of stdout")
+    s.add_argument("--force", action="store_true", help="with --out: replace an earlier score --out report there "
+                   "(never a file dipaco did not write)")
     return s
 
 
@@ -115,25 +115,12 @@ def cmd_route(args: argparse.Namespace) -> None:
         if args.top_k:
             rec["candidates"] = [{**run.path_info(int(c)), "cost": float(k)}
                                  for c, k in zip(cand[i], costs[i])]
-        emit(json.dumps(rec))
-
-
-def _score_out(path: str) -> Path:
-    """``score --out`` checked before any work: not in a run directory
-    (dipaco/run/path_guard.py), and a file only dipaco wrote there may be replaced
-    (dipaco/run/owned.py)."""
-    given = Path(path).expanduser()
-    # the run-directory guard first: inside a run, that is the cause to name, whatever lies there
-    check_target(path, "score --out", fix="choose a --out outside every run directory")
-    if given.is_dir():
-        raise RunDirError(f"score --out {path} is a directory; name a file (e.g. {Path(path) / 'score.json'})")
-    check_owned(given.parent, [given.name], "score --out", replace=True)  # a link in the way: refused here
-    return given.parent.resolve() / given.name
+        emit(dumps_strict(rec))
 
 
 def cmd_score(args: argparse.Namespace) -> None:
     mode_flags(args, {"--file": FILE_ONLY})  # before any work: --text-field with --validation does nothing
-    out = _score_out(args.out) if args.out else None
+    out = out_file(args, "score --out")
     run = open_run(args)
     from_corpus = args.validation or args.split is not None
     texts, skipped = ([], 0) if from_corpus else texts_of(args)
@@ -163,10 +150,10 @@ def cmd_score(args: argparse.Namespace) -> None:
         print(f"dipaco: no document has a token after the {run.prefix_tokens}-token routing prefix; "
               "perplexity is undefined (nan)", file=sys.stderr)
     if out is not None:
-        write_owned_file(out, json.dumps(report, indent=2, sort_keys=True) + "\n", "score --out")
+        write_owned_file(out, dumps_strict(report, indent=2, sort_keys=True) + "\n", "score --out")
         print(f"dipaco: wrote {args.out}", file=sys.stderr)
     else:
-        emit(json.dumps(report, sort_keys=True))
+        emit(dumps_strict(report, sort_keys=True))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -180,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> None:
             out = export_routed_hf(run, args.out, overwrite=args.force)
         except ExportError as e:
             fail(f"cannot export the routed model as Llama checkpoints: {e}")
-        emit(json.dumps({"out": str(out), "num_paths": run.num_paths, "checkpoint": str(run.checkpoint)}))
+        emit(dumps_strict({"out": str(out), "num_paths": run.num_paths, "checkpoint": str(run.checkpoint)}))
         return
     try:
         path_id = parse_path(args.path, run.new_grid())
@@ -193,7 +180,7 @@ def cmd_export(args: argparse.Namespace) -> None:
             fail(f"cannot export path {path_id} as a Llama checkpoint: {e}")
     else:
         out = export_path(run, path_id, args.out, overwrite=args.force)
-    emit(json.dumps({"out": str(out), **run.path_info(path_id), "checkpoint": str(run.checkpoint)}))
+    emit(dumps_strict({"out": str(out), **run.path_info(path_id), "checkpoint": str(run.checkpoint)}))
 
 
 # verb -> (add its subparser, run it): a new verb is its own module plus one line here

@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 from dipaco.cli.errors import fail
 from dipaco.config import DataConfig
 from dipaco.data.cleaning import Cleaner
 from dipaco.data.readers import iter_json_lines
 from dipaco.inference import InferenceRun
+from dipaco.run.owned import check_out_file
 
 COMMON_EPILOG = (
     "The newest checkpoint is used; every file in its manifest is hash-checked first and a "
@@ -162,6 +164,16 @@ def open_run(args: argparse.Namespace, need_weights: bool = True) -> InferenceRu
     return InferenceRun.open(args.run_dir, checkpoint=getattr(args, "checkpoint", None),
                              verify="read" if getattr(args, "fast_verify", False) else "all",
                              need_weights=need_weights, device=getattr(args, "device", None))
+
+
+def out_file(args: argparse.Namespace, what: str) -> Optional[Path]:
+    """``--out`` (with ``--force``) of ``score`` and ``eval``, checked before any work by the
+    one rule of a command's output file (dipaco/run/owned.py: ``check_out_file``)."""
+    if args.out is None:
+        if args.force:
+            fail("--force replaces an earlier --out report: drop --force, or add --out F")
+        return None
+    return check_out_file(args.out, what, again=args.force)
 
 
 def emit(line: str) -> None:

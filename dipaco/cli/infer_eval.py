@@ -7,7 +7,6 @@ other verb and ``--help`` work without it.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import sys
@@ -15,10 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dipaco.cli.errors import fail
-from dipaco.cli.infer_args import COMMON_EPILOG, add_run_args, emit, int_in, open_run, positive
-from dipaco.storage.atomic import write_json
-from dipaco.run.path_guard import check_target
-from dipaco.run.run_dir import RunDirError
+from dipaco.cli.infer_args import COMMON_EPILOG, add_run_args, emit, int_in, open_run, out_file, positive
+from dipaco.run.owned import write_owned_file
+from dipaco.storage.strict_json import dumps_strict
 
 MISSING_EXTRA = 'dipaco-infer eval needs lm-evaluation-harness, which is not installed. Fix: pip install -e ".[eval]"'
 
@@ -47,23 +45,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="paths kept in memory at once (default 1: requests are grouped by path)")
     e.add_argument("--dense", action="store_true", help="also evaluate the run's same-size dense baseline")
     e.add_argument("--out", default=None, metavar="F", help="write the JSON report here")
+    e.add_argument("--force", action="store_true", help="with --out: replace an earlier eval --out report there "
+                   "(never a file dipaco did not write)")
     return e
-
-
-def _out_file(path: str) -> Path:
-    """``--out`` checked before any work: never a run directory, never a file an earlier eval did not write."""
-    out = check_target(path, "eval --out", fix="choose a --out outside every run directory")
-    if out.is_dir():
-        raise RunDirError(f"eval --out {path} is a directory; name a file (e.g. {Path(path) / 'eval.json'})")
-    if out.exists():
-        try:
-            earlier = json.loads(out.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            earlier = None
-        if not (isinstance(earlier, dict) and {"tasks", "routed", "run_dir"} <= set(earlier)):
-            raise RunDirError(f"eval --out {path} exists and is not an earlier dipaco-infer eval report: it is "
-                              "never overwritten; choose a new --out")
-    return out
 
 
 def comparison(report: dict) -> list[dict]:
@@ -80,6 +64,24 @@ def comparison(report: dict) -> list[dict]:
             rows.append({"task": task, "metric": metric, "filter": filt, "routed": value, "dense": d,
                          "ratio": ratio, "higher_is_better": report.get("higher_is_better", {}).get(task, {}).get(metric)})
     return rows
+
+
+def not_in_table(report: dict, rows: list[dict]) -> list[dict]:
+    """Every task asked for that has no row, and every metric left out of one (a value
+    that is not a number), with the reason (rule 7: a table accounts for every input)."""
+    out = []
+    results = report["routed"]["results"]
+    shown = {r["task"] for r in rows}
+    for task in report.get("tasks", []):
+        if task not in results:
+            out.append({"task": task, "why": "lm-eval returned no results for it"})
+        elif task not in shown:
+            out.append({"task": task, "why": "lm-eval returned no numeric metric for it"})
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            if "," in key and "_stderr" not in key and not isinstance(value, (int, float)):
+                out.append({"task": task, "metric": key.split(",", 1)[0], "why": f"its value {value!r} is not a number"})
+    return out
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -99,7 +101,7 @@ def table(rows: list[dict], dense: bool) -> str:
 
 def run(args: argparse.Namespace) -> None:
     """The ``eval`` verb."""
-    out = _out_file(args.out) if args.out else None
+    out = out_file(args, "eval --out")
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         fail("--tasks is empty: name at least one task")
@@ -122,10 +124,14 @@ def run(args: argparse.Namespace) -> None:
     except LmEvalError as e:
         fail(str(e))
     report["comparison"] = comparison(report)
+    report["not_in_table"] = not_in_table(report, report["comparison"])
+    for x in report["not_in_table"]:
+        print(f"dipaco: not in the table: task {x['task']}" + (f" metric {x['metric']}" if "metric" in x else "")
+              + f": {x['why']}", file=sys.stderr)
     report.update({"run_dir": str(inf.run.root), "checkpoint": str(inf.checkpoint), "best_paths": inf.best_paths})
     emit(table(report["comparison"], args.dense))
     if out is not None:
-        write_json(out, report)
+        write_owned_file(out, dumps_strict(report, indent=2, sort_keys=True, default=str) + "\n", "eval --out")
         print(f"dipaco: wrote {args.out}", file=sys.stderr)
     else:
-        emit(json.dumps(report, sort_keys=True, default=str))
+        emit(dumps_strict(report, sort_keys=True, default=str))

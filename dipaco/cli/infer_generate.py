@@ -12,16 +12,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from dipaco.cli.errors import fail
-from dipaco.cli.generate_job import (check_record_name, check_resume, claim, describe_job, read_prompts,
+from dipaco.cli.generate_job import (check_record_name, check_resume, claim, describe_job, job_path, read_prompts,
                                      record_job)
 from dipaco.cli.infer_args import (COMMON_EPILOG, FILE_ONLY, add_run_args, emit, int_in, mode_flags,
                                    non_negative_float, open_run, positive, read_jsonl_records)
 from dipaco.inference import Generation, InferenceRun, Request, RoutedEngine
+from dipaco.run.owned import check_out_file
 from dipaco.inference.sampling import mixed_seed
-from dipaco.run.path_guard import check_target
 from dipaco.run.run_dir import RunDirError
 from dipaco.runtime.device import choose_device
 from dipaco.runtime.progress import progress_bar
+from dipaco.storage.strict_json import dumps_strict
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> None:
             "reroute_every": args.reroute_every, "prompt_tokens": len(prompt),
             "new_tokens": len(gen.tokens), "stopped_at_eos": gen.stopped_at_eos}
     if args.json:
-        emit(json.dumps({"text": text, "tokens": gen.tokens, "prompt_ids": prompt, **info}))
+        emit(dumps_strict({"text": text, "tokens": gen.tokens, "prompt_ids": prompt, **info}))
     elif args.reroute_every is None:
         p = inf.path_info(used[0] if used else gen.window_paths[0])
         print(f"dipaco: path {p['path_id']} {tuple(p['path'])} modules {p['modules']}", file=sys.stderr)
@@ -164,9 +165,10 @@ def prompt_seed(seed: int, index: int) -> int:
     return mixed_seed(seed, index)
 
 
-def _resume_point(out: Path, truncate: bool = True) -> int:
-    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off when
-    ``truncate``); they must be this command's lines, in order, or nothing is touched."""
+def _resume_point(out: Path, fd: Optional[int] = None) -> int:
+    """Whole lines an earlier run wrote to ``out`` (a torn last line is cut off through
+    ``fd``, the job's claimed descriptor, when given); they must be this command's lines,
+    in order, or nothing is touched."""
     data = out.read_bytes()
     whole = data[: data.rfind(b"\n") + 1]
     for i, line in enumerate(whole.splitlines()):
@@ -177,28 +179,28 @@ def _resume_point(out: Path, truncate: bool = True) -> int:
         if not (isinstance(rec, dict) and rec.get("index") == i):
             raise RunDirError(f"generate --out {out} line {i + 1} is not line {i} of an earlier dipaco-infer generate "
                               "--file run: it is never overwritten; choose a new --out")
-    if truncate and len(whole) < len(data):
-        with open(out, "r+b") as f:
-            f.truncate(len(whole))  # a line torn by a kill: generated again
+    if fd is not None and len(whole) < len(data):
+        os.ftruncate(fd, len(whole))  # a line torn by a kill: generated again
     return whole.count(b"\n")
 
 
 def _out_file(args: argparse.Namespace) -> tuple[Optional[Path], bool]:
-    """``--out`` checked before any work, and whether it continues an earlier run's lines
-    (checked to be whole ``generate --file`` lines in order; nothing is touched yet)."""
+    """``--out`` checked before any work by the one rule of a command's output file
+    (dipaco/run/owned.py: ``check_out_file``; an existing one needs ``--resume``), and
+    whether it continues an earlier run's lines (checked to be whole ``generate --file``
+    lines in order; nothing is touched yet)."""
     if args.out is None:
         if args.resume:
             fail("--resume needs --out F (the file an earlier run wrote): add --out F")
         return None, False
-    out = check_target(args.out, "generate --out", fix="choose a --out outside every run directory")
-    if out.is_dir():
-        raise RunDirError(f"generate --out {args.out} is a directory; name a file (e.g. {Path(args.out) / 'out.jsonl'})")
+    given = Path(args.out).expanduser()
+    # an empty file holds no line to lose (a job killed before its first one, or `touch`): a new --out
+    empty = given.is_file() and not given.is_symlink() and given.stat().st_size == 0
+    out = check_out_file(args.out, "generate --out", again=args.resume or empty, own=lambda p: job_path(p).is_file())
     check_record_name(out)  # the user's file beside --out: refused before any work
     if not out.exists() or out.stat().st_size == 0:
         return out, False
-    if not args.resume:
-        raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, or choose a new --out")
-    _resume_point(out, truncate=False)  # a torn line is cut once the job record vouches for the file
+    _resume_point(out)  # a torn line is cut once the job record vouches for the file
     return out, True
 
 
@@ -217,9 +219,10 @@ class _InOrder:
     def __init__(self, inf: InferenceRun, fd: int, first: int, bar: Any) -> None:
         self.inf, self.fd, self.next, self.bar = inf, fd, first, bar
         self.ready: dict[int, bytes] = {}
+        self.failed: list[str] = []  # why each prompt whose path could not be read failed
 
     def __call__(self, index: int, rec: dict) -> None:
-        self.ready[index] = (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+        self.ready[index] = (dumps_strict(rec, ensure_ascii=False) + "\n").encode("utf-8")
         self.flush()
 
     def flush(self) -> None:
@@ -234,6 +237,10 @@ class _InOrder:
 
     def record(self, index: int, line: dict, gen: Generation, seed: int) -> dict:
         used = [p for _, p in gen.switches]
+        if str(gen.finish_reason).startswith("error: "):  # its path's checkpoint file is damaged: this line only
+            self.failed.append(str(gen.finish_reason)[len("error: "):])
+            return {"index": index, **({"id": line["id"]} if "id" in line else {}), "error": self.failed[-1],
+                    "finish_reason": "error", "seed": seed}
         return {"index": index, **({"id": line["id"]} if "id" in line else {}),
                 "text": self.inf.tokenizer.decode(gen.tokens, skip_special_tokens=True), "tokens": gen.tokens,
                 "prompt_tokens": len(gen.prompt), "new_tokens": len(gen.tokens), "finish_reason": gen.finish_reason,
@@ -255,11 +262,11 @@ def run_file(args: argparse.Namespace) -> None:
         try:
             if resuming:  # the same job only
                 check_resume(out, job)
-                done = _resume_point(out)
+                done = _resume_point(out, fd)
             else:
                 if out.stat().st_size:  # another job wrote lines since --out was checked
-                    raise RunDirError(f"generate --out {args.out} exists: pass --resume to continue it, "
-                                      "or choose a new --out")
+                    raise RunDirError(f"generate --out {args.out} exists (an earlier output of this command): pass "
+                                      "--resume to continue it, or choose a new path")
                 record_job(out, job)
         except BaseException:
             os.close(fd)
@@ -280,7 +287,7 @@ def run_file(args: argparse.Namespace) -> None:
         todo = [(i, r, line, seed) for i, r, line, seed in reqs if r.prompt_ids]
         for i, r, line, seed in reqs:
             if not r.prompt_ids:  # nothing to continue: said on its own line, in its place
-                writer.ready[i] = (json.dumps({"index": i, **({"id": line["id"]} if "id" in line else {}),
+                writer.ready[i] = (dumps_strict({"index": i, **({"id": line["id"]} if "id" in line else {}),
                                                "error": "the prompt encodes to no tokens", "seed": seed})
                                    + "\n").encode("utf-8")
         writer.flush()
@@ -296,3 +303,6 @@ def run_file(args: argparse.Namespace) -> None:
             os.close(fd)
     print(f"dipaco: generated {len(reqs)} prompt(s)" + (f" ({done} already in {args.out})" if done else "")
           + (f"; wrote {args.out}" if out is not None else ""), file=sys.stderr)
+    if writer.failed:  # every other prompt was generated: only those of the damaged paths failed
+        fail(f"{len(writer.failed)} prompt(s) failed, their lines say so ({writer.failed[0]}); the other lines are "
+             "whole; fix or restore the checkpoint, then generate those prompts again", code=1)

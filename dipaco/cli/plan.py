@@ -14,7 +14,8 @@ Takes the same overrides as ``dipaco-train``, so a plan can be read before launc
 chips, failures, stragglers, links) and prints, per sync mode (sync, elastic,
 streaming, decoupled, DDP of one path), the simulated wall time per round, exposed
 communication, bytes, goodput, steps lost to failures and time to the run's tokens
-(:mod:`dipaco.sim`, docs/planning.md); ``--json FILE`` and ``--plot FILE`` write them::
+(:mod:`dipaco.sim`, docs/planning.md); ``--json FILE`` and ``--plot FILE`` write them
+(an earlier one of its own is replaced with ``--force``, a file dipaco did not write never)::
 
     dipaco-plan --simulate experiment=paper cluster=paper_1m --json sim.json --plot sim.png
 """
@@ -33,7 +34,7 @@ from dipaco.plan.comm_plan import CommPlan, format_plan
 from dipaco.config import Config, ConfigError
 from dipaco.plan.memory import RankMemory, outer_on_device, rank_memory
 from dipaco.job.preflight import compose, preflight
-from dipaco.run.path_guard import check_target
+from dipaco.run.owned import check_out_file
 
 
 def planned_ranks(cfg: Config) -> int:
@@ -122,39 +123,48 @@ def format_memory(cfg: Config, rows: list[tuple[str, RankMemory]]) -> str:
 
 def _options(argv: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
     """``--simulate``, ``--json FILE``, ``--plot FILE`` out of ``argv``; the rest are overrides."""
-    opts: dict[str, Optional[str]] = {"--simulate": None, "--json": None, "--plot": None}
+    opts: dict[str, Optional[str]] = {"--simulate": None, "--json": None, "--plot": None, "--force": None}
     rest, i = [], 0
     while i < len(argv):
         a = argv[i]
         name, eq, val = a.partition("=")
-        if a == "--simulate":
+        if a in ("--simulate", "--force"):
             opts[a] = "1"
         elif name in ("--json", "--plot"):
             if not eq:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
                     fail(f"{name} needs a file: {name} FILE")
                 i, val = i + 1, argv[i + 1]
+            if not val.strip():  # `--json=` (an empty shell variable): would write nothing, silently
+                fail(f"{name} names no file: {name} FILE")
             opts[name] = val
         elif a.startswith("--"):
-            fail(f"unknown option {a}: dipaco-plan takes --simulate, --json FILE, --plot FILE and overrides")
+            fail(f"unknown option {a}: dipaco-plan takes --simulate, --json FILE, --plot FILE, --force and overrides")
         else:
             rest.append(a)
         i += 1
     if (opts["--json"] or opts["--plot"]) and not opts["--simulate"]:
         fail("--json and --plot write the simulation: add --simulate")
+    if opts["--force"] and not (opts["--json"] or opts["--plot"]):
+        fail("--force replaces an earlier --json or --plot file: drop --force, or add --json FILE")
     _check_outputs(opts)
     return opts, rest
 
 
 def _check_outputs(opts: dict[str, Optional[str]]) -> None:
     """Refuse before simulating what ``--json`` / ``--plot`` could not write, or must not:
-    a file of a run directory (contract 8), a folder, a plot format matplotlib lacks."""
+    a file of a run directory (contract 8), a folder, a link, a file dipaco did not write,
+    an earlier one without ``--force`` (dipaco/run/owned.py: ``check_out_file``), a plot
+    format matplotlib lacks."""
+    if opts["--json"] and opts["--plot"] and os.path.abspath(os.path.expanduser(opts["--json"])) == \
+            os.path.abspath(os.path.expanduser(opts["--plot"])):
+        fail(f"--json and --plot name the same file ({opts['--json']}): choose another --plot, e.g. --plot sim.png")
     for flag in ("--json", "--plot"):
         if opts[flag] and os.path.isdir(opts[flag]):
             fail(f"{flag} {opts[flag]} is a folder: name a file in it ({flag} {os.path.join(opts[flag], 'sim')}."
                  f"{'json' if flag == '--json' else 'png'})")
         if opts[flag]:
-            check_target(opts[flag], f"dipaco-plan {flag}", fix="write it outside every run directory")
+            check_out_file(opts[flag], f"dipaco-plan {flag}", again=bool(opts["--force"]))
     if opts["--plot"]:
         from matplotlib.backend_bases import FigureCanvasBase
 

@@ -14,9 +14,8 @@ from dipaco.run.path_guard import check_target, is_run_directory
 from dipaco.job.report import IGNORED, REPORT_FILES, write_report
 
 
-@report_user_errors
-def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``dipaco-report``."""
     parser = argparse.ArgumentParser(prog="dipaco-report", description=__doc__.splitlines()[0])
     parser.add_argument("directories", type=Path, nargs="+", metavar="DIR",
                         help="multirun (sweep) or single run directories; the report goes into the first")
@@ -24,7 +23,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="summary.json key to plot (default: ratio_vs_dense, or routed_ppl without a dense baseline)")
     parser.add_argument("--ignore", nargs="*", default=[], metavar="KEY",
                         help="more override keys that do not define a setting (e.g. trainer.dense_baseline)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@report_user_errors
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    args = build_parser().parse_args(argv)
     for d in args.directories:
         if not d.is_dir():
             raise FileNotFoundError(f"no such directory: {d}")

@@ -9,8 +9,6 @@ nothing is rebuilt). It writes only a new directory: one that already holds a ru
 """
 from __future__ import annotations
 
-import json
-
 import hydra
 from omegaconf import DictConfig
 
@@ -25,6 +23,7 @@ from dipaco.run.resume import check_fresh
 from dipaco.run.run_dir import RunDir, RunDirError, disk_full_guard
 from dipaco.run.lock import RunLock, check_unlocked
 from dipaco.job.preflight import preflight
+from dipaco.storage.strict_json import dumps_strict
 
 register_configs()
 
@@ -49,7 +48,7 @@ def _app(cfg: DictConfig) -> None:
         prep = prepare(conf, run)
     keys = ("num_documents", "shard_sizes", "imbalance", "nmi", "purity", "levels")
     # each stage's seconds and the peak RSS after it (benchmarks/bench_prepare.py reads them)
-    print(json.dumps({**{k: prep.report.get(k) for k in keys}, "timings": prep.timings}))
+    print(dumps_strict({**{k: prep.report.get(k) for k in keys}, "timings": prep.timings}))
 
 
 @entry_point

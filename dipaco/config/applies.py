@@ -5,17 +5,23 @@ A setting is used or refused, never ignored: a key set away from its schema defa
 the run would never read it (``launcher.nodes`` under ``launcher=spawn``,
 ``data.streaming`` with ``data=jsonl``, ``data.hub_config`` on a local folder) is refused
 by :func:`check_applies` in one line naming the key, the settings it applies in and the
-fix. ``None`` in :data:`APPLIES` means the key is read in every setting.
-``tests/test_config_applies.py`` fails for a schema key without an entry and, for every
-conditional entry, sets the key where it does not apply (refused, naming it) and where it
-does (not refused for that reason).
+fix. Every key is declared, one way or the other: a key read in every setting is named in
+:data:`EVERYWHERE` (``None`` in :data:`APPLIES`), every other key has its :class:`Where`;
+nothing is filled in for a key that declares neither, so ``tests/test_config_applies.py``
+fails for a schema key without an entry and, for every conditional entry, sets the key
+where it does not apply (refused, naming it) and where it does (not refused for that
+reason). The cluster keys' rows come from :data:`dipaco.config.cluster.CLUSTER_APPLIES`,
+and what the simulator would reshape (idle chips, more slow groups than groups) is
+refused by :func:`check_simulated`.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
+from dipaco.config.cluster import CLUSTER_APPLIES, cluster_problems
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.config.domains import DOMAINS, value_of
 from dipaco.config.errors import ConfigError
@@ -23,7 +29,8 @@ from dipaco.config.names import CODECS, DATA_SOURCES, SourceEntry
 from dipaco.config.schema import Config
 from router.methods import METHODS, method_class, method_settings
 
-__all__ = ["APPLIES", "Where", "check_applies", "check_not_simulated", "not_applying"]
+__all__ = ["APPLIES", "EVERYWHERE", "Where", "check_applies", "check_not_simulated", "check_simulated",
+           "not_applying", "undeclared", "CONDITIONAL"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,12 @@ _ELASTIC = Where(lambda c: c.launcher.elastic, "in an elastic launch", "add laun
 _STREAMING = Where(lambda c: c.diloco.streaming, "by streaming sync (diloco.streaming=true)",
                    "set diloco.streaming=true")
 _WANDB = Where(lambda c: c.logging.wandb, "with logging.wandb=true", "set logging.wandb=true")
+_LOSSY = Where(lambda c: CODECS.get(str(c.diloco.codec).lower(), CODECS["none"]).lossy,
+               "with a lossy codec (diloco.codec other than none: codec none sends exact values)",
+               "set diloco.codec=int8")
+_CONTENT = Where(lambda c: method_class(c.router.method).learns_content if c.router.method in METHODS else True,
+                 "by a routing method that reads the documents' features (router.method=random does not)",
+                 "set router.method=product")
 _RESHARD = Where(lambda c: c.router.reshard_at_round is not None, "by the EM re-shard (router.reshard_at_round)",
                  "set router.reshard_at_round=1 (the round after which it re-shards)")
 _SOFT = Where(lambda c: c.router.balance == "soft", "with router.balance=soft", "set router.balance=soft")
@@ -134,8 +147,39 @@ def _method(name: str) -> Optional[Where]:
                  f"set router.method={owners[0]}")
 
 
-APPLIES: dict[str, Optional[Where]] = {key: None for key in DOMAINS}
-APPLIES.update({
+# The keys read in every setting (by every mode, launcher and source that can be chosen).
+EVERYWHERE = (
+    "seed", "resume", "run_dir", "tag",
+    "data.source", "data.cache_dir", "data.tokenizer", "data.max_documents", "data.max_train_documents",
+    "data.documents_per_path", "data.max_doc_chars", "data.min_doc_chars", "data.val_fraction",
+    "data.test_fraction", "data.splits",
+    "model.vocab_size", "model.d_model", "model.n_heads", "model.layers_per_level", "model.max_seq_len",
+    "model.mlp_hidden", "model.rope_theta", "model.norm_eps", "model.tie_embeddings", "model.init_std",
+    "grid.levels", "grid.private_embed", "grid.private_head", "grid.replicas",
+    "router.method", "router.prefix_tokens", "router.cluster_tokens", "router.reroute_context",
+    "router.reroute_every", "router.prompt_classifier", "router.top_k", "router.capacity_factor",
+    "router.balance", "router.reshard_at_round",
+    "diloco.inner_steps", "diloco.mode", "diloco.outer.name", "diloco.outer.lr", "diloco.codec",
+    "diloco.sharing_rescale", "diloco.alpha", "diloco.outer_device", "diloco.streaming",
+    # diloco.outer.momentum and .nesterov: read by the optimisers that take them, which only
+    # torch can say (dipaco/job/preflight.py refuses them for another optimiser)
+    "diloco.outer.momentum", "diloco.outer.nesterov",
+    "trainer.rounds", "trainer.total_steps", "trainer.extend_schedule", "trainer.lr_segments", "trainer.batch_size",
+    "trainer.seq_len", "trainer.lr", "trainer.min_lr_ratio", "trainer.warmup_steps", "trainer.weight_decay",
+    "trainer.beta1", "trainer.beta2", "trainer.grad_clip", "trainer.warmup_fraction", "trainer.dense_baseline",
+    "trainer.eval_max_documents", "trainer.eval_split", "trainer.eval_batch_size", "trainer.eval_long",
+    # the long protocol's window: also dipaco-infer score --long's default, so set without eval_long too
+    "trainer.eval_seq_len",
+    "trainer.path_early_stopping", "trainer.checkpoint_every", "trainer.keep_last", "trainer.stop_after_rounds",
+    "trainer.threads", "trainer.device", "trainer.precision", "trainer.compile", "trainer.activation_checkpointing",
+    "trainer.micro_batches", "trainer.deterministic", "trainer.plots", "trainer.progress",
+    "launcher.name", "launcher.group_parallel", "launcher.elastic",
+    "logging.tensorboard", "logging.wandb", "logging.every_steps", "logging.val_documents", "logging.peak_tflops",
+    # every cluster.* key is read by dipaco-plan --simulate alone (check_not_simulated); these in every simulation
+    "cluster.chips", "cluster.chips_per_group", "cluster.step_s", "cluster.mtbf_hours", "cluster.link_gbps",
+    "cluster.link_scope", "cluster.latency_s", "cluster.straggler", "cluster.horizon_hours",
+)
+CONDITIONAL: dict[str, Where] = {
     "data.path": _FILES, "data.hub_config": _HUB_NAME, "data.hub_split": _HUB, "data.streaming": _HUB_LOAD,
     "data.text_field": _FIELDS, "data.label_field": _FILES, "data.id_field": _FIELDS, "data.group_field": _FIELDS,
     "data.exclude_packages": _BUILTIN, "data.target_doc_chars": _BUILTIN, "data.domain_max_chars": _MULTIDOMAIN,
@@ -154,8 +198,18 @@ APPLIES.update({
     **{f"launcher.{n}": _SLURM for n in ("partition", "nodes", "gpus_per_node", "cpus_per_task", "max_requeues",
                                          "mem_gb", "timeout_min", "account", "qos", "constraint", "master_port")},
     "logging.wandb_project": _WANDB, "logging.wandb_entity": _WANDB, "logging.wandb_mode": _WANDB,
+    "logging.run_name": _WANDB, "logging.wandb_group": _WANDB, "logging.tags": _WANDB,  # the W&B run's, only
+    "diloco.error_feedback": _LOSSY, "diloco.lossy_exchange": _LOSSY,
+    "router.featurizer": _CONTENT, "router.feature_dim": _CONTENT,
     **{f"router.{n}": _method(n) for n in method_settings()},
-})
+    **{key: Where(lambda c, w=when: w(c.cluster), says, fix) for key, (when, says, fix) in CLUSTER_APPLIES.items()},
+}
+APPLIES: dict[str, Optional[Where]] = {**{key: None for key in EVERYWHERE}, **CONDITIONAL}
+
+
+def undeclared() -> list[str]:
+    """Keys of the domains table (every schema key) that declare no applies-rule, or two."""
+    return sorted((set(DOMAINS) - set(APPLIES)) | (set(EVERYWHERE) & set(CONDITIONAL)))
 
 _DEFAULTS = Config()
 
@@ -194,3 +248,12 @@ def check_not_simulated(cfg: Config) -> None:
             raise ConfigError(key, f"{key}={_show(value)} describes a cluster for the simulator, which only "
                                    "dipaco-plan --simulate reads, so this command would ignore it",
                               f"run dipaco-plan --simulate with it, or drop {key} (its default is {_show(default)})")
+
+
+def check_simulated(cfg: Config) -> None:
+    """Refuse a cluster the simulator would reshape rather than simulate as described
+    (:func:`dipaco.config.cluster.cluster_problems`: idle chips, more slow groups or
+    regions than worker groups, a straggler spread of 0), naming the key."""
+    paths = math.prod(int(k) for k in cfg.grid.levels) * cfg.grid.replicas
+    for key, problem, fix in cluster_problems(cfg.cluster, paths):
+        raise ConfigError(key, problem, fix)

@@ -39,6 +39,11 @@ EXTEND_SCHEDULES = ("continue", "restart")  # trainer.extend_schedule (dipaco/co
 MAX_PATHS = 4096
 
 Bound = Union[None, float, str, Callable[[Config], float]]
+# float32's smallest normal number: a real setting reaches float32 tensors (learning rates,
+# epsilons, shares) and products of times and rates, where a smaller non-zero value is 0 or
+# a subnormal that overflows once divided by (5e-324 Gbit/s made a transfer of inf seconds).
+# Every real domain refuses a non-zero value below it; 0 is said as 0 where 0 is allowed.
+TINY = 2.0 ** -126
 _BIG = 10**9  # counts of documents, steps or characters beyond any run this code can finish
 
 
@@ -105,7 +110,8 @@ DOMAINS: dict[str, Domain] = {
     "data.hub_split": TEXT, "data.streaming": FLAG, "data.text_field": TEXT, "data.label_field": MAYBE_TEXT,
     "data.id_field": MAYBE_TEXT, "data.group_field": MAYBE_TEXT,
     "data.max_documents": Int(1, _BIG, null=True), "data.max_train_documents": Int(1, _BIG, null=True),
-    "data.documents_per_path": Int(1, _BIG, null=True), "data.exclude_packages": Domain("texts"),
+    "data.documents_per_path": Int(1, Rel(lambda c: _BIG // _paths(c), "1e9 / the number of paths", ("grid.levels",)),
+                                   null=True, why="x the paths it makes data.max_train_documents, at most 1e9"), "data.exclude_packages": Domain("texts"),
     "data.domain_max_chars": Int(1, 10**11, why=COSTLY), "data.packages": Domain("texts"),
     "data.target_doc_chars": Int("data.min_doc_chars", "data.max_doc_chars",
                                  why="chunks are cut between the shortest and the longest document kept"),
@@ -294,6 +300,9 @@ def _range(dom: Domain, v: Any, cfg: Optional[Config]) -> Optional[str]:
         return f"{v!r} is not {'an integer' if dom.kind != 'real' else 'a number'}"
     if not math.isfinite(v):
         return f"{v} is not a finite number"
+    if dom.kind == "real" and 0 < abs(v) < TINY:
+        return (f"{v} is below {TINY:.4g} (float32's smallest normal number), which tensors and timers read as 0 "
+                "or overflow on: use 0 where 0 is allowed, or a larger value")
     lo, lo_s = _bound(dom.lo, cfg)
     hi, hi_s = _bound(dom.hi, cfg)
     low_ok = lo is None or (v > lo if dom.lo_open else v >= lo)
@@ -381,4 +390,4 @@ def _show(v: Any) -> str:
     return str(v)
 
 
-__all__ = ["DOMAINS", "Domain", "check_domains", "problem", "value_of", "MAX_PATHS"]
+__all__ = ["DOMAINS", "Domain", "check_domains", "problem", "value_of", "MAX_PATHS", "TINY"]

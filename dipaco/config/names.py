@@ -33,12 +33,15 @@ class CodecEntry:
 
     where: str  # "module:Class" of a dipaco.plan.codecs.Codec subclass
     options: Mapping[str, str] = field(default_factory=dict)  # keyword -> diloco key
+    # the class's ``lossy`` (said here so the config reads it without importing torch):
+    # error feedback and the lossy exchange act with a lossy codec only
+    lossy: bool = True
 
 
 _BLOCK = {"block_size": "codec_block"}
 # diloco.codec -> its class and options (dipaco/plan/codecs.py holds the classes)
 CODECS: dict[str, CodecEntry] = {
-    "none": CodecEntry("dipaco.plan.codecs:NoneCodec"),
+    "none": CodecEntry("dipaco.plan.codecs:NoneCodec", lossy=False),
     "fp16": CodecEntry("dipaco.plan.codecs:FP16Codec"),
     "bf16": CodecEntry("dipaco.plan.codecs:BF16Codec"),
     "int8": CodecEntry("dipaco.plan.codecs:Int8Codec", _BLOCK),

@@ -39,7 +39,8 @@ def validate_config(cfg: Config) -> None:
     for key, problem, fix in mode_problems(dl.mode, dl.lossy_exchange, dl.outer.name, dl.decoupled):
         raise ConfigError(key, problem, fix)  # an option the chosen sync mode cannot honour
     require(not (dl.outer.nesterov and dl.outer.momentum <= 0), "diloco.outer.nesterov",
-             "Nesterov needs momentum > 0", "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
+             f"diloco.outer.nesterov=true needs diloco.outer.momentum > 0 (it is {dl.outer.momentum})",
+             "set diloco.outer.momentum=0.9 or diloco.outer.nesterov=false")
     _validate_streaming(cfg)
     require(r.featurizer != "lm" or t.warmup_fraction > 0, "router.featurizer",
              "LM features need the dense warm-up model", "set router.featurizer=tfidf, or trainer.warmup_fraction=0.25")
@@ -70,6 +71,7 @@ def validate_config(cfg: Config) -> None:
     _validate_group_parallel(cfg)
     _validate_elastic(cfg)
     _validate_logging(cfg.logging)
+    _validate_heads(m.d_model, m.n_heads)
     try:
         m.validate()
     except ValueError as e:
@@ -188,6 +190,22 @@ def _idle_ranks_fix(world: int, paths: int, la: LauncherConfig, batch_size: int,
     if g and g > la.group_size and batch_size % g == 0 and la.group_parallel == "replicate":
         return f"set launcher.group_size={g} ({paths} worker groups of {g} ranks), or {fewer}"
     return fewer
+
+
+def _validate_heads(d_model: int, heads: int) -> None:
+    """Heads split ``model.d_model`` into whole heads of an even width (rotary embeddings
+    rotate pairs of channels); the fix is the nearest head count that does."""
+    fits = [h for h in range(1, d_model + 1) if d_model % h == 0 and (d_model // h) % 2 == 0]
+    if d_model % heads == 0 and (d_model // heads) % 2 == 0:
+        return
+    if not fits:  # an odd width has no even head
+        require(False, "model.d_model", f"{d_model} is odd: no head count splits it into heads of an even width "
+                "(rotary embeddings rotate pairs of channels)", f"use model.d_model={d_model + 1} model.n_heads=1")
+    near = min(fits, key=lambda h: (abs(h - heads), h))
+    why = (f"{heads} heads do not divide model.d_model={d_model}" if d_model % heads else
+           f"{heads} heads make heads of {d_model // heads} channels of model.d_model={d_model}, an odd width (rotary "
+           "embeddings rotate pairs of channels)")
+    require(False, "model.n_heads", why, f"use model.n_heads={near}")
 
 
 def _validate_slurm(la: LauncherConfig) -> None:

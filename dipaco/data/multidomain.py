@@ -64,6 +64,7 @@ from dipaco.data.python_sources import pack_pieces, split_source, split_text
 from dipaco.data.readers import count_skip, read_text_head
 from dipaco.storage.atomic import atomic_write_lines
 from dipaco.storage.hashing import sha256, sha256_digest
+from dipaco.storage.strict_json import dumps_strict
 
 log = logging.getLogger("dipaco")
 
@@ -300,7 +301,7 @@ def cache_dir() -> str:
 
 def fingerprint(candidates: Iterable[Candidate], settings: Dict[str, object]) -> str:
     """sha256 of the builder version, the settings and every candidate's (path, size, mtime)."""
-    h = sha256(json.dumps({"version": BUILDER_VERSION, **settings}, sort_keys=True))
+    h = sha256(dumps_strict({"version": BUILDER_VERSION, **settings}, sort_keys=True))
     for c in sorted(candidates, key=lambda c: c.key):
         try:
             st = os.stat(c.path)
@@ -312,7 +313,7 @@ def fingerprint(candidates: Iterable[Candidate], settings: Dict[str, object]) ->
 
 def _write_jsonl(path: str, docs: Sequence[DomainDocument]) -> None:
     # atomic: readers (another rank, a concurrent run) never see a half-written cache
-    atomic_write_lines(path, (json.dumps(asdict(d), ensure_ascii=False) + "\n" for d in docs))
+    atomic_write_lines(path, (dumps_strict(asdict(d), ensure_ascii=False) + "\n" for d in docs))
 
 
 def _read_jsonl(path: str) -> Iterator[DomainDocument]:

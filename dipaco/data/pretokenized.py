@@ -46,12 +46,13 @@ from dipaco.data.files import file_split, relative_id, resolve_files
 from dipaco.data.readers import (count_skip, is_saved_dataset, iter_dataset, iter_json_file, iter_json_lines,
                                  iter_parquet, open_datasets)
 from dipaco.data.splits import SPLITS, id_unit_interval, split_of
-from dipaco.storage.hashing import sha256, short_key
 from dipaco.run.outputs import output_between
 from dipaco.data.textstore import Documents, TextStoreWriter, new_store_dir
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
 from dipaco.runtime.progress import progress_bar
 from router.tokens import OFFSETS_FILE, TOKENS_FILE, TokenDocs, TokenDocsWriter, TokenFileError, open_token_docs
+from dipaco.storage.atomic import write_json
+from dipaco.storage.hashing import sha256, short_key
 
 if TYPE_CHECKING:
     from dipaco.config import DataConfig
@@ -88,7 +89,7 @@ def write_token_header(directory: str | os.PathLike, dtype: Any, tokenizer: Toke
     """Write ``directory``'s header: the id type of its ``tokens.bin`` and the sha256 of
     the tokenizer its ids were made with (what :func:`open_token_shard` checks)."""
     header = {"dtype": np.dtype(dtype).name, "tokenizer": tokenizer.sha256}
-    Path(directory, HEADER_FILE).write_text(json.dumps(header) + "\n", encoding="utf-8")
+    write_json(Path(directory, HEADER_FILE), header)
 
 
 def _check_tokenizer(directory: Path, tokenizer_sha256: str) -> None:
@@ -98,7 +99,7 @@ def _check_tokenizer(directory: Path, tokenizer_sha256: str) -> None:
         made_with = json.loads(header.read_text(encoding="utf-8")).get("tokenizer")
     except (OSError, ValueError, AttributeError):
         made_with = None
-    line = json.dumps({"tokenizer": tokenizer_sha256})[1:-1]
+    line = f'"tokenizer": "{tokenizer_sha256}"'
     if made_with is None:
         raise DataError(f"data.path: {header} does not name the tokenizer its ids were made with, so they cannot "
                         f"be checked against this run's tokenizer (sha256 {tokenizer_sha256[:12]}...). Fix: if "

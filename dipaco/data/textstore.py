@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from dipaco.data.splits import SPLITS
+from dipaco.storage.strict_json import dumps_strict
 
 __all__ = ["COLUMNS", "Documents", "TextStore", "TextStoreWriter", "document_features", "new_store_dir", "sweep_stale"]
 
@@ -83,7 +84,8 @@ class TextStoreWriter:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._files = {c: open(self.directory / f"{c}.bin", "wb") for c in _BYTES_COLUMNS}
+        staging = self.directory  # a new store's temporary folder (new_store_dir), published by a rename
+        self._files = {c: open(staging / f"{c}.bin", "wb") for c in _BYTES_COLUMNS}
         self._lengths: Dict[str, List[np.ndarray]] = {c: [] for c in _BYTES_COLUMNS}
         self._labels: List[np.ndarray] = []
         self._splits: List[np.ndarray] = []
@@ -111,9 +113,10 @@ class TextStoreWriter:
             arrays[column] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         arrays["label"] = np.concatenate(self._labels) if self._labels else np.zeros(0, np.int32)
         arrays["split"] = np.concatenate(self._splits) if self._splits else np.zeros(0, np.uint8)
-        np.savez(self.directory / "index.npz", **arrays)
+        staging = self.directory  # (see __init__)
+        np.savez(staging / "index.npz", **arrays)
         names = sorted(self.label_codes, key=self.label_codes.__getitem__)
-        (self.directory / "labels.json").write_text(json.dumps(names))
+        (staging / "labels.json").write_text(dumps_strict(names))
         return TextStore(self.directory)
 
     def abort(self) -> None:

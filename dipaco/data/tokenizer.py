@@ -25,6 +25,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from dipaco.data.errors import DataError
 from dipaco.storage.atomic import atomic_write_text
 from dipaco.storage.hashing import sha256_hex
+from dipaco.storage.strict_json import dumps_strict
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
@@ -90,7 +91,7 @@ class Tokenizer:
         atomic_write_text(path, self._json)
         if self._eos_token != EOS_TOKEN:
             atomic_write_text(os.path.join(os.path.dirname(path), TOKENIZER_CONFIG_FILE),
-                          json.dumps({"eos_token": self._eos_token}, indent=2) + "\n")
+                          dumps_strict({"eos_token": self._eos_token}, indent=2) + "\n")
         return path
 
     def save_pretrained(self, directory: str, *, model_max_length: int) -> None:
@@ -99,9 +100,9 @@ class Tokenizer:
         self.save(directory)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self._eos_token,
                   "model_max_length": int(model_max_length), "clean_up_tokenization_spaces": False}
-        atomic_write_text(os.path.join(directory, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n")
+        atomic_write_text(os.path.join(directory, TOKENIZER_CONFIG_FILE), dumps_strict(config, indent=2) + "\n")
         atomic_write_text(os.path.join(directory, "special_tokens_map.json"),
-                      json.dumps({"eos_token": self._eos_token}, indent=2) + "\n")
+                      dumps_strict({"eos_token": self._eos_token}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":

@@ -53,8 +53,8 @@ class FsspecStore(Store):
       (objects cannot be appended to). Lines are buffered per process and written as one
       chunk when 64 are pending, when 1 s has passed since the key's last chunk (checked
       on the next append), on :meth:`flush`, at interpreter exit (best effort), and at
-      once for the decoupled worker's lifecycle events (``begin``, ``end``, ``abort``, ``hello``,
-      ``bye``), so a SIGKILLed worker loses at most its last few other lines
+      once for the decoupled worker's lifecycle events (``begin``, ``push``, ``end``, ``abort``,
+      ``hello``, ``bye``), so a SIGKILLed worker loses at most its last few other lines
       (``progress``, ``takeover``…). The writer tag starts with the writer's start time,
       so chunks sort by writer start, then by sequence. :meth:`list` shows a chunk folder
       ``<key>.d`` as ``<key>``, like the FileStore's log file (so no other folder name
@@ -64,7 +64,7 @@ class FsspecStore(Store):
     FLUSH_LINES = 64
     FLUSH_S = 1.0
     # worker events that must survive a kill right after them (they delimit phases)
-    FLUSH_EVENTS = frozenset({"begin", "end", "abort", "hello", "bye"})
+    FLUSH_EVENTS = frozenset({"begin", "push", "end", "abort", "hello", "bye"})
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         from fsspec.core import url_to_fs  # lazy: only fsspec URLs need fsspec

@@ -123,7 +123,7 @@ def compute_metrics(store: Store, module_ids: list[str], num_workers: int) -> di
         key = (e["worker"], e.get("path"), e.get("phase"))
         if e["e"] == "begin":
             open_phases[key] = 0
-        elif e["e"] == "progress" and key in open_phases:
+        elif e["e"] in ("progress", "push") and key in open_phases:
             open_phases[key] = int(e["steps"])
         elif e["e"] in ("end", "abort"):
             if e["e"] == "abort" and key in open_phases:

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import dipaco
 from dipaco.storage.hashing import sha256_hex
+from dipaco.storage.strict_json import dumps_strict
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.store import JSON_DIGEST, CorruptBlob, Store, decode_json
 from dipaco.run.path_guard import check_target
@@ -163,7 +164,7 @@ def code_version() -> str:
 def config_digest(cfg_dict: dict) -> str:
     """sha256 of a config (a plain dict), the keys of :data:`_WHERE_KEYS` left out."""
     what = {k: v for k, v in cfg_dict.items() if k not in _WHERE_KEYS}
-    return sha256_hex(json.dumps(what, sort_keys=True, default=str))
+    return sha256_hex(dumps_strict(what, sort_keys=True, default=str))  # a NaN key: null, not a token
 
 
 def write_run_record(store: Store, cfg_dict: dict, run_dir: Path, slurm: Optional[dict] = None) -> dict:
@@ -215,6 +216,9 @@ def open_run(url: str, *, cfg_dict: Optional[dict] = None, to_train: bool = True
     (:class:`JoinRefused`, one line, nothing written) when the store cannot be reached or
     holds no run, the run was made by another dipaco, ``cfg_dict`` is not its config, or
     (``to_train``) the run is finished."""
+    if not url.strip():  # '' would be read as this folder
+        raise JoinRefused("the store URL is empty: pass the store of a run (diloco.decoupled.store_url, "
+                          "default RUN_DIR/decoupled)")
     local = _local_path(url)
     if local is not None and not local.is_dir():
         kind = JoinRefused if local.exists() else NoRunYet

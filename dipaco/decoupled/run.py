@@ -16,7 +16,6 @@ STORE`` (docs/decoupled.md, "Across hosts"), and :func:`finish_run` (this host's
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from dipaco.rounds.round_line import round_record
 from dipaco.runtime.tracking import writer_for
 from dipaco.run.results import RoundsResult
 from modules import init_grid_from_dense
+from dipaco.storage.atomic import write_json
 
 __all__ = ["run_decoupled", "decoupled_config", "DecoupledError", "sync_main", "finish_run", "init_store",
            "join_task"]
@@ -226,7 +226,7 @@ def finish_run(cfg: Config, run: RunDir, store: Store, plan: dict, dcfg: Decoupl
     workers = max(n_workers, len(store.list("slots")))
     metrics = compute_metrics(store, plan["module_ids"], workers)
     metrics.update(supervised or {})
-    (run.root / "decoupled_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    write_json(run.root / "decoupled_metrics.json", metrics)  # atomic, strict JSON
     _append_round_metrics(cfg, run, store)
     done_rounds = min(_rounds_done(store, p, H) for p in range(P))
     # stopped: the checkpoint is that of the last phase every path finished, not the run's last round

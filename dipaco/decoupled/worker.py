@@ -258,10 +258,8 @@ class DecoupledWorker(WorkerScheduling):
         """Train: the phase's inner steps, heartbeating; None if the lease was lost."""
         p, phase, pl = ph.path, ph.index, ph.learner
         t0 = time.time()
-        last_beat = [t0]
-        last_end = [t0]
-        done_steps = [0]
-        stop_at = [ph.steps]
+        last_beat, last_end = [t0], [t0]
+        done_steps, stop_at = [0], [ph.steps]
 
         def on_step() -> None:
             done_steps[0] += 1
@@ -298,6 +296,8 @@ class DecoupledWorker(WorkerScheduling):
         """Push: each module's α·Δ against the version it pulled, encoded with the path's
         error-feedback residual, into the module's inbox (written once, never replaced)."""
         p, phase = ph.path, ph.index
+        # flushed at once: killed before "end", its useful steps are known (buffered "progress" lines die with it)
+        self.event({"e": "push", "path": p, "phase": phase, "steps": stats.steps})
         for m in self.grid.module_ids_of_path(p):
             lease.beat(self.dcfg.heartbeat_s)  # a slow store must not let the lease lapse mid-push
             base = ph.pulled[m][1]

@@ -14,7 +14,6 @@ is not a run's, is refused in one line (exit 2), before anything is written.
 """
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, Callable, Optional, Sequence
 
@@ -23,6 +22,7 @@ from dipaco.cli.infer_args import HUGE, Parser, positive
 from dipaco.config.names import DEVICES
 from dipaco.decoupled.owner import FINISHED_KEY, JoinRefused
 from dipaco.runtime.device import cuda_count
+from dipaco.storage.strict_json import dumps_strict
 from dipaco.fleet.join import check_data, finish, join, serve_host
 from dipaco.fleet.status import render, run_status
 
@@ -79,7 +79,7 @@ def _sync(a: Any) -> int:
 def _status(a: Any) -> int:
     j = join(a.store, to_train=False)
     st = run_status(j.store, j.record, events=not a.no_events)
-    print(json.dumps(st, indent=1, sort_keys=True, default=str) if a.json else render(st))
+    print(dumps_strict(st, indent=1, sort_keys=True, default=str) if a.json else render(st))
     return 0
 
 

@@ -87,7 +87,7 @@ def _wasted(store: Store) -> dict[str, int]:
         key = (e.get("worker"), e.get("path"), e.get("phase"))
         if e["e"] == "begin":
             open_[key] = 0
-        elif e["e"] == "progress" and key in open_:
+        elif e["e"] in ("progress", "push") and key in open_:
             open_[key] = int(e["steps"])
         elif e["e"] == "end":
             open_.pop(key, None)

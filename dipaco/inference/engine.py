@@ -26,6 +26,10 @@ What it does, in the rules of :mod:`dipaco.inference` (docs/serving.md says the 
   :func:`~dipaco.inference.generate_routed` computes for it alone (prefill at batch 1,
   row-exact batched decode, the same long-context rule), and samples with its own
   generator seeded by ``Request.seed``: batching never changes a result.
+* **A damaged file fails what reads it.** A module file that does not match its manifest
+  when a path is loaded (each read is checked: :meth:`InferenceRun.load_module_into`)
+  finishes that path's rows with ``finish_reason`` ``"error: <the file and why>"``; the
+  engine and every other path go on.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import numpy as np
 from dipaco.inference.engine_rows import PathBatch, Request, Row, TokenLogprob
 from dipaco.inference.generate import Generation
 from dipaco.inference.sampling import check_sampling, check_shaping
+from dipaco.storage.tensor_io import CheckpointError
 
 if TYPE_CHECKING:
     from dipaco.inference.run import InferenceRun
@@ -169,7 +174,13 @@ class RoutedEngine:
         if path is None:
             return events
         if self._batch is None or self._batch.path != path:
-            self._batch = PathBatch(self.loader.get(path), path, self.max_batch_size, self.use_kv_cache,
+            try:
+                model = self.loader.get(path)
+            except CheckpointError as e:  # a damaged file fails the rows of the paths that read it, only
+                for rid in list(self._queues.get(path, ())):
+                    events.append(self._finish(self._rows[rid], None, f"error: {e}"))
+                return events
+            self._batch = PathBatch(model, path, self.max_batch_size, self.use_kv_cache,
                                     self._batch.cache if self._batch is not None else None, self.exact, self.eos)
         batch = self._batch
         queue = self._queues.get(path)

@@ -12,12 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from dipaco.config.domains import Domain, problem
 from dipaco.inference.engine import Request, RoutedEngine
 from dipaco.inference.generate import generate_routed
 from dipaco.inference.sampling import check_sampling
 
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default for its own models
 _KNOWN = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "seed"}
+# The domain of each number a task's generation_kwargs may give (dipaco-infer generate's
+# flags' ranges): a value outside it, of another type (a string, a bool, 3.5 tokens), NaN
+# or infinite is refused naming the setting, never truncated or cast.
+GEN_DOMAINS: dict[str, Domain] = {
+    "max_gen_toks": Domain("int", 0, 2**20), "temperature": Domain("real", 0, 100),
+    "top_k": Domain("int", 1, 2**31 - 1, null=True), "top_p": Domain("real", 0, 1, lo_open=True, null=True),
+    "seed": Domain("int", 0, 2**63 - 1), "do_sample": Domain("flag"),
+}
 
 
 @dataclass
@@ -42,19 +51,21 @@ def gen_settings(kwargs: dict, eot_text: str) -> GenSettings:
     if unknown:
         raise ValueError(f"generation setting(s) {unknown} are not supported by the dipaco model "
                          f"(supported: {sorted(_KNOWN)})")
+    for key, dom in GEN_DOMAINS.items():
+        bad = problem(dom, kwargs[key], None) if key in kwargs else None
+        if bad:
+            raise ValueError(f"generation setting {key}: {bad}")
     until = kwargs.get("until") or []
     until = [until] if isinstance(until, str) else [str(u) for u in until]
     if eot_text and eot_text not in until:
         until.append(eot_text)
-    sample = bool(kwargs.get("do_sample", False))
-    temperature = float(kwargs.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+    sample = kwargs.get("do_sample", False)
+    temperature = kwargs.get("temperature", 1.0) if sample else 0.0
     top_k, top_p = kwargs.get("top_k"), kwargs.get("top_p")
-    s = GenSettings(until=until, max_gen_toks=int(kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)),
-                    temperature=temperature, top_k=None if top_k is None or not sample else int(top_k),
-                    top_p=None if top_p is None or not sample else float(top_p), seed=int(kwargs.get("seed", 0)))
+    s = GenSettings(until=until, max_gen_toks=kwargs.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS),
+                    temperature=float(temperature), top_k=top_k if sample else None,
+                    top_p=None if top_p is None or not sample else float(top_p), seed=kwargs.get("seed", 0))
     check_sampling(s.temperature, s.top_k, s.top_p)
-    if s.max_gen_toks < 0:
-        raise ValueError(f"max_gen_toks must be >= 0, got {s.max_gen_toks}")
     return s
 
 

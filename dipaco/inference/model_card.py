@@ -29,9 +29,10 @@ def write_provenance(run: Any, out: Path) -> None:
                                        "source": {"run_dir": str(run.run.root), "checkpoint": run.checkpoint.name}})
 
 
-def write_training_config(run: Any, out: Path) -> None:
-    """``out/training_config.yaml``: the run's resolved config as it was trained."""
-    (out / TRAINING_CONFIG).write_text(run.run.config.read_text(encoding="utf-8"), encoding="utf-8")
+def write_training_config(run: Any, staging: Path) -> None:
+    """``staging/training_config.yaml`` (an export's staging folder): the run's resolved
+    config as it was trained."""
+    (staging / TRAINING_CONFIG).write_text(run.run.config.read_text(encoding="utf-8"), encoding="utf-8")
 
 
 def _summary(run: Any) -> dict:
@@ -117,11 +118,12 @@ def model_card(run: Any, path_ids: Sequence[int], routed: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_hf_extras(run: Any, out: Path, path_ids: Sequence[int], routed: bool) -> None:
-    """The model card, training config and provenance of a Hugging Face export, into ``out``."""
-    write_provenance(run, out)
-    write_training_config(run, out)
-    (out / MODEL_CARD).write_text(model_card(run, path_ids, routed), encoding="utf-8")
+def write_hf_extras(run: Any, staging: Path, path_ids: Sequence[int], routed: bool) -> None:
+    """The model card, training config and provenance of a Hugging Face export, into its
+    staging folder (published whole by dipaco/run/owned.py)."""
+    write_provenance(run, staging)
+    write_training_config(run, staging)
+    (staging / MODEL_CARD).write_text(model_card(run, path_ids, routed), encoding="utf-8")
 
 
 __all__ = ["MODEL_CARD", "PROVENANCE_FILE", "TRAINING_CONFIG", "model_card", "write_hf_extras",

@@ -35,6 +35,7 @@ from dipaco.inference.export import EXPORT_MARKER, check_export_target, staged_e
 from dipaco.inference.export_hf import ExportError, write_llama_files
 from dipaco.inference.model_card import MODEL_CARD, write_hf_extras
 from dipaco.inference.run import InferenceRun
+from dipaco.storage.held import check_unchanged, identity
 from router import Router
 
 ROUTED_FORMAT = "dipaco-routed-hf"
@@ -97,6 +98,8 @@ class RoutedLlama:
     tokenizer: Tokenizer
     info: dict
     _loaded: dict = field(default_factory=dict, repr=False)
+    manifest: dict = field(default_factory=dict, repr=False)  # relative name -> sha256, bytes
+    _checked: dict = field(default_factory=dict, repr=False)  # path -> identity when it last matched
 
     @property
     def num_paths(self) -> int:
@@ -122,6 +125,10 @@ class RoutedLlama:
 
             self._loaded.clear()  # drop the previous path before loading the next
             where = self.directory / self.info["paths"][str(path_id)]["dir"]
+            # verified where read: a path folder changed since the export was opened is refused, naming the file
+            for rel, file_info in self.manifest.items():
+                if rel.startswith(f"{where.name}/"):
+                    check_unchanged(self.directory / rel, file_info, self._checked)
             self._loaded[path_id] = LlamaForCausalLM.from_pretrained(where).eval()  # fp32, as written
         return self._loaded[path_id]
 
@@ -152,7 +159,8 @@ def load_routed(directory: str | os.PathLike) -> RoutedLlama:
     d = Path(directory).expanduser().resolve()
     if not d.is_dir():
         raise CheckpointError(f"routed export directory {d} does not exist")
-    CheckpointManager.verify(d, allow_extra=True)  # the user's notes beside it are never read
+    manifest = CheckpointManager.verify(d, allow_extra=True)["files"]  # the user's notes beside it are never read
+    checked = {d / rel: identity(d / rel) for rel in manifest}  # as hashed just now
     try:
         info = json.loads((d / ROUTED_INFO).read_text(encoding="utf-8"))
         if info.get("format") != ROUTED_FORMAT or info.get("version") != ROUTED_VERSION:
@@ -161,7 +169,8 @@ def load_routed(directory: str | os.PathLike) -> RoutedLlama:
         router = Router.load(d / "router", expected_grid=info["grid"])
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise CheckpointError(f"unreadable routed export {d}: {e}") from None
-    return RoutedLlama(directory=d, router=router, tokenizer=Tokenizer.load(str(d / "tokenizer.json")), info=info)
+    return RoutedLlama(directory=d, router=router, tokenizer=Tokenizer.load(str(d / "tokenizer.json")), info=info,
+                       manifest=manifest, _checked=checked)
 
 
 __all__ = ["ROUTED_FORMAT", "RoutedLlama", "export_routed_hf", "load_routed", "path_dir_name"]

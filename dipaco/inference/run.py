@@ -16,8 +16,8 @@ import numpy as np
 from dipaco.plan.build import build_grid
 from dipaco.config import ConfigError, eval_window
 from dipaco.runtime.device import cuda_count
-from dipaco.run.checkpoint import (MANIFEST, CheckpointError, CheckpointManager, load_state, round_dir_name,
-                               sha256_file)
+from dipaco.run.checkpoint import MANIFEST, CheckpointError, CheckpointManager, round_dir_name
+from dipaco.storage.held import HeldFiles
 from dipaco.data import Tokenizer
 from dipaco.rounds.dense import load_dense_grid
 from dipaco.rounds.early_stopping import load_best_path
@@ -44,7 +44,12 @@ class InferenceRun:
         router: the run's router (LM features wired in when the run used them).
         checkpoint: the verified checkpoint directory weights are read from.
         manifest: that checkpoint's manifest (sha256 + size per file).
-        verify: ``"all"`` (hashed at open) or ``"read"`` (each module file hashed when read).
+        verify: ``"all"`` (every file hashed at open) or ``"read"`` (not at open); either
+            way each module file is hashed again as it is read (rule 1: verified where read),
+            so a file damaged or replaced while a server runs fails the paths that read it.
+        held: the open descriptor of every module file of ``checkpoint`` (rule 2: what this
+            process reads is held, so a checkpoint pruned or replaced by a run that goes on
+            training is still read whole, as it was when opened).
         best_paths: read each path from its kept best weights when the run kept them
             (``trainer.path_early_stopping``, ``checkpoints/best_paths/``), as the job's
             final evaluation does; other paths come from ``checkpoint``.
@@ -58,6 +63,7 @@ class InferenceRun:
     manifest: dict
     verify: str = "all"
     best_paths: bool = False
+    held: Optional[HeldFiles] = None
 
     @classmethod
     def open(cls, run_dir: str | os.PathLike, *, checkpoint: Optional[str] = None,
@@ -102,7 +108,8 @@ class InferenceRun:
         best = need_weights and checkpoint is None and bool(cfg.trainer.path_early_stopping) \
             and run.best_paths.is_dir()
         return cls(run=run, cfg=cfg, tokenizer=tokenizer, router=router, checkpoint=ckpt,
-                   manifest=manifest, verify=verify, best_paths=best)
+                   manifest=manifest, verify=verify, best_paths=best,
+                   held=HeldFiles(ckpt, manifest.get("files", {}), "modules/") if need_weights else None)
 
     # ---------------------------------------------------------------- routing
 
@@ -136,27 +143,28 @@ class InferenceRun:
         return build_grid(self.cfg)
 
     def module_file(self, module_id: str) -> Path:
-        """The checkpoint file holding ``module_id``'s weights (checked against the manifest)."""
+        """The checkpoint file holding ``module_id``'s weights (named in the manifest)."""
         rel = f"modules/{module_id}.safetensors"
-        info = self.manifest.get("files", {}).get(rel)
-        if info is None:
+        if rel not in self.manifest.get("files", {}):
             raise CheckpointError(f"checkpoint {self.checkpoint} has no {rel} in its manifest")
-        path = self.checkpoint / rel
-        if self.verify == "read":
-            if not path.is_file():
-                raise CheckpointError(f"checkpoint file {path} is listed in the manifest but missing")
-            if path.stat().st_size != info["bytes"] or sha256_file(path) != info["sha256"]:
-                raise CheckpointError(f"checkpoint file {path} does not match its manifest hash")
-        return path
+        return self.checkpoint / rel
 
     def load_module_into(self, grid: ModuleGrid, module_id: str) -> None:
-        """Read one module's weights from the checkpoint into ``grid`` (builds only that module)."""
+        """Read one module's weights into ``grid`` (builds only that module) from the held
+        file, checked against the manifest as it is read (dipaco/storage/held.py)."""
         path = self.module_file(module_id)
-        state = load_state(path)
+        if self.held is None:
+            self.held = HeldFiles(self.checkpoint, self.manifest.get("files", {}), "modules/")
+        state = self.held.load_state(f"modules/{module_id}.safetensors")
         try:
             grid.load_module_state_dict(module_id, state)
         except ValueError as e:
             raise CheckpointError(f"checkpoint file {path} does not fit the run's model config: {e}") from None
+
+    def close(self) -> None:
+        """Let go of the held checkpoint files (a process's exit does it too)."""
+        if self.held is not None:
+            self.held.close()
 
     def loader(self, cache_size: int = 1) -> "PathLoader":
         """A path-at-a-time model loader over this run's checkpoint."""

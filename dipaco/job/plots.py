@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from dipaco.run.run_dir import RunDir
+from dipaco.storage.atomic import write_atomically
 
 
 def _pyplot() -> Any:
@@ -29,7 +30,7 @@ def _pyplot() -> Any:
 
 def _save(plt: Any, fig: Any, out: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=100, format=out.suffix.lstrip(".") or "png"))
     plt.close(fig)
     return out
 

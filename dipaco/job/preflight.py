@@ -17,14 +17,17 @@ import torch
 
 from dipaco.config import Config, ConfigError, compose_config, require
 from dipaco.data.tokenizer import Tokenizer, tokenizer_beside
-from dipaco.config.applies import check_not_simulated
+from dipaco.config.applies import check_not_simulated, check_simulated
+from dipaco.config.domains import value_of
 from dipaco.config.validate import validate_config
 from dipaco.runtime.device import config_problems as device_problems
 from dipaco.sync.fsdp import FSDP_MISSING, fsdp_available
-from dipaco.sync.outer import make_outer_optimizer, optimizer_names, outer_options
+from dipaco.sync.outer import accepted_options, make_outer_optimizer, optimizer_names, outer_options
 from modules import ModuleGrid
 
 __all__ = ["compose", "preflight", "resolve_tokenizer_vocab", "tokenizer_size"]
+
+_DEFAULTS = Config()
 
 
 def preflight(cfg: Config, simulating: bool = False) -> None:
@@ -32,9 +35,11 @@ def preflight(cfg: Config, simulating: bool = False) -> None:
     (``validate_config``, which also fills derived settings), then the implementation's.
     ``simulating``: the command reads ``cluster.*`` (``dipaco-plan --simulate``); every
     other command refuses those keys set away from their defaults."""
-    validate_config(cfg)
     if not simulating:
-        check_not_simulated(cfg)
+        check_not_simulated(cfg)  # first: a cluster key's only fix here is to drop it
+    validate_config(cfg)
+    if simulating:
+        check_simulated(cfg)
     check_implementation(cfg)
 
 
@@ -90,10 +95,21 @@ def _check_outer(cfg: Config) -> None:
     name, names = cfg.diloco.outer.name, optimizer_names()
     if str(name).lower() not in names:
         raise ConfigError("diloco.outer.name", f"unknown value {name!r}", f"use one of {', '.join(names)}")
+    opts = outer_options(cfg.diloco)
+    taken = accepted_options(opts["name"])
+    for opt in ("momentum", "nesterov"):  # a setting the chosen optimiser does not take does nothing
+        key, value = f"diloco.outer.{opt}", opts[opt]
+        default = value_of(_DEFAULTS, key)
+        if opt not in taken and value != default:
+            said = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(key, f"{key}={said} is read only by outer optimisers that take {opt} (sgd"
+                              f"{', rmsprop' if opt == 'momentum' else ''}); diloco.outer.name={name} does not, so "
+                              "this run would ignore it", f"drop {key} (its default is {str(default).lower()}), or "
+                              "use diloco.outer.name=sgd")
     p = torch.nn.Parameter(torch.zeros(1))
     p.grad = torch.ones(1)
     try:
-        make_outer_optimizer([p], **outer_options(cfg.diloco)).step()
+        make_outer_optimizer([p], **opts).step()
     except Exception as e:  # noqa: BLE001 - any failure of the optimiser is the config's
         first = " ".join(str(e).split())[:200]
         raise ConfigError("diloco.outer.name", f"torch.optim cannot take an outer step with "

@@ -17,12 +17,12 @@ import numpy as np
 
 from dipaco.run.checkpoint import sha256_file, write_json
 from dipaco.config import Config
-from dipaco.data import Tokenizer, load_corpus, progress_bars
+from dipaco.data import Tokenizer, dataset_content_hash, load_corpus, progress_bars
 from dipaco.data.pretokenized import load_token_corpus
 from dipaco.rounds.dense import WARMUP_STREAM_ID, load_dense_grid, save_dense, train_dense
 from dipaco.rounds.early_stopping import write_validation_shards
 from dipaco.run.fingerprint import Fingerprints
-from dipaco.job.token_record import save_record
+from dipaco.job.token_record import check_corpus, recorded_split, save_record
 from dipaco.job.prepare_tokens import (_require_documents_per_path, evaluated_rows,  # noqa: F401 - re-exported
                                    peak_rss_mib, prepare_tokens, split_tokens)
 from dipaco.runtime.hardware import release_free_memory
@@ -89,10 +89,16 @@ def validation_ids(cfg: Config, run: RunDir, split: Optional[str] = None) -> Tok
     ``split``: the documents its evaluation would have scored on that split instead.
     The corpus is loaded into a temporary store outside the run directory."""
     run.require(run.tokenizer, "tokenizer")
+    cache = cfg.data.cache_dir or str(run.cache)
+    name = split or cfg.trainer.eval_split
+    own = recorded_split(run, cache, name)  # the run's own copy, as it recorded it: no corpus read
+    if own is not None:
+        return _evaluated(cfg, own)
     load = load_token_corpus if cfg.data.source == "tokens" else load_corpus
     with load(cfg.data, progress=False) as corpus:
-        ids = split_tokens(corpus, split or cfg.trainer.eval_split, Tokenizer.load(run.tokenizer),
-                           _readable_cache(cfg.data.cache_dir or str(run.cache)), False)
+        data_fp = dataset_content_hash(corpus.split("train")) + ":" + dataset_content_hash(corpus.split("validation"))
+        check_corpus(run, data_fp, f"data.path={cfg.data.path}" if cfg.data.path else f"data.source={cfg.data.source}")
+        ids = split_tokens(corpus, name, Tokenizer.load(run.tokenizer), _readable_cache(cache), False)
     return _evaluated(cfg, ids)
 
 

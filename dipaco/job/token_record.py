@@ -17,8 +17,9 @@ moved with ``data.cache_dir``, an offsets file that is not the one recorded) is 
 pass: one log line names it and the corpus is read again, which recomputes the entry and
 checks the data against the tokenizer's record (a resume whose data changed is refused
 there). A run recorded before this record has none: its corpus is read, as before.
-What is not checked: a ``tokens.bin`` rewritten in place with the same length (hashing
-it would read as much as the corpus; entries are written once, under a temporary name).
+A ``tokens.bin`` rewritten in place, even to the same length, is refused where it is
+read: every entry carries the sha256 its writer took of it (``tokens.sha256``, checked by
+:func:`router.tokens.open_token_docs`, about 2 s a GB), and the record names that sha256 too.
 """
 from __future__ import annotations
 
@@ -32,12 +33,12 @@ import numpy as np
 from dipaco.config import Config
 from dipaco.data import Tokenizer
 from dipaco.run.checkpoint import sha256_file, write_json
-from dipaco.run.fingerprint import Fingerprints
-from dipaco.run.run_dir import RunDir
+from dipaco.run.fingerprint import Fingerprints, read_fingerprints
+from dipaco.run.run_dir import RunDir, RunDirError
 from dipaco.storage.atomic import write_atomically
 from dipaco.storage.hashing import short_key
 from router import TokenDocs
-from router.tokens import OFFSETS_FILE, TokenFileError, open_token_docs
+from router.tokens import CHECKSUM_FILE, OFFSETS_FILE, TokenFileError, open_token_docs
 
 RECORD = "tokens"  # the key of fingerprints.json holding the record
 _TOKENIZER_INPUTS = ("data", "given", "bpe_text")  # what the tokenizer's record names besides config keys
@@ -52,8 +53,10 @@ def entry_name(content: str, tokenizer_sha256: str) -> str:
 def describe_split(cache_dir: str, content: str, tokenizer: Tokenizer, ids: TokenDocs) -> dict[str, Any]:
     """The record of one split's cache entry (``ids``: what was read or written there)."""
     name = entry_name(content, tokenizer.sha256)
+    checksum = Path(cache_dir) / name / CHECKSUM_FILE
     return {"content": content, "entry": name, "documents": len(ids), "tokens": int(ids.num_tokens),
-            "offsets_sha256": sha256_file(Path(cache_dir) / name / OFFSETS_FILE)}
+            "offsets_sha256": sha256_file(Path(cache_dir) / name / OFFSETS_FILE),
+            "tokens_sha256": checksum.read_text(encoding="ascii").strip() if checksum.is_file() else None}
 
 
 def labels_name(data_fp: str, label_field: Optional[str]) -> str:
@@ -72,8 +75,8 @@ def save_record(fps: Fingerprints, cache_dir: str, record: dict[str, Any], val_l
         names = np.array(["" if lab is None else str(lab) for lab in val_labels], dtype=str)
 
         def fill(tmp: Path) -> None:
-            with open(tmp, "wb") as f:  # a file object: np.savez would add .npz to a name
-                np.savez(f, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
+            with open(tmp, "wb") as tmp_file:  # a file object: np.savez would add .npz to a name
+                np.savez(tmp_file, train=np.asarray(train_labels, np.int32), validation=names, validation_known=known)
 
         write_atomically(path, fill)
         record["labels"] = {"file": path.name, "sha256": sha256_file(path)}
@@ -143,8 +146,39 @@ def _recompute(log: Callable[[str], None], why: str) -> None:
     return None
 
 
-def _open_entry(cache_dir: Path, entry: Any) -> TokenDocs | str:
-    """The recorded entry, memory-mapped, or why it cannot be used."""
+def recorded_split(run: RunDir, cache_dir: str, split: str) -> Optional[TokenDocs]:
+    """``split``'s token ids as the run recorded them (its own copy: the corpus is not
+    read), or ``None`` where the record has no usable entry for it. Read only: nothing
+    is removed or rewritten (a reader of a finished run writes nothing into it)."""
+    try:
+        rec = read_fingerprints(run).get(RECORD)
+        tok = read_fingerprints(run).get("tokenizer")
+        entry = rec["splits"][split] if isinstance(rec, dict) else None
+    except (RunDirError, KeyError, TypeError):
+        return None
+    if entry is None or not isinstance(tok, dict) or rec.get("tokenizer") is None:
+        return None
+    got = _open_entry(Path(cache_dir), entry, remove=False)
+    return None if isinstance(got, str) else got
+
+
+def check_corpus(run: RunDir, data_fp: str, what: str) -> None:
+    """Refuse (one line naming ``what``) a corpus read again whose train and validation
+    texts are not those ``run`` recorded when it was made (rule 3: a run's inputs are what
+    it ran on): a file edited, a package of the built-in corpus upgraded since."""
+    recorded = (read_fingerprints(run).get("tokenizer") or {}).get("data")
+    if recorded is None:
+        raise RunDirError(f"{run.root / 'fingerprints.json'} records no fingerprint of the data, so {what} cannot "
+                          "be checked as the corpus the run was trained on; score the documents with --file")
+    if recorded != data_fp:
+        raise RunDirError(f"{what} is not the corpus {run.root} was trained on (its train and validation texts "
+                          "differ from those fingerprints.json records: edited, or its packages upgraded since); "
+                          "restore it, or score the documents with --file")
+
+
+def _open_entry(cache_dir: Path, entry: Any, remove: bool = True) -> TokenDocs | str:
+    """The recorded entry, memory-mapped, or why it cannot be used (``remove``: a
+    well-formed entry that is not the recorded one is deleted, so the cache rebuilds it)."""
     try:
         path = cache_dir / str(entry["entry"])
         want = (int(entry["documents"]), int(entry["tokens"]), str(entry["offsets_sha256"]))
@@ -156,10 +190,13 @@ def _open_entry(cache_dir: Path, entry: Any) -> TokenDocs | str:
         docs = open_token_docs(path)
     except TokenFileError as e:
         return f"the token cache entry {path} is damaged ({e})"
-    if (len(docs), int(docs.num_tokens), sha256_file(path / OFFSETS_FILE)) != want:
+    recorded = entry.get("tokens_sha256") if isinstance(entry, dict) else None
+    written = (path / CHECKSUM_FILE).read_text(encoding="ascii").strip() if recorded else None
+    if (len(docs), int(docs.num_tokens), sha256_file(path / OFFSETS_FILE)) != want or written != recorded:
         # well-formed, so the cache would serve it again: removed, the corpus read rebuilds it
         del docs
-        shutil.rmtree(path, ignore_errors=True)
+        if remove:
+            shutil.rmtree(path, ignore_errors=True)
         return f"the token cache entry {path} is not the one recorded (other documents or token counts; removed)"
     return docs
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import time
@@ -17,6 +16,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from dipaco.run.checkpoint import atomic_write_text, write_json
+from dipaco.storage.jsonl import append_json_lines
 from dipaco.config import Config, ConfigError, eval_window
 from dipaco.decoupled.owner import check_store
 from dipaco.decoupled.run import join_task, run_decoupled
@@ -158,8 +158,7 @@ def _save_config(cfg: Config, run: RunDir, changes: dict[str, list]) -> None:
     _log(f"run directory: {run.root}")
     if changes:
         _log("resume changes " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-        with open(run.root / "resumes.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), "changes": changes}) + "\n")
+        append_json_lines(run.root / "resumes.jsonl", [{"time": time.time(), "changes": changes}])
     resumed = cfg.resume and run.config.is_file()
     if changes or not run.config.is_file() or not cfg.resume:
         write_run_config(run, cfg)  # and what it says, in fingerprints.json (dipaco/run/record.py)

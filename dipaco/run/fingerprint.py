@@ -258,8 +258,11 @@ def preflight_resume(run: RunDir, cfg: Config) -> None:
             files = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))["files"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # damaged: the resume skips it, with a log line (docs/reliability.md)
-        if "state.json" in files and not (ckpt / "state.json").is_file():
-            continue  # damaged the same way
+        state = ckpt / "state.json"
+        info = files.get("state.json") if isinstance(files, dict) else None
+        if info is not None and not (state.is_file() and isinstance(info, dict) and state.stat().st_size ==
+                                     info.get("bytes") and sha256_file(state) == info.get("sha256")):
+            continue  # its state.json is damaged (missing, cut, garbled): skipped the same way, with a line
         verify_checkpoint(run, ckpt)
 
 

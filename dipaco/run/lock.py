@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from dipaco.run.run_dir import RunDirError
+from dipaco.storage.strict_json import dumps_strict
 
 
 def restart_count(env: Mapping[str, str]) -> int:
@@ -84,7 +85,7 @@ class RunLock:
         holder = {"pid": os.getpid(), "host": socket.gethostname()}
         if os.environ.get("SLURM_JOB_ID"):  # lets a requeued attempt of this job take the lock over
             holder.update(slurm_job=os.environ["SLURM_JOB_ID"], slurm_restart=restart_count(os.environ))
-        body = json.dumps(holder)
+        body = dumps_strict(holder)
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

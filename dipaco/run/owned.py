@@ -29,6 +29,12 @@ and for a command that writes a set of files (an export)::
 
 ``record_written(folder, names, what)`` records files a third party wrote for dipaco once
 ``check_owned`` allowed them (Hydra's ``multirun.yaml``).
+
+Every such write names itself in :data:`OUTPUTS`, the registry of writers, with the flag
+that lets it replace (or continue) its own earlier output; an unregistered ``what`` is a
+programming error, and ``tests/test_writers.py`` walks every registered writer through the
+same hostile targets. A one-file output (``score --out``, ``eval --out``, ``dipaco-plan
+--json``) is checked before any work by :func:`check_out_file`: one rule for all of them.
 """
 from __future__ import annotations
 
@@ -38,12 +44,21 @@ import os
 import shutil
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 from dipaco.storage.atomic import private_temp_dir, publish, temp_file_beside, write_atomically
+from dipaco.run.path_guard import check_target
 from dipaco.run.run_dir import RunDirError
+from dipaco.storage.strict_json import dumps_strict
 
 RECORD = ".dipaco-owned.json"
+#: every write into a place the user names → the flag that allows replacing its own earlier
+#: output there ("" where it is always regenerated from its inputs: a report of a folder)
+OUTPUTS: dict[str, str] = {
+    "score --out": "--force", "eval --out": "--force", "generate --out": "--resume", "export --out": "--force",
+    "dipaco-plan --json": "--force", "dipaco-plan --plot": "--force", "dipaco-report DIR": "",
+    "hydra.sweep.dir": "", "benchmark results": "",
+}
 STAGING_PREFIX = ".dipaco-partial-"
 _VERSION = 1
 
@@ -74,12 +89,8 @@ def read_record(folder: Union[str, os.PathLike]) -> dict[str, Optional[dict]]:
 
 
 def _write_record(folder: Path, files: dict[str, Optional[dict]], what: str) -> None:
-    def fill(tmp: Path) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"version": _VERSION, "written_by": what, "files": dict(sorted(files.items()))}, f, indent=1)
-            f.write("\n")
-
-    write_atomically(folder / RECORD, fill, prefix=RECORD + ".")
+    text = dumps_strict({"version": _VERSION, "written_by": what, "files": dict(sorted(files.items()))}, indent=1)
+    write_atomically(folder / RECORD, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"), prefix=RECORD + ".")
 
 
 def _as_written(p: Path, entry: Optional[dict]) -> bool:
@@ -149,11 +160,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def registered(what: str) -> str:
+    """The flag that lets ``what`` replace its own output (:data:`OUTPUTS`); ``ValueError``
+    for a writer that is not registered (every writer is, so the tests walk it)."""
+    if what not in OUTPUTS:
+        raise ValueError(f"{what!r} is not a registered writer: add it to dipaco.run.owned.OUTPUTS")
+    return OUTPUTS[what]
+
+
 def check_owned(folder: Union[str, os.PathLike], names: Iterable[str], what: str, *,
                 replace: bool, again: str = "pass --force to replace it") -> Path:
     """Refuse (:class:`OwnershipError`, one line) a write of ``names`` into ``folder`` that
     would pass a symbolic link, land in another dipaco write, replace a file the user owns,
     or (``replace`` false) replace dipaco's own earlier file; return the resolved folder."""
+    registered(what)
     folder = Path(folder).expanduser().resolve()
     owner = _enclosing_owner(folder)
     if owner is not None:
@@ -301,6 +321,34 @@ def write_owned_file(path: Union[str, os.PathLike], data: Union[str, bytes], wha
     return folder / name
 
 
+def check_out_file(path: Union[str, os.PathLike], what: str, *, again: bool,
+                   own: Optional[Callable[[Path], bool]] = None) -> Path:
+    """The one rule of a command's one-file output (``score --out F``), checked before any
+    work: not in a run directory nor a special file (:func:`dipaco.run.path_guard.check_target`),
+    not a folder, not a symbolic link, not a file of the user's; an earlier output of its own
+    is refused unless ``again`` (its flag, :data:`OUTPUTS`: ``--force``, ``--resume``) was
+    given. ``own(path)``: whether an existing file is this command's earlier output (default:
+    its folder's record says so). Returns the absolute path to write."""
+    flag = registered(what)
+    given = Path(path).expanduser()
+    if given.is_symlink():
+        raise OwnershipError(f"{what} {path} is a symbolic link; dipaco never writes through a link (remove it "
+                             "or choose another path)")
+    out = check_target(path, what, fix=f"choose a {what.split()[-1]} outside every run directory")
+    if out.is_dir():
+        raise OwnershipError(f"{what} {path} is a directory; name a file in it (e.g. {given / 'out.json'})")
+    verb = "continue" if flag == "--resume" else "replace"
+    if out.exists() and flag and not again:
+        ours = own(out) if own is not None else _as_written(out, read_record(out.parent).get(out.name))
+        whose = "an earlier output of this command" if ours else "not a file dipaco wrote"
+        raise OwnershipError(f"{what} {path} exists ({whose}): "
+                             + (f"pass {flag} to {verb} it, or choose a new path" if whose.startswith("an") else
+                                "it is never overwritten; choose a new path"))
+    if flag != "--resume":  # a continued file is vouched for by its own job record (cli/generate_job.py)
+        check_owned(out.parent, [out.name], what, replace=True)
+    return out
+
+
 def record_written(folder: Union[str, os.PathLike], names: Iterable[str], what: str) -> None:
     """Record ``names``, just written into ``folder`` by a third party on dipaco's behalf
     (Hydra's ``multirun.yaml``, after :func:`check_owned` allowed it), as dipaco's."""
@@ -313,5 +361,5 @@ def record_written(folder: Union[str, os.PathLike], names: Iterable[str], what: 
     _write_record(folder, record, what)
 
 
-__all__ = ["OwnedWrite", "OwnershipError", "RECORD", "STAGING_PREFIX", "check_owned", "read_record",
-           "record_written", "sweep_stale_staging", "write_owned_file"]
+__all__ = ["OUTPUTS", "OwnedWrite", "OwnershipError", "RECORD", "STAGING_PREFIX", "check_out_file", "check_owned",
+           "read_record", "record_written", "registered", "sweep_stale_staging", "write_owned_file"]

@@ -12,7 +12,6 @@ nothing here can fail a run.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import socket
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import dipaco
-from dipaco.storage.jsonl import read_json_lines
+from dipaco.storage.jsonl import append_json_lines, read_json_lines
 
 PROVENANCE = "provenance.jsonl"
 # the libraries whose versions change what a run computes or how fast
@@ -113,8 +112,7 @@ def collect(event: str = "start") -> dict[str, Any]:
 def record(run_root: str | os.PathLike, event: str) -> dict[str, Any]:
     """Append this launch's record to ``RUN/provenance.jsonl``; return it."""
     rec = collect(event)
-    with open(Path(run_root) / PROVENANCE, "a", encoding="utf-8") as f:
-        f.write(json.dumps(rec, sort_keys=True) + "\n")
+    append_json_lines(Path(run_root) / PROVENANCE, [rec], sort_keys=True)
     return rec
 
 

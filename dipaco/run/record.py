@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from dipaco.config import Config
 from dipaco.storage.atomic import atomic_write_text, write_json
 from dipaco.run.run_dir import RunDir, RunDirError
+from dipaco.storage.strict_json import dumps_strict
 
 FINGERPRINTS = "fingerprints.json"  # the same file as dipaco.run.fingerprint's
 CONFIG_RECORD = "config"
@@ -42,7 +43,7 @@ def flat_config(cfg: Config) -> dict[str, Any]:
 
 def _flat(cfg: Config) -> dict[str, Any]:
     """:func:`flat_config` with each value as JSON would hold it (lists, not tuples)."""
-    return json.loads(json.dumps(flat_config(cfg), default=str))
+    return json.loads(dumps_strict(flat_config(cfg), default=str))
 
 
 def write_run_config(run: RunDir, cfg: Config) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.faults import NODE_ENV, START_ENV, agent_pid
+from dipaco.storage.jsonl import append_json_lines
 
 __all__ = ["Membership", "join", "started", "current_change", "changes", "launch_first_round", "LAUNCH_ENV"]
 
@@ -187,8 +188,7 @@ def started(run: RunDir, rank: Optional[int], group_size: int, start_round: int,
         line["change"] = _CHANGE = change
         log(describe(change))
     run.membership.parent.mkdir(parents=True, exist_ok=True)
-    with open(run.membership, "a", encoding="utf-8") as f:  # one writer: rank 0 of this start
-        f.write(json.dumps(line) + "\n")
+    append_json_lines(run.membership, [line])  # one writer: rank 0 of this start
     return _CHANGE
 
 

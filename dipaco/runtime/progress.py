@@ -31,6 +31,8 @@ from typing import Iterator, Optional
 
 from tqdm import tqdm
 
+from dipaco.storage.atomic import atomic_write_text
+
 __all__ = ["bars_enabled", "log", "open_run_log", "progress_bar", "run_log", "say", "say_plain",
            "share_run_log"]
 
@@ -102,7 +104,7 @@ class _RunLog(logging.Handler):
                 return
             self.file.close()
         if fresh:  # a fresh run's log starts empty (emptied, then appended to, like every writer)
-            path.write_text("", encoding="utf-8")
+            atomic_write_text(path, "", durable=False)
         # always "a" (O_APPEND): a spawned rank 0 appends to the same file, and a writer at
         # its own offset would overwrite that rank's lines
         self.file = logging.FileHandler(path, mode="a", encoding="utf-8")

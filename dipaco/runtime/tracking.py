@@ -41,6 +41,7 @@ from typing import Any, Iterator, Optional
 
 from dipaco.config import Config
 from dipaco.storage.atomic import atomic_write_text
+from dipaco.storage.jsonl import append_json_lines
 from dipaco.run.run_dir import RunDir
 from dipaco.runtime.progress import log
 from dipaco.runtime.run_identity import RUN_UID, run_uid, wandb_settings
@@ -259,8 +260,7 @@ class MetricsWriter:
 
     @staticmethod
     def _append(path: Path, records: list[dict[str, Any]]) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
+        append_json_lines(path, records)
 
     def log_steps(self, records: list[dict[str, Any]]) -> None:
         """Append step records (:mod:`dipaco.rounds.health`) and plot each step's scalars."""

@@ -30,6 +30,13 @@ from dipaco.serve.text import TextAssembler
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
 
 
+def _raise_if_failed(reason: Any) -> None:
+    """A row the engine ended with ``error: ...`` (a damaged checkpoint file of its path:
+    that path fails, the engine goes on) is a 500 naming the file."""
+    if str(reason).startswith("error: "):
+        raise APIError(500, str(reason)[len("error: "):], code="checkpoint_error")
+
+
 def engine_request(**fields: Any) -> Any:
     """An engine :class:`~dipaco.inference.engine.Request` (imported late: the engine is heavy)."""
     from dipaco.inference.engine import Request
@@ -284,6 +291,7 @@ class Completion:
         c = self._by_request.get(events[-1].request_id)
         if c is None or c.finish_reason is not None:
             return None  # a row already cut by a stop string
+        _raise_if_failed(events[-1].finish_reason)
         text = self._take(c, events)
         if c.text.stopped:  # a stop string: the row is done here, whatever the engine still makes
             c.finish_reason, c.stop_reason = "stop", c.text.stop_reason

@@ -84,7 +84,7 @@ def check_cost(job: SimJob, modes: Sequence[str]) -> None:
     size = "never ends" if math.isinf(events) else f"takes about {events:.2g} events (rounds, failures)"
     problem = (f"the simulation {size}, more than the {MAX_EVENTS:.2g} that finish within a minute "
                f"(round {_round_s(job):.3g} s, {t:.3g} simulated s")
-    if horizon_s is None and (math.isinf(t) or lam * t > MAX_EVENTS / 2):
+    if horizon_s is None and lam > 0 and (math.isinf(t) or lam * t > MAX_EVENTS / 2):
         # failures dominate: each checkpoint interval fails before it ends
         raise ConfigError("cluster.mtbf_hours", problem + f", a failure every {1 / lam:.3g} s of the cluster)",
                           "a longer chip MTBF (cluster.mtbf_hours=null: no failures), fewer chips, or "

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from dipaco.config import Config, codec_kwargs
-from dipaco.config.cluster import ClusterConfig
+from dipaco.config.cluster import ClusterConfig, worker_groups
 from dipaco.config.decoupled import DecoupledConfig
 from dipaco.plan.build import build_grid, build_streaming_schedule, build_topology
 from dipaco.plan.codecs import make_codec
@@ -106,8 +106,7 @@ def sim_job(cfg: Config) -> SimJob:
     c = cfg.cluster
     grid = build_grid(cfg, torch.device("cpu"))
     paths = grid.num_paths * cfg.grid.replicas
-    cpg = c.chips_per_group or max(1, c.chips // paths)
-    groups = max(1, c.chips // cpg)
+    cpg, groups = worker_groups(c, paths)  # the chips in whole groups (preflight refused idle chips)
     G = cfg.launcher.group_size
     plan_groups = min(groups, paths)
     topo = build_topology(cfg, grid, plan_groups * G, True)

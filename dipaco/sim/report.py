@@ -1,13 +1,14 @@
 """Every mode of one job on one cluster: :func:`simulate`, its table, JSON and plot."""
 from __future__ import annotations
 
-import json
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from dipaco.config import Config
-from dipaco.storage.atomic import atomic_write_text, write_atomically
+from dipaco.run.owned import write_owned_file
+from dipaco.storage.strict_json import dumps_strict
 from dipaco.sim.cost import check_cost
 from dipaco.sim.job import SimJob, sim_job
 from dipaco.sim.modes import MODES, make_mode
@@ -48,8 +49,9 @@ class SimReport:
         return "\n".join(lines)
 
     def write_json(self, path: str) -> None:
-        """The :meth:`to_dict` numbers as JSON, written atomically (a stopped run leaves the old file)."""
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, default=str) + "\n")
+        """The :meth:`to_dict` numbers as strict JSON, by the rule of a command's output file
+        (dipaco/run/owned.py: atomic, never through a link nor over a file dipaco did not write)."""
+        write_owned_file(path, dumps_strict(self.to_dict(), indent=1, default=str) + "\n", "dipaco-plan --json")
 
     def plot(self, path: str) -> None:
         """Goodput and wall-time split (compute vs exposed communication) per mode."""
@@ -70,9 +72,11 @@ class SimReport:
         b.set_title("wall per round (s)")
         b.legend(fontsize=7)
         fig.tight_layout()
-        fmt = Path(path).suffix.lstrip(".").lower() or "png"  # the temporary file's name has no suffix
-        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=90, format=fmt))
+        fmt = Path(path).suffix.lstrip(".").lower() or "png"
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=90, format=fmt)
         plt.close(fig)
+        write_owned_file(path, buf.getvalue(), "dipaco-plan --plot")
 
 
 def simulate_job(job: SimJob, modes: Sequence[str] = tuple(MODES)) -> SimReport:

@@ -22,12 +22,13 @@ tokenizer caches, ownership records):
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Optional, Union
+
+from dipaco.storage.strict_json import dumps_strict
 
 PathLike = Union[str, os.PathLike]
 _LOCK = threading.Lock()
@@ -141,8 +142,9 @@ def atomic_write_lines(path: PathLike, lines: Iterable[str], *, durable: bool = 
 
 
 def write_json(path: PathLike, obj: Any) -> Path:
-    """Atomically write ``obj`` as indented JSON with sorted keys (the checkpoint format)."""
-    return atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """Atomically write ``obj`` as indented strict JSON with sorted keys (the checkpoint
+    format; a non-finite number is ``null`` with its reason: dipaco/storage/strict_json.py)."""
+    return atomic_write_text(Path(path), dumps_strict(obj, indent=2, sort_keys=True) + "\n")
 
 
 def private_temp_dir(parent: PathLike, prefix: str) -> Path:

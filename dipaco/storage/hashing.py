@@ -8,9 +8,9 @@ reader elsewhere: changing one changes file contents and cache keys (a test pins
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any, Union
+from dipaco.storage.strict_json import dumps_strict
 
 _CHUNK = 1 << 20
 
@@ -41,7 +41,7 @@ def sha256_digest(data: Union[str, bytes]) -> bytes:
 
 def sha256_json(obj: Any) -> str:
     """Hex sha256 of ``obj`` as JSON with sorted keys: a record's fingerprint."""
-    return sha256_hex(json.dumps(obj, sort_keys=True))
+    return sha256_hex(dumps_strict(obj, sort_keys=True))
 
 
 def short_key(data: Union[str, bytes], length: int = 24) -> str:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_bytes
 
 from dipaco.storage.atomic import write_atomically
+from dipaco.storage.strict_json import dumps_strict
 
 
 class CheckpointError(RuntimeError):
@@ -29,7 +30,7 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: Optional[di
     """Atomically save a flat dict of tensors as safetensors (plus JSON metadata)."""
     # safetensors refuses shared or non-contiguous storage; clone makes each tensor its own.
     flat = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    metadata = {"json": json.dumps(meta, sort_keys=True)} if meta is not None else None
+    metadata = {"json": dumps_strict(meta, sort_keys=True)} if meta is not None else None
     write_atomically(path, lambda tmp: save_file(flat, str(tmp), metadata=metadata))
 
 
@@ -56,6 +57,20 @@ def load_tensors(path: Path) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"corrupt checkpoint file {path}: {e}") from None
     return tensors, (json.loads(raw) if raw else None)
+
+
+def state_from_bytes(data: bytes, path: Path) -> Any:
+    """:func:`load_state` of a file's bytes already in memory (``path`` names it in errors)."""
+    try:
+        tensors = load_bytes(data)
+        n = int.from_bytes(data[:8], "little")
+        raw = (json.loads(data[8:8 + n]).get("__metadata__") or {}).get("json")
+        meta = json.loads(raw) if raw else None
+    except (SafetensorError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"corrupt checkpoint file {path}: {e}") from None
+    if not meta or "skeleton" not in meta:
+        raise CheckpointError(f"checkpoint file {path} has no state skeleton")
+    return unflatten_state(tensors, meta["skeleton"])
 
 
 def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
@@ -110,4 +125,4 @@ def load_state(path: Path) -> Any:
 
 
 __all__ = ["CheckpointError", "flatten_state", "load_state", "load_tensors", "save_state", "save_tensors",
-           "tensors_from_bytes", "tensors_to_bytes", "unflatten_state"]
+           "state_from_bytes", "tensors_from_bytes", "tensors_to_bytes", "unflatten_state"]

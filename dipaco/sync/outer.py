@@ -109,6 +109,12 @@ def resolve_optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
+def accepted_options(name: str) -> set[str]:
+    """The keyword arguments the outer optimiser ``name`` takes (``momentum`` for SGD and
+    RMSprop, ``nesterov`` for SGD, ...), besides its parameters."""
+    return set(inspect.signature(resolve_optimizer_class(name).__init__).parameters) - {"self", "params"}
+
+
 def make_outer_optimizer(
     params: Iterable[torch.nn.Parameter],
     name: str = "sgd",
@@ -129,7 +135,7 @@ def make_outer_optimizer(
     cls = resolve_optimizer_class(name)
     if not float(lr) > 0:
         raise ValueError(f"diloco.outer.lr={lr} must be > 0 (plain averaging: lr=1.0 momentum=0 nesterov=false)")
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    accepted = accepted_options(name)
     opts: dict[str, Any] = {"lr": float(lr)}
     if "momentum" in accepted:
         if float(momentum) < 0:
