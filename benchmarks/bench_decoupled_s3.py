@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from benchmarks.common import base_parser, load_average, print_table, work_dir, write_result
+from dipaco.storage.strict_json import dumps_strict
 
 NAME = "decoupled_s3"
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -123,9 +124,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         row = {"run": i, **_run(srv, args, run_dir, prepared)}
         prepared = prepared or run_dir
         rows.append(row)
-        print(json.dumps(row), flush=True)
-    print_table(rows, ["run", "wall_s", "goodput", "routed_ppl", "outer_steps", "sync_renewal_s", "sync_lost", "sync_fenced",
-                       "worker_abort", "worker_takeover", "requests_total", "ledger_ok"], title=f"decoupled on local S3 ({args.code or 'this checkout'})")
+        print(dumps_strict(row), flush=True)
+    print_table(rows, ["run", "wall_s", "goodput", "routed_ppl", "outer_steps", "sync_renewal_s", "sync_lost",
+                       "sync_fenced", "worker_abort", "worker_takeover", "requests_total", "ledger_ok"],
+                title=f"decoupled on local S3 ({args.code or 'this checkout'})")
     write_result(NAME, {"code": args.code or "this checkout", "lease_s": args.lease_s,
                         "heartbeat_s": args.heartbeat_s, "rounds": args.rounds, "inner_steps": args.inner_steps,
                         "runs": rows}, mode=args.mode, load_before=load_before, out=args.out, argv=argv)
