@@ -44,6 +44,8 @@ class RenewalMargin:
         self.warned = False
 
     def observe(self, lease: "Lease", interval: float, took: float) -> None:
+        """Record a renewal of ``lease`` that landed ``interval`` s after the previous one,
+        ``took`` s of it its own put; warn (once) if it came later than ``LATE_SHARE``."""
         self.worst = max(self.worst, interval)
         if interval > LATE_SHARE * lease.lease_s and not self.warned:
             self.warned = True
