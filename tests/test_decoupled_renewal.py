@@ -25,6 +25,14 @@ from dipaco.plan.codecs import make_codec
 AVG = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
 
 
+def _request(op: str):
+    """FileStore's ``op``, recorded and delayed as one request (see :class:`SlowStore`)."""
+    def call(self: "SlowStore", key: str, *rest):
+        self._req(op, key)
+        return getattr(FileStore, op)(self, key, *rest)
+    return call
+
+
 class SlowStore(FileStore):
     """A FileStore that records every request and sleeps ``delay`` s in each (an object
     store's round trip); ``stall`` (key prefix, seconds) pauses once on the first request
@@ -42,33 +50,8 @@ class SlowStore(FileStore):
             time.sleep(self.stall[1])
             self.stall = None
 
-    def put(self, key, data):
-        self._req("put", key)
-        return super().put(key, data)
-
-    def put_new(self, key, data):
-        self._req("put_new", key)
-        return super().put_new(key, data)
-
-    def get(self, key):
-        self._req("get", key)
-        return super().get(key)
-
-    def list(self, prefix):
-        self._req("list", prefix)
-        return super().list(prefix)
-
-    def delete(self, key):
-        self._req("delete", key)
-        return super().delete(key)
-
-    def move(self, key, new_key):
-        self._req("move", key)
-        return super().move(key, new_key)
-
-    def append_line(self, key, line):
-        self._req("append", key)
-        return super().append_line(key, line)
+    put, put_new, get, list, delete, move, append_line = (
+        _request(op) for op in ("put", "put_new", "get", "list", "delete", "move", "append_line"))
 
 
 @pytest.fixture(autouse=True)
