@@ -227,5 +227,8 @@ def reuse_preparation(src_run: Path, dst_run: Path) -> None:
 
     dst_run.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(dst_run / "tokenizer.json", (src_run / "tokenizer.json").read_bytes())
+    # what they were made from: prepare refuses a tokenizer or router it cannot check
+    if (src_run / "fingerprints.json").is_file():
+        atomic_write_bytes(dst_run / "fingerprints.json", (src_run / "fingerprints.json").read_bytes())
     if (src_run / "router").is_dir():
         shutil.copytree(src_run / "router", dst_run / "router", dirs_exist_ok=True)

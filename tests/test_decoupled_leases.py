@@ -135,7 +135,9 @@ def test_the_race_between_the_lease_check_and_the_put_is_fenced_either_way(tmp_p
     over), then the two race for revision 1: whichever creates it first, the other's put
     fails and it reloads, instead of applying u0 a second time or losing an update."""
     st, a, b = _paused_and_successor(tmp_path / "successor_first")
-    # A checks its lease, then pauses while B intakes u0, steps and writes revision 1
+    # A's renewals pass (it woke just before B's takeover), A checks its lease, then
+    # pauses while B intakes u0, steps and writes revision 1
+    monkeypatch.setattr(a, "keep_alive", lambda: set())
     monkeypatch.setattr(a.leases["a"], "check", lambda: b.poll_once())
     assert a.poll_once() == 0  # A's put of revision 1 fails: fenced, reloaded
     assert a.syncs["a"].version == 1 and "u0" in a.syncs["a"].applied
@@ -143,6 +145,7 @@ def test_the_race_between_the_lease_check_and_the_put_is_fenced_either_way(tmp_p
     assert [e["what"] for e in load_events(st, "A") if e.get("e") == "lease"] == ["take", "fenced"]
 
     st, a, b = _paused_and_successor(tmp_path / "zombie_first")
+    monkeypatch.setattr(a, "keep_alive", lambda: set())
     monkeypatch.setattr(a.leases["a"], "check", lambda: None)
     assert a.poll_once() == 1  # the zombie's revision 1 lands first: complete, weights and ledger together
     _applied_once(st)
@@ -230,7 +233,8 @@ def test_the_final_weights_are_the_ledgers_updates_applied_once(tmp_path: Path, 
     a2 = sync("A2")
     a2.balance()
     monkeypatch.setattr(c.leases["m"], "check", lambda: None)  # ... but C's check passed just before
-    c.next_balance = float("inf")  # (and its renewal too)
+    c.next_balance = float("inf")  # (and its renewals too: the balance's and those between modules)
+    monkeypatch.setattr(c, "keep_alive", lambda: set())
     assert c.poll_once() == 1  # the late writer's revision lands first
     assert a2.poll_once() == 0  # A2's put of the same revision is fenced: reload
     push(5)

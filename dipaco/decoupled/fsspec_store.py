@@ -15,7 +15,7 @@ import uuid
 import weakref
 from typing import Any, Callable, Optional
 
-from dipaco.decoupled.store import TMP_PREFIX, FileStore, Store
+from dipaco.decoupled.store import TMP_PREFIX, FileStore, Store, decode_json
 
 __all__ = ["FsspecStore", "open_store"]
 
@@ -139,6 +139,17 @@ class FsspecStore(Store):
             return bytes(self.fs.cat_file(self.path(key)))
         except (FileNotFoundError, IsADirectoryError):
             return None
+
+    def get_json(self, key: str) -> Optional[dict]:
+        # JSON records (leases, progress, speeds, heartbeats) are small: one ranged GET
+        # from byte 0. A plain cat_file asks s3fs for the size first (a HEAD, to split a
+        # large object into concurrent ranges): two requests for every lease or progress
+        # read, half of all the requests a run made to the local S3 server.
+        try:
+            blob = bytes(self.fs.cat_file(self.path(key), start=0))
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return self._checked(key, decode_json, blob)
 
     def list(self, prefix: str) -> list[str]:
         folder = self.path(prefix) if prefix else self.root

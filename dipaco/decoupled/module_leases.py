@@ -6,7 +6,8 @@ ledger) is a folder of write-once revisions ``modules/<m>/<revision>.st``
 synchroniser that may step it. :class:`ModuleLeases`, a part of
 :class:`dipaco.decoupled.service.SyncService`, holds a synchroniser's share:
 
-* every ``heartbeat_s`` it renews its leases (a lost one is dropped), counts the live
+* it renews each lease once a third of ``lease_s`` has passed, between any two pieces
+  of store work (a lost one is dropped); every ``heartbeat_s`` it counts the live
   synchronisers (``syncs/<name>.json`` heartbeats younger than ``lease_s``), gives back
   its surplus over the fair share ``ceil(modules / live)`` when one joined, and takes free
   modules up to it (expired leases included: a dead synchroniser's modules are taken
@@ -107,16 +108,30 @@ class ModuleLeases:
         lease = self.leases.get(m)
         self._event({"e": "lease", "module": m, "what": what, "epoch": lease.epoch if lease else None, **kw})
 
-    def balance(self) -> None:
-        """Renew my module leases (dropping lost ones), give back my surplus, take free
-        modules up to my fair share, load what I hold, and publish my heartbeat."""
-        now = time.time()
+    def keep_alive(self) -> set[str]:
+        """Renew each lease that is due (:data:`~dipaco.decoupled.lease.RENEW_SHARE` of
+        ``lease_s`` since its last renewal), dropping lost ones; the modules lost. Called
+        between the modules of a pass, between the files of a long intake or archive, and
+        between the loads of a balance: a pass over many modules on a slow store must not
+        outlast the lease (docs/decoupled.md, "Leases on a slow store"). Costs nothing
+        when none is due."""
+        lost = set()
         for m in list(self.leases):
+            if not self.leases[m].due():
+                continue
             try:
                 self.leases[m].renew()
             except LeaseLost:
                 self._lease_event(m, "lost")
                 self._forget(m, keep_lease=False)
+                lost.add(m)
+        return lost
+
+    def balance(self) -> None:
+        """Renew my module leases (dropping lost ones), give back my surplus, take free
+        modules up to my fair share, load what I hold, and publish my heartbeat."""
+        now = time.time()
+        self.keep_alive()
         live = set(live_synchronisers(self.store, self.cfg.lease_s, now)) | {self.name}
         target = math.ceil(len(self.modules) / len(live))
         if len(self.leases) > target:  # another synchroniser joined: hand over, idle modules first
@@ -130,6 +145,7 @@ class ModuleLeases:
             for m in self.modules[start:] + self.modules[:start]:
                 if len(self.leases) >= target:
                     break
+                self.keep_alive()
                 if m in self.leases or not (Lease.is_free(self.store, module_lease(m))
                                             or Lease.holder(self.store, module_lease(m)) == self.name):
                     continue
@@ -138,16 +154,18 @@ class ModuleLeases:
                     self.leases[m] = lease
                     self._lease_event(m, "takeover" if lease.took_over_from else "take",
                                       **({"from": lease.took_over_from} if lease.took_over_from else {}))
-        for m in self.leases:
-            if m not in self.syncs:
+        for m in list(self.leases):
+            if m in self.leases and m not in self.syncs:
                 self._load(m)
-        self._beat(now)
+                self.keep_alive()
+        self._beat(time.time())  # not ``now``: a balance on a slow store takes a while
         self.next_balance = now + self.cfg.heartbeat_s
 
     def _beat(self, now: float, ended: bool = False) -> None:
         self.store.put_json(f"syncs/{self.name}.json", {
             "name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "started": self.started, "t": now,
-            "modules": sorted(self.leases), "ended": now if ended else None})
+            "modules": sorted(self.leases), "ended": now if ended else None,
+            "renewal_s": round(Lease.margin.worst, 3)})  # the longest renewal interval (vs lease_s)
 
     def _load(self, m: str) -> None:
         """Load module ``m``'s newest revision (a lease was taken, or a write was fenced)."""

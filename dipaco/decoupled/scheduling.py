@@ -147,7 +147,8 @@ class WorkerScheduling:
         """Publish my seconds per inner step (an EMA over phases and heartbeats)."""
         sps = seconds / max(1, steps)
         self.sps = sps if self.sps is None else 0.5 * self.sps + 0.5 * sps
-        self.store.put_json(f"speed/worker_{self.index}.json", {"s_per_step": self.sps, "t": time.time()})
+        self.store.put_json(f"speed/worker_{self.index}.json", {"s_per_step": self.sps, "t": time.time(),
+                                                                "renewal_s": round(Lease.margin.worst, 3)})
 
     def _others_sps(self) -> tuple[Optional[float], int]:
         """Median seconds per inner step of the other worker slots active in the last

@@ -126,23 +126,40 @@ class SyncService(ModuleLeases):
         self._decoded: dict[str, set[str]] = {}  # per module: inbox files already offered
         self.next_balance = -math.inf
         self._next_drain_check = -math.inf
+        self._next_done_check = -math.inf
+        self._done: set[int] = set()  # paths known to have their budget (it only grows)
         self.started = time.time()
 
     # ----------------------------------------------------------------- merge
     def paths_done(self) -> set[int]:
-        done = set()
-        for p in self.paths:
-            prog = self.store.get_json(progress_key(p))
-            if path_finished(prog, self.rounds, self.inner_steps):
-                done.add(p)
-        return done
+        """The paths that have their budget, read at most every ``heartbeat_s`` (one
+        progress file per path not yet known done: a finished path stays finished).
 
-    def _intake(self, m: str, events: list[dict]) -> bool:
-        """Offer every new inbox file of module ``m``; True if the ledger changed."""
+        Read before an intake, a path seen done has written its last updates: the
+        intake after it sees them all (the drain's guarantee). A path that finished since
+        the last read is seen up to ``heartbeat_s`` late: its modules' quorum cap and
+        flush wait that much longer, where reading every file on every poll made most of a
+        synchroniser's requests to an object store."""
+        if time.time() >= self._next_done_check:
+            self._next_done_check = time.time() + self.cfg.heartbeat_s
+            for p in self.paths:
+                if p not in self._done and path_finished(self.store.get_json(progress_key(p)), self.rounds,
+                                                         self.inner_steps):
+                    self._done.add(p)
+        return set(self._done)
+
+    def _intake(self, m: str, events: list[dict], names: Optional[list[str]] = None) -> bool:
+        """Offer every new inbox file of module ``m`` (``names``: its inbox as listed;
+        None: list it now); True if the ledger changed."""
         s, seen, changed = self.syncs[m], self._decoded[m], False
-        for name in self.store.list(inbox(m)):
+        for name in self.store.list(inbox(m)) if names is None else names:
             if not name.endswith(".st") or name in seen:
                 continue
+            if s.seen(name[:-3]):  # accounted for, not archived yet (a crash, a new holder): no read
+                seen.add(name)
+                continue
+            if m in self.keep_alive():  # a long inbox on a slow store: leases first
+                return False
             blob = self.store.get(f"{inbox(m)}/{name}")
             if blob is None:  # archived by a previous holder between list and get
                 continue
@@ -167,12 +184,15 @@ class SyncService(ModuleLeases):
                                "path": u.path_id, "phase": u.phase})
         return changed
 
-    def _archive(self, m: str) -> None:
-        """Move accounted-for inbox files out (AFTER the version holding them is written)."""
-        s = self.syncs[m]
-        for name in self.store.list(inbox(m)):
+    def _archive(self, m: str, names: list[str]) -> None:
+        """Move accounted-for inbox files (of ``names``, the inbox as listed) out, AFTER
+        the version holding them is written."""
+        for name in names:
+            s = self.syncs.get(m)
             uid = name[:-3] if name.endswith(".st") else name
-            if uid in s.applied or uid in s.dropped:
+            if s is not None and (uid in s.applied or uid in s.dropped):
+                if m in self.keep_alive():  # the rest is archived by the module's next holder
+                    return
                 if self.cfg.keep_archive:
                     self.store.move(f"{inbox(m)}/{name}", f"{archive(m)}/{name}")
                 else:
@@ -180,15 +200,25 @@ class SyncService(ModuleLeases):
                 self._decoded[m].discard(name)
 
     def poll_once(self, done: Optional[set[int]] = None) -> int:
-        """One pass over the modules I hold (leases renewed and balanced every
-        ``heartbeat_s``); return the number of outer steps taken."""
+        """One pass over the modules I hold: intake, step and write each, then archive
+        what the written versions account for (bookkeeping after every module's step: on
+        a slow store it is most of a pass's requests); leases balanced every
+        ``heartbeat_s``, and each renewed when due between modules. Returns the number of
+        outer steps taken."""
         if time.time() >= self.next_balance:
             self.balance()
         steps = 0
+        accounted: dict[str, list[str]] = {}
         for m in list(self.syncs):
+            self.keep_alive()  # renewed between modules, not once a pass: a pass may outlast the lease
+            if m not in self.syncs:
+                continue
             s = self.syncs[m]
             events: list[dict] = []
-            changed = self._intake(m, events)
+            names = self.store.list(inbox(m))
+            changed = self._intake(m, events, names)
+            if m not in self.syncs:  # lost during a long intake: its successor re-reads the inbox
+                continue
             now = self.clock()
             trigger = s.due(now, done)
             # every sharing path finished: nothing more can arrive, step at once
@@ -214,8 +244,10 @@ class SyncService(ModuleLeases):
             steps += rec is not None
             for ev in events:
                 self._event(ev)
-            if changed:
-                self._archive(m)
+            if any(n[:-3] in s.applied or n[:-3] in s.dropped for n in names if n.endswith(".st")):
+                accounted[m] = names
+        for m, names in accounted.items():
+            self._archive(m, names)
         return steps
 
     def _inboxes_empty(self) -> bool:
