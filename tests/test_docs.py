@@ -234,3 +234,60 @@ def test_the_layers_line_is_the_layout_tests() -> None:
 
     line = next(x for x in DESIGN.read_text(encoding="utf-8").splitlines() if x.startswith("layers, lowest first:"))
     assert _ticked(line) == LAYERS
+
+
+# --------------------------------------------------------------------------- the docs' shape
+MEASUREMENTS = "## Measurements"
+
+
+def doc_shape_problems(text: str) -> list[str]:
+    """What keeps a doc from the shape every page under docs/ has: a ``# title``, then an
+    opening paragraph of prose (what a user does there) before the first ``##``, and the
+    measurement history in at most one ``## Measurements`` section, the last ``##`` one; no
+    other ``##`` heading names measuring. Headings inside code blocks are not headings."""
+    lines, problems = text.splitlines(), []
+    if not lines or not lines[0].startswith("# "):
+        return ["the first line is not a '# ' title"]
+    headings, fenced = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("## "):
+            headings.append((i, line.rstrip()))
+    body = lines[1:headings[0][0] if headings else len(lines)]
+    opening = next((x for x in body if x.strip()), "")
+    if not opening or opening.lstrip().startswith(("```", "|", "#", "* ", "- ", ">", "!")):
+        problems.append(f"no opening paragraph of prose under the title (first line: {opening[:60]!r})")
+    named = [h for _, h in headings if re.search(r"measur", h, re.IGNORECASE)]
+    if [h for h in named if h != MEASUREMENTS]:
+        problems.append(f"measurements under another heading than {MEASUREMENTS!r}: {[h for h in named if h != MEASUREMENTS]}")
+    if named.count(MEASUREMENTS) > 1:
+        problems.append(f"{named.count(MEASUREMENTS)} '{MEASUREMENTS}' sections")
+    if MEASUREMENTS in named and headings[-1][1] != MEASUREMENTS:
+        problems.append(f"'{MEASUREMENTS}' is not the last '##' section ({headings[-1][1]!r} follows it)")
+    return problems
+
+
+def test_every_doc_opens_for_its_user_and_ends_with_its_measurements() -> None:
+    docs = sorted((REPO / "docs").glob("*.md"))
+    assert len(docs) >= 10, docs  # the folder itself, not a list kept here
+    bad = [f"{d.relative_to(REPO)}: {p}" for d in docs for p in doc_shape_problems(d.read_text(encoding="utf-8"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_doc_shape_check_catches_each_fault() -> None:
+    """The checker itself: each rule on a doc that breaks only it."""
+    good = "# T\n\nWhat a user does here.\n\n## Use\n\ntext\n\n```\n## not a heading\n```\n\n## Measurements\n\nx\n"
+    assert doc_shape_problems(good) == []
+    assert doc_shape_problems("# T\n\nWhat a user does here.\n\n## Use\n") == []  # no measurements: fine
+    faults = {
+        "no title": "T\n\nWhat.\n\n## Use\n",
+        "no opening": "# T\n\n## Use\n\ntext\n",
+        "a table first": "# T\n\n| a | b |\n\n## Use\n",
+        "a code block first": "# T\n\n```\ndipaco-train\n```\n\n## Use\n",
+        "two sections": "# T\n\nWhat.\n\n## Measurements\n\n## Use\n\n## Measurements\n",
+        "not last": "# T\n\nWhat.\n\n## Measurements\n\nx\n\n## Limits\n",
+        "another name": "# T\n\nWhat.\n\n## Measured (tiny configs)\n\n## Use\n",
+    }
+    for fault, text in faults.items():
+        assert doc_shape_problems(text), fault
