@@ -82,7 +82,11 @@ class DecoupledConfig:
     poll_s: float = 0.05
 
     # ---- supervisor
-    timeout_s: float = 3600.0  # the whole decoupled phase; exceeded: everything is killed
+    # A run stops when it stalls (no path committed a phase for stall_phases x the slowest
+    # advance it has shown: StallWatch in dipaco/decoupled/supervisor.py), not after a
+    # wall-clock time fit for one run's length: none is set by default (a run takes days).
+    stall_phases: float = 20.0
+    timeout_s: Optional[float] = None  # a wall-clock limit on this host's share, when set
     restart_dead: bool = True  # restart a worker that died (chaos, OOM, ...)
     max_restarts: int = 50
     keep_archive: bool = True  # keep processed updates under archive/ (audits, tests)
@@ -146,7 +150,11 @@ def validate_decoupled(d: DecoupledConfig) -> list[tuple[str, str, str]]:
          "must be >= 0 or null", "e.g. pull_wait_fraction=0.1")
     need(d.min_phase_steps >= 1, "min_phase_steps", "must be >= 1", "e.g. min_phase_steps=4")
     need(d.slow_threshold > 1, "slow_threshold", "must be > 1", "e.g. slow_threshold=1.5")
-    need(d.timeout_s > 0, "timeout_s", "must be > 0", "e.g. timeout_s=3600")
+    need(d.timeout_s is None or d.timeout_s > 0, "timeout_s", "must be > 0 or null (no wall-clock limit)",
+         "e.g. timeout_s=86400")
+    need(math.isfinite(d.stall_phases) and d.stall_phases >= 2, "stall_phases",
+         "must be >= 2 (a run is stalled after that many of its slowest advances without progress)",
+         "e.g. stall_phases=20")
     need(d.slow_factor >= 1, "slow_factor", "must be >= 1", "e.g. slow_factor=3")
     return out
 

@@ -16,6 +16,7 @@ STORE`` (docs/decoupled.md, "Across hosts"), and :func:`finish_run` (this host's
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from pathlib import Path
@@ -138,7 +139,7 @@ def run_decoupled(cfg: Config, run: RunDir, dcfg: Optional[DecoupledConfig] = No
         f"{cfg.diloco.inner_steps} steps; store {store_url}")
     t0 = time.time()
     sup.start()
-    stopped = sup.watch(deadline=t0 + dcfg.timeout_s)
+    stopped = sup.watch()
     train_s = time.time() - t0
     metrics, ckpt, done_rounds = finish_run(cfg, run, store, plan, dcfg, n_workers, stopped=stopped,
                                             own=sup.sync_names, supervised={"kills": sup.kills, "restarts":
@@ -180,7 +181,7 @@ def join_task(cfg: Config, run: RunDir, task: int) -> dict:
     ``{}``, as a rank other than 0 does."""
     dcfg = decoupled_config(cfg)
     url, attempt = dcfg.store_url or str(run.root / "decoupled"), slurm_attempt(os.environ)
-    deadline = time.time() + dcfg.timeout_s
+    deadline = time.time() + (dcfg.timeout_s if dcfg.timeout_s is not None else math.inf)
     while not StopSignals.received:
         try:
             store, record = open_run(url, to_train=False)
@@ -199,7 +200,7 @@ def join_task(cfg: Config, run: RunDir, task: int) -> dict:
                      n_syncs=int(task < jd.sync_procs), role=f"slurm task {task}")
     say(f"task {task} joined the run in {url}: 1 decoupled worker, {sup.nsync} synchroniser(s)")
     sup.start()
-    stopped = sup.watch(deadline=time.time() + jd.timeout_s)
+    stopped = sup.watch()
     say(f"task {task}: " + (f"stopped by {stopped}; the run goes on from its store" if stopped else "done"))
     return {}
 
@@ -239,9 +240,9 @@ def finish_run(cfg: Config, run: RunDir, store: Store, plan: dict, dcfg: Decoupl
 
 def _settle(store: Store, plan: dict, dcfg: DecoupledConfig, own: Any) -> None:
     """Every path has its budget: wait while another host's synchroniser still drains an
-    inbox (at most ``timeout_s``), printing what is left every 30 s."""
+    inbox (a dead one stops counting after ``lease_s``; at most ``timeout_s`` when set), printing what is left every 30 s."""
     t0 = last = time.time()
-    while time.time() - t0 < dcfg.timeout_s:
+    while time.time() - t0 < (dcfg.timeout_s if dcfg.timeout_s is not None else math.inf):
         left = {m: n for m in plan["module_ids"]
                 if (n := sum(x.endswith(".st") for x in store.list(inbox(m))))}
         live = set(live_synchronisers(store, dcfg.lease_s)) - set(own)

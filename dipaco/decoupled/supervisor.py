@@ -1,7 +1,7 @@
 """The processes of one decoupled run on this host (:class:`Supervisor`): N decoupled
 worker slots and S synchronisers, started with :mod:`dipaco.runtime.process_start` (fork
 is unsafe after torch/faiss started OpenMP threads: docs/design.md, "Processes"), watched
-with a bounded timeout, dead ones restarted (and, in chaos runs, some killed on purpose
+until the run stalls (or a set ``timeout_s``), dead ones restarted (and, in chaos runs, some killed on purpose
 with SIGKILL) until every path has its budget or a stop signal.
 
 The same supervisor serves every host of a run: the run's creator (``dipaco-train``,
@@ -33,7 +33,7 @@ from dipaco.config.decoupled import DecoupledConfig
 from dipaco.decoupled.fsspec_store import open_store
 from dipaco.decoupled.lease import Lease
 from dipaco.decoupled.owner import RUN_KEY, JoinRefused, check_role
-from dipaco.decoupled.service import SyncService
+from dipaco.decoupled.service import SyncService, path_steps_done, progress_key
 from dipaco.decoupled.store import Store, encode_json
 from dipaco.decoupled.worker import DecoupledWorker
 from dipaco.run.run_dir import RunDir
@@ -41,7 +41,7 @@ from dipaco.runtime import faults, process_start
 from dipaco.runtime.device import choose_device
 from dipaco.runtime.launch import StopSignals
 
-__all__ = ["DecoupledError", "Supervisor", "sync_main", "worker_main", "run_config_dict", "REFUSED_EXIT"]
+__all__ = ["DecoupledError", "StallWatch", "Supervisor", "sync_main", "worker_main", "run_config_dict", "REFUSED_EXIT"]
 
 REFUSED_EXIT = 3  # a started role refused to join (another config or dipaco): not restarted
 
@@ -120,6 +120,81 @@ class _Slot:
         self.incarnation = -1
         self.proc: Optional[mp.process.BaseProcess] = None
         self.finished = False
+
+
+class StallWatch:
+    """When a decoupled run has stopped making progress; :meth:`check` says so.
+
+    A decoupled run lasts what its budget takes: minutes on this machine's smoke runs, days
+    for a large model. A wall-clock limit fit for one would kill the other, so none is set by
+    default (``diloco.decoupled.timeout_s``, null). What stops a run that no longer advances
+    (every worker stuck in a hung device call, a store that answers but never lets a write
+    land) is measured from the run itself:
+
+    * **progress** is a path's committed inner steps (its progress file in the store);
+    * the run's **pace** is the longest any path has taken to advance, over the advances
+      seen whole: from the watch's start to the first commit of a path that had none (start-up
+      and a first phase included), and between two commits of a path (a phase with its pulls,
+      pushes, waits and takeovers). A host that joins a run under way measures no pace from
+      a path until it has seen that path commit twice;
+    * the run has **stalled** when no path advanced for ``stall_phases`` × the pace (at
+      least ``stall_phases`` × ``lease_s``: a dead worker's path is taken over after a lease).
+
+    Before a pace is known there is no stall: start-up takes what it takes
+    (a first phase of a large model on a slow store can take an hour); ``timeout_s`` bounds
+    it when set. The progress files are read once per ``max(heartbeat_s, pace / 4)``:
+    one small read per path about four times per phase, whatever the run's scale.
+    """
+
+    def __init__(self, store: Store, num_paths: int, inner_steps: int, stall_phases: float, lease_s: float,
+                 heartbeat_s: float, now: Optional[float] = None) -> None:
+        self.store, self.paths, self.inner_steps = store, range(num_paths), inner_steps
+        self.stall_phases, self.lease_s, self.heartbeat_s = stall_phases, lease_s, heartbeat_s
+        self.started = time.time() if now is None else now
+        self.steps: Optional[dict[int, int]] = None  # per path: its committed steps when last read
+        self.advanced: dict[int, float] = {}  # per path: when it last advanced, where known
+        self.last_advance = self.started  # when any path last advanced (or the watch started)
+        self.pace = 0.0  # the longest whole advance seen; 0 until one was
+        self.next_read = self.started
+
+    def window(self) -> Optional[float]:
+        """Seconds without progress that count as a stall (None before a pace is known)."""
+        return self.stall_phases * max(self.pace, self.lease_s) if self.pace > 0 else None
+
+    def observe(self, now: float) -> None:
+        """Read every path's committed steps; note who advanced and the pace."""
+        seen = {p: path_steps_done(self.store.get_json(progress_key(p)), self.inner_steps) for p in self.paths}
+        if self.steps is None:  # the baseline: a path with no commit yet is seen whole from here
+            self.steps = seen
+            self.advanced = {p: self.started for p, s in seen.items() if s == 0}
+            return
+        for p, steps in seen.items():
+            if steps > self.steps[p]:
+                if p in self.advanced:
+                    self.pace = max(self.pace, now - self.advanced[p])
+                self.advanced[p] = self.last_advance = now
+                self.steps[p] = steps
+
+    def check(self, now: Optional[float] = None) -> Optional[str]:
+        """None while the run advances; else one line saying how long it has not (the
+        caller stops the run). Reads the store at most once per its read interval; a
+        failing store is read again at the next interval (a store outage longer than the
+        window is a stall too)."""
+        now = time.time() if now is None else now
+        if now < self.next_read:
+            return None
+        self.next_read = now + max(self.heartbeat_s, self.pace / 4)
+        try:
+            self.observe(now)
+        except OSError:
+            pass
+        window = self.window()
+        if window is None or now - self.last_advance <= window:
+            return None
+        return (f"the run made no progress for {now - self.last_advance:.0f}s (no path committed a phase; "
+                f"diloco.decoupled.stall_phases={self.stall_phases:g} x its slowest advance so far, "
+                f"{max(self.pace, self.lease_s):.1f}s): every path is stuck; the store keeps every committed "
+                "phase (dipaco-decoupled status says who held what)")
 
 
 class Supervisor:
@@ -215,9 +290,15 @@ class Supervisor:
             pass  # a failing store: the next beat tells
         self.next_beat = now + self.dcfg.heartbeat_s
 
-    def watch(self, deadline: float) -> Optional[str]:
+    def watch(self) -> Optional[str]:
         """Watch until every worker and synchroniser finished (None) or a stop signal came
-        (its name: the store keeps every finished phase); every process ends here."""
+        (its name: the store keeps every finished phase); every process ends here. Raises
+        :class:`DecoupledError` when the run stalls (:class:`StallWatch`) or
+        this host's share outlasts ``timeout_s`` (when set)."""
+        t0 = time.time()
+        deadline = t0 + self.dcfg.timeout_s if self.dcfg.timeout_s is not None else math.inf
+        stall = StallWatch(self.store, self.plan["num_paths"], self.plan["inner_steps"], self.dcfg.stall_phases,
+                           self.dcfg.lease_s, self.dcfg.heartbeat_s, t0)
         try:
             while True:
                 now = time.time()
@@ -239,6 +320,9 @@ class Supervisor:
                     self._beat(now)
                 if self._done():
                     return None
+                stalled = stall.check(now)
+                if stalled:
+                    raise DecoupledError(stalled)
                 time.sleep(0.05)
         finally:
             for proc in [s.proc for s in self.slots if s.proc is not None] + self.syncs:

@@ -98,7 +98,7 @@ def serve_host(j: Joined, *, workers: int = 0, syncs: int = 0, device: Optional[
     with StopSignals():
         sup.start()
         try:
-            stopped = sup.watch(deadline=time.time() + j.dcfg.timeout_s)
+            stopped = sup.watch()
         except DecoupledError as e:  # this host's share failed (timeout, restarts spent): one line, exit 1
             raise RunStopped(f"{role} host {sup.host}: {e}; the run goes on with the other hosts") from None
     say(f"{role} host {sup.host}: " + (f"stopped by {stopped}" if stopped else
