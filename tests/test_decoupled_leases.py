@@ -157,6 +157,27 @@ def test_the_race_between_the_lease_check_and_the_put_is_fenced_either_way(tmp_p
     assert [e["what"] for e in load_events(st, "B") if e.get("e") == "lease"] == ["takeover", "fenced"]
 
 
+def test_a_zombie_put_into_a_pruned_revision_is_fenced_too(tmp_path: Path, monkeypatch) -> None:
+    """A, paused between its lease check and its put, wakes after B wrote KEEP + 1 revisions
+    past A's and pruned the one A is about to write: the free slot must not let A's stale
+    step through (the drills' SIGSTOP found this: its step was logged as a second
+    application of updates B had applied)."""
+    st, a, b = _paused_and_successor(tmp_path)
+    monkeypatch.setattr(b, "_archive", lambda m, names: None)  # A read the inbox before its pause: it still holds them
+    for k in range(KEEP + 2):  # B steps u0, u1, ... into revisions 1 .. KEEP + 2, pruning behind
+        if k:
+            _push(st, "a", f"u{k}", 0, k, [1.0, 1.0])
+        assert b.poll_once() == 1
+    written = revisions(st, module_folder("a"))
+    assert 1 not in written and written[-1] == KEEP + 2
+    monkeypatch.setattr(a, "keep_alive", lambda: set())
+    monkeypatch.setattr(a.leases["a"], "check", lambda: None)  # its check passed before the pause
+    assert a.poll_once() == 0  # its put of revision 1 lands in the hole, sees the newer ones, takes itself back
+    assert revisions(st, module_folder("a")) == written and ledger_report(st, ["a"])["ok"]
+    assert [e["what"] for e in load_events(st, "A") if e.get("e") == "lease"] == ["take", "fenced"]
+    assert not [e for e in load_events(st, "A") if e.get("e") == "step"]
+
+
 def test_the_service_runs_to_the_end_and_releases_its_modules(tmp_path: Path) -> None:
     st = _store(tmp_path, modules=["a", "b"])
     s = _sync(st, "A", modules=["a", "b"])

@@ -77,9 +77,22 @@ def read_latest(store: Store, folder: str, meta_only: bool = False) -> Optional[
 
 
 def publish(store: Store, folder: str, n: int, blob: bytes) -> bool:
-    """Create revision ``n``; False (nothing written) when it already exists: another
-    writer got there first, and the caller's state is no longer the newest."""
-    return store.put_new(revision_key(folder, n), blob)
+    """Create revision ``n``; False (nothing left written) when it already exists: another
+    writer got there first, and the caller's state is no longer the newest.
+
+    Also False when, once written, a newer revision exists: a writer paused between its
+    lease check and its put long enough for its successor to write past ``n`` and prune
+    it finds ``n``'s slot free again (a failure drill's SIGSTOP did). Its revision is
+    deleted (readers take the highest, so none read it), and it learns that it lost as a
+    fenced writer does: one listing per write closes the hole pruning opens in the fence.
+    """
+    key = revision_key(folder, n)
+    if not store.put_new(key, blob):
+        return False
+    if any(r > n for r in revisions(store, folder)):
+        store.delete(key)
+        return False
+    return True
 
 
 def prune(store: Store, folder: str, newest: int, everything: bool = False) -> None:
