@@ -170,9 +170,11 @@ def test_drill_b_a_host_paused_past_its_leases(prepared, tmp_path: Path) -> None
 def test_drill_c_a_host_whose_store_fails_for_a_while(prepared, tmp_path: Path) -> None:
     flag = tmp_path / "outage"
     with Drill(prepared[0], tmp_path, envs={"C": {"DIPACO_FAULT": f"store_error:file={flag}"}}) as d:
-        # hit early, and lifted once its leases have lapsed (not after a fixed time): work
-        # must remain for it to rejoin, whatever the speed of the phases on this machine
-        worker, sync, _ = d.hit(2, min_phases=1)
+        # lifted once its leases have lapsed, not after a fixed time: work must remain for it
+        # to rejoin, whatever the speed of the phases on this machine (a host hit in its
+        # path's first phase leaves that path's whole budget to the end, a measure of the
+        # run's shortness: hit once the run is under way, as the other drills)
+        worker, sync, _ = d.hit(2)
         flag.write_text("")
         time.sleep(LEASE_S)
         wait_for("its leases to lapse", lambda: not d.holds(d.hosts[2]), timeout=60, poll=0.05)
