@@ -81,6 +81,7 @@ def hostile_cases(tmp: Path) -> list[tuple[str, list[str]]]:
     ]
 
 
+@pytest.mark.slow  # every console script's parser, many times: out of the fast lane
 def test_hostile_arguments_of_every_console_script_end_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     scripts = console_scripts()
     cases = hostile_cases(tmp_path)

@@ -126,6 +126,7 @@ def _slow_run(tmp_path: Path, modules: list[str], delay: float, lease_s: float) 
     return st, s
 
 
+@pytest.mark.slow  # waits out a lease on a slowed store: out of the fast lane
 def test_a_pass_that_outlasts_the_lease_keeps_the_leases(tmp_path: Path) -> None:
     """Eight modules at ~10 requests each, 20 ms a request: a pass takes about two
     leases of 1 s. Renewed once a balance, the later modules' leases lapse mid-pass;

@@ -78,6 +78,7 @@ def test_the_synchroniser_and_the_simulator_derive_the_same_window() -> None:
     assert mod.phase_ema == pytest.approx(real.phase_ema) and real.grace_s() == pytest.approx(0.6)
 
 
+@pytest.mark.slow  # two simulations at 10^6 chips: out of the fast lane
 def test_at_a_million_chips_the_default_keeps_the_quorum_filling() -> None:
     """experiment=paper on cluster=paper_1m, 60 simulated seconds of decoupled mode: the
     derived floor keeps goodput at the published ~0.87; the old 0.1 s floor fell to 0.74."""

@@ -142,6 +142,7 @@ def test_the_build_logs_its_progress_and_prints_nothing(fake_install, capsys, ca
     assert all(x.startswith("[dipaco] multidomain:") for x in printed)
 
 
+@pytest.mark.slow  # builds the corpus twice: out of the fast lane
 def test_parallel_build_equals_sequential_build(fake_install) -> None:
     """Worker processes read and cut the files; the corpus, the cap and the skip counts are
     those of a build in one process (the parent keeps the files' order)."""

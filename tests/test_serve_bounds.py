@@ -116,6 +116,7 @@ def test_a_flood_filter_lets_one_record_of_a_kind_through_per_interval() -> None
     assert flood.filter(r) and r.getMessage() == "bad arg [3 more like this in the last 11 s not logged]"
 
 
+@pytest.mark.slow  # thousands of requests: out of the fast lane
 def test_a_flood_of_bad_requests_writes_a_few_lines_not_one_each() -> None:
     """Before: each invalid request was a uvicorn warning and an access line, so a client
     could fill the disk; now each kind is one line per interval, and the count follows."""
