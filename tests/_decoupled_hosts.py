@@ -27,17 +27,17 @@ from dipaco.run.run_dir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 # tiny model, [2,2] grid (4 paths, 6 modules), 8 phases of 8 steps per path: a drill is
-# about its faults. Every worker sleeps 7x its step time after each step (slow_factor 8,
+# about its faults. Every worker sleeps 15x its step time after each step (slow_factor 16,
 # all three slots), so that the run lasts long in wall time against lease_s at the CPU
-# cost of an eighth of that: a lapsed lease costs the path it held a few of its rounds, not
-# most of them (with slow_factor 4 a path hit early trained most of its budget after the
-# others had finished, and its late rounds weigh less: up to +0.32 nats), and work is left
-# for a host to rejoin.
+# cost of a sixteenth of that: a lapsed lease costs the path it held a few of its rounds,
+# not most of them, and work is left for a host to rejoin. (With slow_factor 4 a path hit
+# early trained most of its budget after the others had finished and its late rounds
+# weighed less: up to +0.32 nats; with 8, +0.01 to +0.23; with 16, -0.15 to +0.05.)
 DRILL = ["experiment=smoke", "data.max_documents=200", "diloco.mode=decoupled", "trainer.rounds=8",
          "diloco.inner_steps=8", "trainer.dense_baseline=false", "trainer.progress=false"]
 LEASE_S = 2.0
 DRILL_DCFG = DecoupledConfig(lease_s=LEASE_S, heartbeat_s=0.4, timeout_s=240, grace_max_s=5.0,
-                             slow_workers=[0, 1, 2], slow_factor=8.0)
+                             slow_workers=[0, 1, 2], slow_factor=16.0)
 
 
 def prepare_run(run_dir: Path, overrides: list[str] = DRILL) -> None:
