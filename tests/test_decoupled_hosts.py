@@ -38,7 +38,10 @@ def test_a_run_joined_by_a_worker_host_and_a_synchroniser_host(on: str, rounds: 
     # a directory store: the run directory's default; S3: a bucket of the local server
     store = str(run_dir / "decoupled") if on == "directory" else request.getfixturevalue("s3").url("runs/hosts")
     where = [] if on == "directory" else [f"diloco.decoupled.store_url={store}"]
-    drill = [o for o in DRILL if not o.startswith("trainer.rounds=")] + [f"trainer.rounds={rounds}"]
+    # every worker slot sleeps 7x its step time: the run must outlast the joining hosts'
+    # start-up (a run of 2.5 s ended before the joined synchroniser's first step in CI)
+    drill = [o for o in DRILL if not o.startswith("trainer.rounds=")] + [
+        f"trainer.rounds={rounds}", "diloco.decoupled.slow_workers=[0,1,2,3]", "diloco.decoupled.slow_factor=8"]
     train = _cli("dipaco.cli.train", *drill, *where, "launcher.nproc=2",
                  f"hydra.run.dir={run_dir}", log=tmp_path / "train.log")
     # started with it, as a scheduler would: they wait for the store to hold the run
